@@ -1,0 +1,131 @@
+"""What crosses the engine's boundary: sampling parameters, a request, and its outputs.
+
+The offline ``Engine.generate`` and the HTTP server both speak these types; field names
+follow SGLang's ``sampling_params`` and ``meta_info`` so that clients written for SGLang
+read our responses unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses before admitting it; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1              # -1: no limit
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise InvalidRequest(f"unknown sampling parameter(s): {unknown}", param=unknown[0])
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        for k in ("stop", "stop_token_ids"):
+            if d.get(k) is None:
+                d.pop(k, None)
+        p = cls(**d)
+        p.validate()
+        return p
+
+    def validate(self) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise InvalidRequest(f"{param} {msg}", param=param)
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", f"must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not (0.0 < self.repetition_penalty <= 2.0):
+            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    logprob_start_len: int = -1     # -1: output tokens only (SGLang's default)
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+# One logprob entry: (logprob, token_id, decoded text or None), SGLang's shape.
+LogprobEntry = tuple[Optional[float], int, Optional[str]]
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. ``delta_*`` is what this step added (for streaming)."""
+
+    rid: str
+    output_ids: list[int]
+    delta_ids: list[int]
+    text: str
+    delta_text: str
+    finished: bool
+    finish_reason: Optional[dict[str, Any]]   # {"type": "stop"|"length"|"abort", "matched": ...}
+    prompt_tokens: int
+    completion_tokens: int
+    input_token_logprobs: Optional[list[LogprobEntry]] = None
+    output_token_logprobs: Optional[list[LogprobEntry]] = None
+    input_top_logprobs: Optional[list[Optional[list[LogprobEntry]]]] = None
+    output_top_logprobs: Optional[list[list[LogprobEntry]]] = None
+    error: Optional[str] = None
+
+    def meta_info(self) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+        }
+        for k in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+            v = getattr(self, k)
+            if v is not None:
+                m[k] = v
+        return m
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info()}

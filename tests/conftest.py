@@ -1,0 +1,21 @@
+"""Test-wide settings.
+
+Triton kernels run under the interpreter on machines without a GPU. The variable must be
+set before triton is first imported anywhere, so it is set here, at collection start.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# ../shared/testdata beside the checkout (present for developers and CI).
+SHARED_TESTDATA = ROOT.parent / "shared" / "testdata"

@@ -1,0 +1,345 @@
+"""Page ids, free lists and ownership: which request holds which slots. No bytes live here.
+
+Three address spaces (docs/architecture.md, glossary):
+
+- full slot: a token's logical address, ``req_to_token[req_slot, pos]``. Allocated in pages of
+  ``plan.full_page`` (256) tokens, page-aligned, so ``full_slot // 4`` and ``full_slot // 128``
+  (the C4 / C128 compressed rows) are unique per block of a request.
+- SWA slot: where the token's 584-byte row lives while inside a window. A request's positions
+  ``[128k, 128k + 128)`` share one SWA page; position ``p`` is at ``swa_page * 128 + p % 128``.
+  ``full_to_swa[full_slot]`` gives it, -1 once evicted; its last entry is the dummy full slot,
+  mapped to the pools' dummy SWA page. The C4 ring slots hang off the SWA pages.
+- request slot: the request's row in ``req_to_token`` and its C128 ring / online-state index.
+
+Allocation failure is a returned :class:`AllocResult` the scheduler acts on (retract, queue);
+misuse (unknown request, shrinking a sequence, double free) raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, NamedTuple
+
+import torch
+
+from memory.configurator import SWA_PAGE, PoolPlan
+
+
+class PagedAllocator:
+    """A free list of page ids ``0 .. num_pages - 1``: lowest ids first, freed ids reused first (LIFO)."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self.capacity = int(num_pages)
+        self._free = list(range(self.capacity - 1, -1, -1))  # a stack: pop() gives the lowest id
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` page ids, or None (nothing taken) if fewer than ``n`` are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        pages = self._free[-n:][::-1]
+        del self._free[-n:]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Return ``pages``; raises ValueError (and frees nothing) if any is not allocated."""
+        bad = [p for p in pages if p not in self._used]
+        if bad or len(set(pages)) != len(pages):
+            raise ValueError(f"freeing pages that are not allocated or repeated: {sorted(set(bad)) or pages}")
+        self._used.difference_update(pages)
+        self._free.extend(pages)
+
+    def is_used(self, page: int) -> bool:
+        return page in self._used
+
+    def check(self, name: str) -> None:
+        """free + used == capacity, no id both free and used, no id out of range."""
+        free = set(self._free)
+        assert len(free) == len(self._free), f"{name}: a page is on the free list twice"
+        assert not free & self._used, f"{name}: pages both free and used: {sorted(free & self._used)[:8]}"
+        assert len(free) + len(self._used) == self.capacity, (
+            f"{name}: free {len(free)} + used {len(self._used)} != capacity {self.capacity}")
+        assert all(0 <= p < self.capacity for p in free | self._used), f"{name}: page id out of range"
+
+
+class ReqToTokenPool:
+    """Request slots and the request -> full-slot table ``req_to_token`` int64 [max_requests, max_context]."""
+
+    def __init__(self, max_requests: int, max_context: int, device: str | torch.device = "cpu") -> None:
+        self.max_requests = int(max_requests)
+        self.max_context = int(max_context)
+        self.req_to_token = torch.zeros(self.max_requests, self.max_context, dtype=torch.int64, device=device)
+        self.slots = PagedAllocator(self.max_requests)
+
+    def alloc(self) -> int | None:
+        got = self.slots.alloc(1)
+        return got[0] if got else None
+
+    def free(self, slot: int) -> None:
+        self.slots.free([slot])
+
+
+class AllocResult(NamedTuple):
+    """Outcome of :meth:`KVAllocator.extend` / ``can_extend``.
+
+    ``full_pages`` / ``swa_pages``: pages the extension takes (or would take). On failure
+    ``failed_pool`` is ``"full"``, ``"swa"`` or ``"context"`` (past ``max_context``) and
+    ``needed`` / ``free`` are that pool's pages (tokens for ``"context"``).
+    """
+
+    ok: bool
+    failed_pool: str | None = None
+    needed: int = 0
+    free: int = 0
+    full_pages: int = 0
+    swa_pages: int = 0
+
+
+class PoolStat(NamedTuple):
+    used: int
+    total: int
+
+
+@dataclass
+class _Request:
+    slot: int
+    seq_len: int = 0
+    full_pages: list[int] = field(default_factory=list)  # full page of positions [i*fp, (i+1)*fp)
+    swa_pages: dict[int, int] = field(default_factory=dict)  # k -> SWA page of positions [128k, 128k+128)
+
+
+class KVAllocator:
+    """Request slots, full pages and SWA pages of one plan, and the tables tying them.
+
+    ``req_to_token``: int64 [max_running_requests, max_context];
+    ``full_to_swa``: int64 [max_full_tokens + 1] (last entry: the dummy full slot).
+    ``dense=True`` (or a dense plan) never evicts: the SWA pool then holds every token.
+    """
+
+    def __init__(self, plan: PoolPlan, max_context: int, window: int = 128, dense: bool = False,
+                 device: str | torch.device = "cpu") -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.plan = plan
+        self.window = int(window)
+        self.dense = bool(dense or plan.dense)
+        self.full_page = plan.full_page
+        self.max_full_tokens = plan.max_full_tokens
+        self.full = PagedAllocator(plan.max_full_tokens // plan.full_page)
+        self.swa = PagedAllocator(plan.num_swa_pages)
+        self.req_pool = ReqToTokenPool(plan.max_running_requests, max_context, device)
+        self.full_to_swa = torch.full((plan.max_full_tokens + 1,), -1, dtype=torch.int64, device=device)
+        self.full_to_swa[-1] = plan.num_swa_pages * SWA_PAGE  # dummy full slot -> dummy SWA page
+        self._reqs: dict[Hashable, _Request] = {}
+
+    # ---- accessors -------------------------------------------------------------------
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_pool.req_to_token
+
+    @property
+    def max_context(self) -> int:
+        return self.req_pool.max_context
+
+    @property
+    def dummy_full_slot(self) -> int:
+        return self.max_full_tokens
+
+    @property
+    def live_requests(self) -> list[Hashable]:
+        return list(self._reqs)
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._reqs
+
+    def _req(self, rid: Hashable) -> _Request:
+        try:
+            return self._reqs[rid]
+        except KeyError:
+            raise KeyError(f"request {rid!r} is not admitted") from None
+
+    def seq_len(self, rid: Hashable) -> int:
+        return self._req(rid).seq_len
+
+    def req_slot(self, rid: Hashable) -> int:
+        return self._req(rid).slot
+
+    def swa_page_of(self, rid: Hashable, k: int) -> int | None:
+        """The SWA page holding positions ``[128k, 128k + 128)`` of ``rid``; None if evicted or never allocated."""
+        return self._req(rid).swa_pages.get(k)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def admit(self, rid: Hashable) -> int | None:
+        """Give ``rid`` a request slot (returned), or None when every slot is taken."""
+        if rid in self._reqs:
+            raise ValueError(f"request {rid!r} is already admitted")
+        slot = self.req_pool.alloc()
+        if slot is not None:
+            self._reqs[rid] = _Request(slot)
+        return slot
+
+    def can_extend(self, rid: Hashable, new_len: int) -> AllocResult:
+        """Dry run of :meth:`extend`: what it would take, and whether it fits now."""
+        req = self._req(rid)
+        if new_len < req.seq_len:
+            raise ValueError(f"request {rid!r}: new_len {new_len} < seq_len {req.seq_len}")
+        if new_len > self.max_context:
+            return AllocResult(False, "context", new_len, self.max_context)
+        n_full = -(-new_len // self.full_page) - len(req.full_pages)
+        n_swa = len(self._new_swa_keys(req, new_len))
+        if n_full > self.full.num_free:
+            return AllocResult(False, "full", n_full, self.full.num_free, n_full, n_swa)
+        if n_swa > self.swa.num_free:
+            return AllocResult(False, "swa", n_swa, self.swa.num_free, n_full, n_swa)
+        return AllocResult(True, None, 0, 0, n_full, n_swa)
+
+    def extend(self, rid: Hashable, new_len: int) -> AllocResult:
+        """Allocate and map positions ``[seq_len, new_len)`` of ``rid``; all or nothing."""
+        req = self._req(rid)
+        res = self.can_extend(rid, new_len)
+        if not res.ok or new_len == req.seq_len:
+            return res
+        keys = self._new_swa_keys(req, new_len)
+        req.full_pages += self.full.alloc(res.full_pages)
+        req.swa_pages.update(zip(keys, self.swa.alloc(res.swa_pages)))
+
+        pos = torch.arange(req.seq_len, new_len)
+        full_slots = self._full_slots(req, pos)
+        self.req_to_token[req.slot, req.seq_len:new_len] = full_slots.to(self.req_to_token.device)
+        k0 = req.seq_len // SWA_PAGE
+        swa_table = torch.tensor([req.swa_pages[k] for k in range(k0, (new_len - 1) // SWA_PAGE + 1)])
+        swa_slots = swa_table[pos // SWA_PAGE - k0] * SWA_PAGE + pos % SWA_PAGE
+        self.full_to_swa[full_slots.to(self.full_to_swa.device)] = swa_slots.to(self.full_to_swa.device)
+        req.seq_len = new_len
+        return res
+
+    def evict_swa(self, rid: Hashable) -> int:
+        """Free ``rid``'s SWA pages that no future token can see; returns how many.
+
+        The next token (position ``seq_len``) sees positions ``>= seq_len - (window - 1)``; a page
+        whose every position is below that is freed and its tokens' ``full_to_swa`` set to -1.
+        """
+        req = self._req(rid)
+        if self.dense:
+            return 0
+        first_visible = req.seq_len - (self.window - 1)
+        gone = [k for k in req.swa_pages if (k + 1) * SWA_PAGE <= first_visible]
+        if not gone:
+            return 0
+        self.swa.free([req.swa_pages.pop(k) for k in gone])
+        for k in gone:
+            slots = self.req_to_token[req.slot, k * SWA_PAGE:(k + 1) * SWA_PAGE]
+            self.full_to_swa[slots.to(self.full_to_swa.device)] = -1
+        return len(gone)
+
+    def free(self, rid: Hashable) -> None:
+        """Release everything ``rid`` holds (finish, abort or retraction)."""
+        req = self._req(rid)
+        for page in req.full_pages:
+            self.full_to_swa[page * self.full_page:(page + 1) * self.full_page] = -1
+        self.full.free(req.full_pages)
+        self.swa.free(list(req.swa_pages.values()))
+        self.req_pool.free(req.slot)
+        del self._reqs[rid]
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _new_swa_keys(self, req: _Request, new_len: int) -> list[int]:
+        if new_len <= req.seq_len:
+            return []
+        ks = range(req.seq_len // SWA_PAGE, (new_len - 1) // SWA_PAGE + 1)
+        return [k for k in ks if k not in req.swa_pages]
+
+    def _full_slots(self, req: _Request, pos: torch.Tensor) -> torch.Tensor:
+        pages = torch.tensor(req.full_pages, dtype=torch.int64)
+        return pages[pos // self.full_page] * self.full_page + pos % self.full_page
+
+    # ---- invariants and accounting ---------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every pool balances, no page has two owners, and every
+        live token's ``req_to_token`` / ``full_to_swa`` entries agree with its pages."""
+        self.full.check("full pool")
+        self.swa.check("SWA pool")
+        self.req_pool.slots.check("request slots")
+        for name, pool, owned in (
+            ("full", self.full, [p for r in self._reqs.values() for p in r.full_pages]),
+            ("SWA", self.swa, [p for r in self._reqs.values() for p in r.swa_pages.values()]),
+            ("request slot", self.req_pool.slots, [r.slot for r in self._reqs.values()]),
+        ):
+            dup = sorted({p for p in owned if owned.count(p) > 1}) if len(set(owned)) != len(owned) else []
+            assert not dup, f"{name} pages owned twice: {dup[:8]}"
+            assert set(owned) == pool._used, (
+                f"{name} pool: pages in use but owned by no request {sorted(pool._used - set(owned))[:8]}, "
+                f"owned but marked free {sorted(set(owned) - pool._used)[:8]}")
+
+        expect = torch.full_like(self.full_to_swa, -1)
+        expect[-1] = self.plan.num_swa_pages * SWA_PAGE
+        for rid, req in self._reqs.items():
+            n = req.seq_len
+            assert len(req.full_pages) == -(-n // self.full_page), (
+                f"request {rid!r}: {len(req.full_pages)} full pages for {n} tokens")
+            if n == 0:
+                continue
+            pos = torch.arange(n)
+            slots = self._full_slots(req, pos)
+            got = self.req_to_token[req.slot, :n].cpu()
+            if not torch.equal(got, slots):
+                bad = int((got != slots).nonzero()[0])
+                raise AssertionError(f"request {rid!r}: req_to_token[{req.slot}, {bad}] = {int(got[bad])}, "
+                                     f"its full page says {int(slots[bad])}")
+            first_visible = n - (self.window - 1)
+            for k in range(n // SWA_PAGE + (n % SWA_PAGE > 0)):
+                if (k + 1) * SWA_PAGE > first_visible:
+                    assert k in req.swa_pages, f"request {rid!r}: SWA page {k} is inside the window but not held"
+            assert all(0 <= k * SWA_PAGE < n for k in req.swa_pages), (
+                f"request {rid!r}: holds an SWA page past its {n} tokens")
+            for k, page in req.swa_pages.items():
+                sel = pos[k * SWA_PAGE:(k + 1) * SWA_PAGE]
+                expect[slots[sel]] = page * SWA_PAGE + sel % SWA_PAGE
+        actual = self.full_to_swa.cpu()
+        if not torch.equal(actual, expect):
+            bad = int((actual != expect).nonzero()[0])
+            raise AssertionError(f"full_to_swa[{bad}] = {int(actual[bad])}, its pages say {int(expect[bad])}")
+
+    def stats(self) -> dict[str, PoolStat]:
+        """(used, total) per pool: full / SWA in token slots, request slots, and the rows and ring
+        slots implied by them (compressed rows per full page, ring slots per SWA page / request)."""
+        plan, fp = self.plan, self.full_page
+        full_used = self.full.num_used * fp
+        out = {
+            "full": PoolStat(full_used, self.full.capacity * fp),
+            "swa": PoolStat(self.swa.num_used * SWA_PAGE, self.swa.capacity * SWA_PAGE),
+            "req_slots": PoolStat(self.req_pool.slots.num_used, self.req_pool.max_requests),
+        }
+        if plan.dense:
+            return out
+        reqs = self.req_pool.slots.num_used
+        if plan.num_c4_layers:
+            out["c4_rows"] = PoolStat(min(full_used // 4, plan.c4_rows), plan.c4_rows)
+            out["c4_indexer_rows"] = PoolStat(full_used // 4, plan.c4_indexer_rows)
+            out["c4_ring_slots"] = PoolStat(self.swa.num_used * plan.c4_ring_size, plan.c4_ring_slots)
+        if plan.num_c128_layers:
+            out["c128_rows"] = PoolStat(full_used // 128, plan.c128_rows)
+            if plan.online_compress:
+                out["c128_online_slots"] = PoolStat(reqs, plan.online_state_slots)
+            else:
+                out["c128_ring_rows"] = PoolStat(reqs * plan.c128_ring_size, plan.c128_ring_rows)
+        return out

@@ -1,0 +1,125 @@
+"""``python -m memory.plan``: print how a KV budget splits across the DeepSeek-V4 pools.
+
+    python -m memory.plan --preset flash --budget-gb 100
+    python -m memory.plan --preset pro --gpu-mem-gb 140 --mem-fraction 0.88 --weights-gb 80 --json
+    python -m memory.plan --config path/to/config.json --speculative --plot split.png
+
+Sizes are GiB (2^30 bytes). The budget is ``--budget-gb``, or ``gpu_mem * mem_fraction - weights``
+(SGLang's static fraction covers weights and KV). The env flags
+(``SGLANG_DSV4_COMPRESS_STATE_DTYPE``, ``SGLANG_OPT_USE_ONLINE_COMPRESS``) apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from memory.configurator import (CONTEXT_1M, CONTEXT_128K, GIB, KV_ROW_BYTES, TERM_NAMES, DSV4PoolConfigurator,
+                                 PlanError, PoolPlan)
+
+DEFAULT_BUDGET_GB = 100.0
+DEFAULT_MEM_FRACTION = 0.88
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m memory.plan", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=("flash", "pro", "tiny"), help="a built-in model shape")
+    src.add_argument("--config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
+    p.add_argument("--budget-gb", type=float, help=f"KV budget in GiB (default {DEFAULT_BUDGET_GB:g} "
+                   "unless --gpu-mem-gb is given)")
+    p.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB; budget = gpu_mem * mem_fraction - weights")
+    p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION,
+                   help="static memory fraction (weights + KV), with --gpu-mem-gb")
+    p.add_argument("--weights-gb", type=float, default=0.0, help="weights in GiB, with --gpu-mem-gb")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--swa-ratio", type=float, default=0.1, help="SWA tokens per full token")
+    p.add_argument("--speculative", action="store_true", help="MTP speculative decoding (doubles the rings)")
+    p.add_argument("--hisparse-ratio", type=float, default=1.0,
+                   help="HiSparse host-to-device ratio: keep 1/K of the C4 rows on the GPU")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the per-request split at 128K and 1M tokens")
+    return p
+
+
+def budget_bytes(args: argparse.Namespace) -> int:
+    """The KV budget the flags describe, in bytes."""
+    if args.gpu_mem_gb is not None:
+        if args.budget_gb is not None:
+            raise PlanError("give either --budget-gb or --gpu-mem-gb (with --mem-fraction / --weights-gb), not both")
+        gb = args.gpu_mem_gb * args.mem_fraction - args.weights_gb
+        if gb <= 0:
+            raise PlanError(f"--gpu-mem-gb {args.gpu_mem_gb:g} x --mem-fraction {args.mem_fraction:g} leaves nothing "
+                            f"after --weights-gb {args.weights_gb:g}; raise the fraction or the GPU memory")
+        return int(gb * GIB)
+    return int((DEFAULT_BUDGET_GB if args.budget_gb is None else args.budget_gb) * GIB)
+
+
+def per_request_split(plan: PoolPlan, context_len: int) -> dict[str, float]:
+    """Bytes one request of ``context_len`` tokens is charged, by term (plus its C128 state)."""
+    split = {name: plan.per_token_terms[name] * context_len for name in TERM_NAMES}
+    # The request-scoped reservation, shared evenly over the request slots.
+    split["c128_state_ring"] += plan.fixed_bytes / plan.max_running_requests
+    return split
+
+
+def plot(plan: PoolPlan, path: str) -> None:
+    """Stacked bars of the per-request split at 128K and 1M tokens, beside the dense per-token KV."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 5))
+    colors = plt.get_cmap("tab10").colors
+    for ax, (label, n) in zip(axes, (("128K tokens", CONTEXT_128K), ("1M tokens", CONTEXT_1M))):
+        split = per_request_split(plan, n)
+        bottom = 0.0
+        for i, name in enumerate(TERM_NAMES):
+            gib = split[name] / GIB
+            ax.bar(0, gib, bottom=bottom, color=colors[i], label=name if ax is axes[0] else None)
+            bottom += gib
+        ax.text(0, bottom, f"{bottom:.2f}", ha="center", va="bottom")
+        dense = KV_ROW_BYTES * plan.num_layers * n / GIB
+        ax.bar(1, dense, color="0.6", label="dense per-token KV (584 B x L)" if ax is axes[0] else None)
+        ax.text(1, dense, f"{dense:.2f}", ha="center", va="bottom")
+        ax.set_xticks([0, 1], ["DSV4 pools", "dense KV"])
+        ax.set_title(label)
+        ax.set_ylabel("GiB per request")
+    fig.suptitle(f"KV bytes per request ({plan.num_layers} layers, state {plan.to_dict()['state_dtype']}, "
+                 f"swa_ratio {plan.swa_ratio:g})")
+    fig.legend(loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # The one place memory/ imports dsv4_backend: resolving --preset / --config for this CLI.
+    from dsv4_backend.config import DSV4Config
+
+    try:
+        model = DSV4Config.preset(args.preset) if args.preset else DSV4Config.from_json(args.config)
+        configurator = DSV4PoolConfigurator(
+            model, max_running_requests=args.max_running_requests, swa_ratio=args.swa_ratio,
+            speculative=args.speculative, c4_shrink_factor=args.hisparse_ratio)
+        plan = configurator.plan_for_budget(budget_bytes(args))
+    except ValueError as e:  # PlanError, a bad env flag, or a config that is not DSV4's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.table())
+    if args.plot:
+        plot(plan, args.plot)
+        if not args.json:
+            print(f"  plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The physical pools: the only place in memory/ that holds KV bytes and compressor state.
+
+Every pool is a dict ``{layer_id: tensor}`` keyed by the layer's index in the model (MTP
+layers have no pools here). Shapes come from :meth:`PoolPlan.pool_shapes`; each pool ends with
+one dummy page / slot that padded writes may target (the ``dummy_*`` properties give its index):
+
+    swa_kv[l]           uint8 [num_swa_pages + 1, 128 * 584]        every main layer
+    c4_kv[l]            uint8 [ceil(c4_rows / 64) + 1, 64 * 584]     CSA layers
+    c4_indexer[l]       uint8 [ceil(c4_indexer_rows / 64) + 1, 64 * 132]
+    c4_ring[l]          S     [c4_ring_slots + ring, 2048]           slot = [C (1024) | Z (1024)]
+    c4_indexer_ring[l]  S     [c4_ring_slots + ring, 512]            slot = [C (256) | Z (256)]
+    c128_kv[l]          uint8 [ceil(c128_rows / 64) + 1, 64 * 584]   HCA layers
+    c128_ring[l]        S     [c128_ring_rows + ring, 1024]          slot = [C (512) | Z (512)]
+    c128_online[l]      S     [online_state_slots + 1, 3, 512]       (max, sum, kv), online only
+
+C and Z of a C4 slot keep the compressor's output channel order (the checkpoint's: the first
+512 are the b-half, which serves the next block, the last 512 the a-half). The byte order
+inside a KV or indexer page is memory/layout.py's. A dense plan has only ``swa_kv``, sized for
+every token. S is the state dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, PoolPlan
+
+_KINDS = ("swa_kv", "c4_kv", "c4_indexer", "c4_ring", "c4_indexer_ring", "c128_kv", "c128_ring", "c128_online")
+_LAYER_RATIO = {"swa_kv": None, "c4_kv": 4, "c4_indexer": 4, "c4_ring": 4, "c4_indexer_ring": 4,
+                "c128_kv": 128, "c128_ring": 128, "c128_online": 128}
+
+
+class DSV4KVPools:
+    """Zero-initialised pool tensors for one plan.
+
+    ``state_dtype`` overrides the plan's state dtype for the ring / online pools (the engine's
+    exact float64 tests pass ``torch.float64``); KV pools are always uint8.
+    """
+
+    def __init__(self, model_config: Any, plan: PoolPlan, device: str | torch.device = "cpu",
+                 state_dtype: torch.dtype | None = None) -> None:
+        if plan.c4_shrink_factor != 1 and not plan.dense:
+            raise ValueError(f"c4_shrink_factor={plan.c4_shrink_factor:g} (HiSparse) is plan-only here: the device "
+                             "C4 pool is addressed by full_slot // 4 and needs every row; plan with "
+                             "c4_shrink_factor=1 to build pools")
+        ratios = tuple(int(r) for r in model_config.compress_ratios[: model_config.num_hidden_layers])
+        layers = {None: list(range(len(ratios))),
+                  4: [i for i, r in enumerate(ratios) if r == 4],
+                  128: [i for i, r in enumerate(ratios) if r == 128]}
+        self.plan = plan
+        self.device = torch.device(device)
+        self.state_dtype = plan.state_dtype if state_dtype is None else state_dtype
+        shapes = plan.pool_shapes()
+        for kind in _KINDS:
+            pool: dict[int, torch.Tensor] = {}
+            if kind in shapes:
+                shape = shapes[kind]
+                ids = layers[_LAYER_RATIO[kind]]
+                if len(ids) != shape.num_layers:
+                    raise ValueError(f"plan has {shape.num_layers} layers for pool {kind!r} but the model config "
+                                     f"has {len(ids)}; build the plan from the same config")
+                dtype = torch.uint8 if shape.dtype == torch.uint8 else self.state_dtype
+                pool = {i: torch.zeros(shape.shape, dtype=dtype, device=self.device) for i in ids}
+            setattr(self, kind, pool)
+
+    # ---- dummy targets for padded writes ---------------------------------------------
+
+    @property
+    def dummy_swa_slot(self) -> int:
+        """First token slot of the dummy SWA page (``full_to_swa`` of the dummy full slot)."""
+        return self.plan.num_swa_pages * SWA_PAGE
+
+    @property
+    def dummy_c4_row(self) -> int:
+        return -(-self.plan.c4_rows // COMPRESSED_PAGE) * COMPRESSED_PAGE
+
+    @property
+    def dummy_c128_row(self) -> int:
+        return -(-self.plan.c128_rows // COMPRESSED_PAGE) * COMPRESSED_PAGE
+
+    @property
+    def dummy_c4_ring_slot(self) -> int:
+        return self.plan.c4_ring_slots
+
+    @property
+    def dummy_c128_ring_row(self) -> int:
+        return self.plan.c128_ring_rows
+
+    @property
+    def dummy_online_slot(self) -> int:
+        return self.plan.online_state_slots
+
+    # ---- accounting ------------------------------------------------------------------
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held per pool kind, summed over layers (kinds this plan has no pool for omitted)."""
+        usage = {}
+        for kind in _KINDS:
+            pool: dict[int, torch.Tensor] = getattr(self, kind)
+            if pool:
+                usage[kind] = sum(t.numel() * t.element_size() for t in pool.values())
+        return usage

@@ -88,7 +88,7 @@ def plot(plan: PoolPlan, path: str) -> None:
         ax.set_xticks([0, 1], ["DSV4 pools", "dense KV"])
         ax.set_title(label)
         ax.set_ylabel("GiB per request")
-    fig.suptitle(f"KV bytes per request ({plan.num_layers} layers, state {plan.to_dict()['state_dtype']}, "
+    fig.suptitle(f"Pool bytes the budget split charges one request ({plan.num_layers} layers, state {plan.to_dict()['state_dtype']}, "
                  f"swa_ratio {plan.swa_ratio:g})")
     fig.legend(loc="lower center", ncol=4, fontsize=8)
     fig.tight_layout(rect=(0, 0.1, 1, 1))

@@ -1,0 +1,206 @@
+"""Byte-format helpers shared by the Triton kernels.
+
+The pools' formats are documented once, in ``memory/layout.py``; this module restates the
+offsets the kernels compute and gives ``@triton.jit`` helpers for the number formats:
+
+- attention pool (584-byte rows, page of P rows): row ``j`` of page ``p`` has its
+  ``[448 x e4m3 | 64 x bf16]`` part at ``p * page_stride + j * 576`` and its 8 scale bytes
+  (7 x ue8m0 exponent + 127, 1 pad) at ``p * page_stride + P * 576 + j * 8``;
+- indexer pool (132-byte rows): values at ``p * page_stride + j * 128``, fp32 scale at
+  ``p * page_stride + P * 128 + j * 4``.
+
+Every helper takes ``NATIVE``: on a GPU the hardware conversions are used (e4m3 and bf16 round
+to nearest even there); under ``TRITON_INTERPRET=1`` the interpreter truncates float->bf16 and
+float->e4m3 and cannot load through re-typed pointers, so the same results are built from
+integer operations on the bit patterns. Both paths give identical bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+KV_DIM = 512
+KV_NOPE = 448
+KV_ROPE = 64
+KV_PART_BYTES = 576
+KV_SCALE_BYTES = 8
+KV_ROW_BYTES = 584
+IDX_DIM = 128
+IDX_ROW_BYTES = 132
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def native() -> bool:
+    return not interpreting()
+
+
+def dot_dtype() -> torch.dtype:
+    """The interpreter computes bf16 dots and sums wrongly, so it gets fp32 operands."""
+    return torch.float32 if interpreting() else torch.bfloat16
+
+
+def page_geometry(pool: torch.Tensor, row_bytes: int, what: str) -> tuple[int, int]:
+    """(rows per page P, page stride in bytes) of a uint8 ``[num_pages, page_bytes]`` pool."""
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.stride(1) != 1:
+        raise ValueError(f"{what} pool must be uint8 [num_pages, page_bytes], got "
+                         f"{pool.dtype} {tuple(pool.shape)}")
+    page_size = pool.shape[1] // row_bytes
+    if page_size == 0:
+        raise ValueError(f"{what} pool pages of {pool.shape[1]} bytes hold no {row_bytes}-byte row")
+    return page_size, pool.stride(0)
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"all kernel inputs must be on one device; got {t.device} and {dev}")
+    if dev.type != "cuda" and not interpreting():
+        raise RuntimeError("Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 for the CPU")
+
+
+# ---- number formats -------------------------------------------------------------------------
+
+@triton.jit
+def exp2_int(k):
+    """2**k as fp32 for an int32 k in the normal range (built from the exponent field)."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_scale_exp(amax):
+    """k with 2**k = 2**ceil(log2(max(amax, 1e-4) / 448)), read from amax's bits (no division:
+    amax = m * 2**E, 448 = 1.75 * 2**8, so k = E - 8, plus 1 when m > 1.75)."""
+    a = tl.maximum(amax, 1e-4)
+    bits = a.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 255) - 127
+    return e - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def round_bf16(x, NATIVE: tl.constexpr):
+    """fp32 -> nearest-even bf16 value, returned as fp32."""
+    if NATIVE:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return (r << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits(x, NATIVE: tl.constexpr):
+    """fp32 -> the 16 bits of its nearest-even bf16, as int32 in [0, 65536)."""
+    if NATIVE:
+        return x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.int32)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@triton.jit
+def bf16_from_bytes(lo, hi):
+    """Two uint8 bytes (little-endian) of a bf16 -> fp32."""
+    return ((hi.to(tl.int32) << 24) | (lo.to(tl.int32) << 16)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_encode(x, NATIVE: tl.constexpr):
+    """fp32 already clamped to [-448, 448] -> e4m3 bits (round to nearest even), uint8."""
+    if NATIVE:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 128
+        mag = bits & 0x7FFFFFFF
+        # normal range: keep 3 mantissa bits with round-half-even; the carry may bump the exponent
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        # subnormals are multiples of 2**-9; rounding 8 * 2**-9 up gives code 8 = 2**-6, exact
+        v = tl.abs(x) * 512.0
+        f = v.to(tl.int32)
+        frac = v - f.to(tl.float32)
+        up = (frac > 0.5) | ((frac == 0.5) & ((f & 1) == 1))
+        sub = f + up.to(tl.int32)
+        code = tl.where(tl.abs(x) < 0.015625, sub, normal)
+        return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_decode(bits, NATIVE: tl.constexpr):
+    """e4m3 bits (uint8) -> fp32 (exact)."""
+    if NATIVE:
+        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b = bits.to(tl.int32)
+        e = (b >> 3) & 15
+        m = b & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        return tl.where((b & 128) != 0, -v, v)
+
+
+# ---- rows ---------------------------------------------------------------------------------
+
+@triton.jit
+def rope_pairs(even, odd, cos, sin):
+    """Interleaved RoPE on pairs (2i, 2i+1), all fp32 [32]: returns the rotated (even, odd)."""
+    return even * cos - odd * sin, even * sin + odd * cos
+
+
+@triton.jit
+def store_kv_row(pool_ptr, part_base, scale_base, nope, rope_even, rope_odd, NATIVE: tl.constexpr):
+    """Quantise one attention row and write its 584 bytes.
+
+    nope: fp32 [8, 64] (tiles 0..6 are the 448 nope dims, tile 7 is ignored);
+    rope_even / rope_odd: fp32 [32], dims 448 + 2i and 448 + 2i + 1 (rounded to bf16 here).
+    part_base / scale_base: int64 byte offsets of the row's 576-byte part and 8-byte group.
+    Returns the dequantised nope tile [8, 64] (what a reader of the bytes gets back).
+    """
+    t = tl.arange(0, 8)
+    c = tl.arange(0, 64)
+    amax = tl.max(tl.abs(nope), axis=1)
+    k = pow2_scale_exp(amax)
+    q = tl.minimum(tl.maximum(nope * exp2_int(-k)[:, None], -448.0), 448.0)
+    codes = e4m3_encode(q, NATIVE)
+    tl.store(pool_ptr + part_base + t[:, None] * 64 + c[None, :], codes, mask=t[:, None] < 7)
+    tl.store(pool_ptr + scale_base + t, tl.where(t < 7, k + 127, 0).to(tl.uint8))
+    i = tl.arange(0, 32)
+    be = bf16_bits(rope_even, NATIVE)
+    bo = bf16_bits(rope_odd, NATIVE)
+    rb = pool_ptr + part_base + 448 + 4 * i
+    tl.store(rb, (be & 255).to(tl.uint8))
+    tl.store(rb + 1, (be >> 8).to(tl.uint8))
+    tl.store(rb + 2, (bo & 255).to(tl.uint8))
+    tl.store(rb + 3, (bo >> 8).to(tl.uint8))
+    return e4m3_decode(codes, NATIVE) * exp2_int(k)[:, None]
+
+
+@triton.jit
+def kv_row_offsets(slot, P, page_stride):
+    """Byte offsets (part, scale group) of attention-pool slot ``slot`` (int64)."""
+    page = slot // P
+    j = slot % P
+    return page * page_stride + j * 576, page * page_stride + P * 576 + j * 8
+
+
+@triton.jit
+def store_indexer_row(pool_ptr, row, P, page_stride, y, NATIVE: tl.constexpr):
+    """Quantise one 128-value indexer row ``y`` (fp32 [128]) and write its 132 bytes at pool
+    row ``row`` (int64). Returns the dequantised values."""
+    k = pow2_scale_exp(tl.max(tl.abs(y), axis=0))
+    codes = e4m3_encode(tl.minimum(tl.maximum(y * exp2_int(-k), -448.0), 448.0), NATIVE)
+    base = (row // P) * page_stride
+    off = row % P
+    tl.store(pool_ptr + base + off * 128 + tl.arange(0, 128), codes)
+    sbits = (k + 127) << 23
+    sb = pool_ptr + base + P * 128 + off * 4 + tl.arange(0, 4)
+    tl.store(sb, ((sbits >> (8 * tl.arange(0, 4))) & 255).to(tl.uint8))
+    return e4m3_decode(codes, NATIVE) * exp2_int(k)

@@ -1,0 +1,204 @@
+"""Indexer: scores of every visible C4 row, then top-k.
+
+``score[b, j] = sum_h w[b, h] * relu(q[b, h] . K_j)`` over the request's visible indexer rows
+(132-byte rows: 128 e4m3 values + fp32 scale, dequantised in the kernel), then the
+``min(k, visible)`` best rows per request as physical C4 row ids, -1 padded, ties toward the
+lower list position.
+
+The request's rows are given either as row ids ``[b, L]`` (-1 = not visible) or, as the
+allocator lays them out, as a page table ``[b, pages]`` of indexer pages plus a visible count
+``[b]``: list position j is row ``table[b, j // P] * P + j % P``. Full pages of 256 tokens hold
+exactly 64 C4 rows, so one indexer page (P = 64) is one full page's rows.
+
+Launch: one program per (request, chunk of ``chunk`` list positions); each tile of BLOCK_N rows
+is one tensor-core product K [BLOCK_N, 128] x q^T [128, H]; the weighted relu sum runs on the
+accumulator. Scores go to an fp32 buffer; top-k is ``torch.topk`` on an int64 key that packs the
+order-preserving bits of the score above the complemented position, so ties cannot occur and
+the lower position wins.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels._common import (
+    IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, native, page_geometry,
+)
+
+
+class IndexerConfig(NamedTuple):
+    block_n: int = 64  # rows per tensor-core product (one page when 64)
+    num_warps: int = 4
+    num_stages: int = 2
+    chunk: int | None = None  # rows per program; None: enough programs to fill the GPU 4x
+
+
+class IndexerTopK(NamedTuple):
+    rows: torch.Tensor  # int32 [b, k]: physical C4 row ids, best first, -1 padded
+    scores: torch.Tensor  # fp32 [b, L]: every list position's score, -inf where not visible
+
+
+@triton.jit
+def _indexer_scores_kernel(
+        q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr,
+        pool_ptr, P, page_stride, ids_ptr, ids_sb, nvis_ptr, L,
+        score_ptr, score_sb, chunk,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_TABLE: tl.constexpr, Q_FP8: tl.constexpr, NATIVE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * chunk
+    hh = tl.arange(0, BLOCK_H)
+    hmask = hh < H
+    d = tl.arange(0, 128)
+    w = tl.load(w_ptr + b * w_sb + hh, mask=hmask, other=0.0).to(tl.float32)
+    if Q_FP8:
+        q = tl.load(q_ptr + b * q_sb + hh[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0)
+        q = q.to(tl.float8e4nv, bitcast=True)
+        w = w * tl.load(qs_ptr + b * H + hh, mask=hmask, other=0.0)
+    else:
+        q = tl.load(q_ptr + b * q_sb + hh[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0.0)
+        q = q.to(DOT_DTYPE)
+    if USE_TABLE:
+        n_valid = tl.load(nvis_ptr + b)
+    else:
+        n_valid = L
+    end = tl.minimum(c0 + chunk, L)
+    for j0 in range(c0, end, BLOCK_N):
+        jn = j0 + tl.arange(0, BLOCK_N)
+        in_list = jn < end
+        if USE_TABLE:
+            valid = in_list & (jn < n_valid)
+            page = tl.load(ids_ptr + b * ids_sb + jn // P, mask=valid, other=0).to(tl.int64)
+            row = page * P + jn % P
+        else:
+            row = tl.load(ids_ptr + b * ids_sb + jn, mask=in_list, other=-1).to(tl.int64)
+            valid = row >= 0
+        r = tl.maximum(row, 0)
+        base = (r // P) * page_stride
+        off = r % P
+        codes = tl.load(pool_ptr + (base + off * 128)[:, None] + d[None, :], mask=valid[:, None], other=0)
+        sbyte = pool_ptr + base + P * 128 + off * 4
+        if NATIVE:
+            kscale = tl.load(sbyte.to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        else:
+            b0 = tl.load(sbyte, mask=valid, other=0).to(tl.int32)
+            b1 = tl.load(sbyte + 1, mask=valid, other=0).to(tl.int32)
+            b2 = tl.load(sbyte + 2, mask=valid, other=0).to(tl.int32)
+            b3 = tl.load(sbyte + 3, mask=valid, other=0).to(tl.int32)
+            kscale = (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+        if Q_FP8:
+            k = codes.to(tl.float8e4nv, bitcast=True)
+        else:
+            k = e4m3_decode(codes, NATIVE).to(DOT_DTYPE)
+        logits = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_H]
+        s = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1) * kscale
+        s = tl.where(valid, s, float("-inf"))
+        tl.store(score_ptr + b * score_sb + jn, s, mask=in_list)
+
+
+def _fp8_heads(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, H, 128] of FP8-rounded values -> (e4m3 bits uint8, fp32 per-head scale [b, H])."""
+    from memory.quant import indexer_quantize
+    qq = indexer_quantize(q.float())
+    return qq.values.contiguous(), qq.scale.contiguous()
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *,
+                   row_ids: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
+                   num_visible: torch.Tensor | None = None, max_len: int | None = None,
+                   q_fp8: bool = False, config: IndexerConfig = IndexerConfig()) -> torch.Tensor:
+    """Scores fp32 [b, L] (-inf where not visible).
+
+    q: [b, H, 128] RoPE'd, Hadamard-rotated and FP8-rounded indexer queries; weights: fp32
+    [b, H] head weights (w = weights_proj(x) * 128^-0.5 * H^-0.5); pool: uint8
+    [pages, P * 132]. Rows by ``row_ids`` int [b, L], or by ``page_table`` int [b, pages] +
+    ``num_visible`` int [b] (L = ``max_len``, default pages * P).
+    q_fp8: run the products on FP8 tensor cores (GPU only; q re-encoded per head, exact
+    inputs; Hopper's FP8 accumulation is coarser than fp32, ~1e-4 relative on the scores).
+    """
+    b, H, dim = q.shape
+    if dim != 128:
+        raise ValueError(f"indexer q must be [b, H, 128], got {tuple(q.shape)}")
+    if weights.shape != (b, H):
+        raise ValueError(f"weights must be [b={b}, H={H}], got {tuple(weights.shape)}")
+    P, page_stride = page_geometry(pool, IDX_ROW_BYTES, "indexer")
+    use_table = page_table is not None
+    if use_table == (row_ids is not None):
+        raise ValueError("give exactly one of row_ids or page_table (+ num_visible)")
+    if use_table:
+        if num_visible is None or num_visible.shape != (b,):
+            raise ValueError("page_table needs num_visible [b]")
+        ids = page_table.to(torch.int32).contiguous()
+        L = max_len if max_len is not None else ids.shape[1] * P
+        nvis = num_visible.to(torch.int32).contiguous()
+    else:
+        ids = row_ids.to(torch.int32).contiguous()
+        L = ids.shape[1]
+        nvis = ids  # unused
+    check_device(q, weights, pool, ids)
+    scores = torch.empty(b, max(L, 1), dtype=torch.float32, device=q.device)[:, :L]
+    if L == 0 or b == 0:
+        return scores
+    weights = weights.float().contiguous()
+    if q_fp8:
+        if not native():
+            raise RuntimeError("the FP8 tensor-core path needs a GPU")
+        qv, qs = _fp8_heads(q)
+    else:
+        qv, qs = q.to(dot_dtype()).contiguous(), weights
+    dt = tl.float32 if dot_dtype() == torch.float32 else tl.bfloat16
+    block_n = config.block_n
+    chunk = config.chunk
+    if chunk is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        chunk = min(4096, max(4 * block_n, triton.cdiv(b * L, 4 * sms)))
+    chunk = triton.cdiv(chunk, block_n) * block_n
+    grid = (b, triton.cdiv(L, chunk))
+    _indexer_scores_kernel[grid](
+        qv, qv.stride(0), qv.stride(1), weights, weights.stride(0), qs,
+        pool, P, page_stride, ids, ids.stride(0), nvis, L,
+        scores, scores.stride(0), chunk,
+        H=H, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_N=block_n,
+        USE_TABLE=use_table, Q_FP8=q_fp8, NATIVE=native(), DOT_DTYPE=dt,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return scores
+
+
+def topk_rows(scores: torch.Tensor, k: int, *, row_ids: torch.Tensor | None = None,
+              page_table: torch.Tensor | None = None, page_size: int = 64) -> torch.Tensor:
+    """The best ``min(k, visible)`` positions of ``scores [b, L]`` as physical row ids int32
+    [b, k], best first, -1 padded; equal scores go to the lower position."""
+    b, L = scores.shape
+    bits = scores.contiguous().view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
+    pos = torch.arange(L, device=scores.device, dtype=torch.int64)
+    key = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - pos)[None, :]
+    kk = min(k, L)
+    top = torch.topk(key, kk, dim=1).indices  # [b, kk] positions
+    visible = torch.gather(scores, 1, top) > float("-inf")
+    if row_ids is not None:
+        rows = torch.gather(row_ids.long(), 1, top)
+    else:
+        page = torch.gather(page_table.long(), 1, top // page_size)
+        rows = page * page_size + top % page_size
+    rows = rows.masked_fill(~visible, -1).to(torch.int32)
+    if kk < k:
+        rows = torch.cat([rows, rows.new_full((b, k - kk), -1)], dim=1)
+    return rows
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, k: int, *,
+                 row_ids: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
+                 num_visible: torch.Tensor | None = None, max_len: int | None = None,
+                 q_fp8: bool = False, config: IndexerConfig = IndexerConfig()) -> IndexerTopK:
+    """Scores then top-k: see :func:`indexer_scores` and :func:`topk_rows`."""
+    scores = indexer_scores(q, weights, pool, row_ids=row_ids, page_table=page_table,
+                            num_visible=num_visible, max_len=max_len, q_fp8=q_fp8, config=config)
+    P, _ = page_geometry(pool, IDX_ROW_BYTES, "indexer")
+    rows = topk_rows(scores, k, row_ids=row_ids, page_table=page_table, page_size=P)
+    return IndexerTopK(rows, scores)

@@ -1,0 +1,284 @@
+"""Sparse decode attention over FP8 pools, with FlashMLA MODEL1 semantics.
+
+Each request attends from its h query heads to a key list: its window (SWA slots into the SWA
+pool) followed by its extra rows (C4 top-k or all visible C128 rows). Keys are 584-byte rows,
+dequantised in the kernel; a row is both K and V (MQA). One softmax over all keys, with
+exp(attn_sink[h]) added to the denominator. Outputs: ``out [b, h, 512]`` (bf16) and
+``lse [b, h]`` (fp32, natural log of sum exp(scale * q.k), sink excluded; +inf and out = 0 for a
+head with no key), as FlashMLA's ``flash_mla_with_kvcache`` returns them.
+
+Launch: one program per (request, block of BLOCK_H heads, split). The heads are the M dimension
+of both tensor-core products, S = Q K^T ([BLOCK_H, 512] x [512, BLOCK_N]) and O += P V
+([BLOCK_H, BLOCK_N] x [BLOCK_N, 512]), so every dequantised row serves all heads of the block.
+Long key lists (HCA at 1M context: 128 + 8192 rows) are split over programs; the partial
+(O, lse) pairs are merged, with the sink, by a second kernel. With ``dv = 256`` two programs
+share a head block, each owning half of the output columns (half the accumulator registers,
+Q K^T computed twice).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels._common import (
+    KV_ROW_BYTES, bf16_from_bytes, check_device, dot_dtype, e4m3_decode, exp2_int, native,
+    page_geometry,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+class DecodeAttentionConfig(NamedTuple):
+    block_h: int = 64  # heads per program (the M of both products; at least 16)
+    block_n: int = 64  # keys per tile (64: fastest measured on the H200, see docs/kernels.md)
+    num_warps: int = 8
+    num_stages: int = 1
+    scale_3d: bool = False  # key tiles read as [BLOCK_N, 8, 64] (see _load_rows)
+    dv: int = 512  # output columns per program: 256 halves the accumulator, recomputes Q K^T
+
+
+class DecodeAttentionOutput(NamedTuple):
+    out: torch.Tensor  # bf16 [b, h, 512]
+    lse: torch.Tensor  # fp32 [b, h]
+
+
+@triton.jit
+def _load_rows(pool_ptr, slot, valid, P, page_stride, d0, W: tl.constexpr, BLOCK_N: tl.constexpr,
+               SCALE_3D: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Dims d0 .. d0 + W - 1 of the rows at ``slot`` (int64 [BLOCK_N]), dequantised, as
+    DOT_DTYPE [BLOCK_N, W]; zeros where not ``valid``.
+
+    SCALE_3D reads the row as [BLOCK_N, W / 64, 64] tiles with one scale byte per tile, then
+    reshapes; otherwise a scale byte is gathered for every element (fewer layout changes, more
+    load instructions)."""
+    s = tl.maximum(slot, 0)
+    page = s // P
+    r = s % P
+    part = page * page_stride + r * 576
+    group = page * page_stride + P * 576 + r * 8
+    if SCALE_3D:
+        t = d0 // 64 + tl.arange(0, W // 64)
+        c = tl.arange(0, 64)
+        is_nope = (t < 7)[None, :, None]
+        v3 = valid[:, None, None]
+        codes = tl.load(pool_ptr + part[:, None, None] + (t[None, :, None] * 64 + c[None, None, :]),
+                        mask=v3 & is_nope, other=0)
+        sexp = tl.load(pool_ptr + group[:, None] + t[None, :], mask=valid[:, None] & (t < 7)[None, :],
+                       other=127)
+        nope = e4m3_decode(codes, NATIVE) * exp2_int(sexp.to(tl.int32) - 127)[:, :, None]
+        rope_byte = pool_ptr + part[:, None, None] + (448 + 2 * c)[None, None, :] + t[None, :, None] * 0
+        rmask = v3 & (t == 7)[None, :, None]
+        if NATIVE:
+            rope = tl.load(rope_byte.to(tl.pointer_type(tl.bfloat16)), mask=rmask, other=0.0).to(tl.float32)
+        else:
+            rope = bf16_from_bytes(tl.load(rope_byte, mask=rmask, other=0),
+                                   tl.load(rope_byte + 1, mask=rmask, other=0))
+        x = tl.reshape(tl.where(is_nope, nope, rope).to(DOT_DTYPE), (BLOCK_N, W))
+    else:
+        d = d0 + tl.arange(0, W)
+        is_nope = d < 448
+        nmask = valid[:, None] & is_nope[None, :]
+        codes = tl.load(pool_ptr + part[:, None] + d[None, :], mask=nmask, other=0)
+        sexp = tl.load(pool_ptr + group[:, None] + (d // 64)[None, :], mask=nmask, other=127)
+        nope = e4m3_decode(codes, NATIVE) * exp2_int(sexp.to(tl.int32) - 127)
+        rmask = valid[:, None] & (d >= 448)[None, :]
+        rope_byte = pool_ptr + part[:, None] + (448 + 2 * (d - 448))[None, :]
+        if NATIVE:
+            rope = tl.load(rope_byte.to(tl.pointer_type(tl.bfloat16)), mask=rmask, other=0.0).to(tl.float32)
+        else:
+            rope = bf16_from_bytes(tl.load(rope_byte, mask=rmask, other=0),
+                                   tl.load(rope_byte + 1, mask=rmask, other=0))
+        x = tl.where(is_nope[None, :], nope, rope).to(DOT_DTYPE)
+    return x
+
+
+@triton.jit
+def _load_kv_tile(pool_ptr, idx_ptr, j0, nk, P, page_stride, dv0, BLOCK_N: tl.constexpr,
+                  DV: tl.constexpr, SCALE_3D: tl.constexpr, NATIVE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """Key tile [BLOCK_N, 512], value tile [BLOCK_N, DV] (dims dv0 ..) and validity for list
+    entries j0 .. j0 + BLOCK_N - 1 (valid: entry < nk and slot >= 0)."""
+    jn = j0 + tl.arange(0, BLOCK_N)
+    slot = tl.load(idx_ptr + jn, mask=jn < nk, other=-1).to(tl.int64)
+    valid = slot >= 0
+    k = _load_rows(pool_ptr, slot, valid, P, page_stride, 0, 512, BLOCK_N, SCALE_3D, NATIVE, DOT_DTYPE)
+    if DV == 512:
+        v = k
+    else:  # a second, L1-resident read of this program's value columns
+        v = _load_rows(pool_ptr, slot, valid, P, page_stride, dv0, DV, BLOCK_N, SCALE_3D, NATIVE, DOT_DTYPE)
+    return k, v, valid
+
+
+@triton.jit
+def _sparse_decode_kernel(
+        q_ptr, q_sb, q_sh,
+        swa_ptr, swa_P, swa_ps, win_ptr, win_sb, n_win,
+        ext_ptr, ext_P, ext_ps, ext_idx_ptr, ext_sb, n_ext,
+        sink_ptr, scale_log2, num_heads,
+        out_ptr, out_sb, out_sh, lse_ptr,
+        po_ptr, plse_ptr, num_splits, tiles_per_split,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr,
+        SCALE_3D: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2) // (512 // DV)
+    dv0 = (tl.program_id(2) % (512 // DV)) * DV  # this program's output columns
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    d = tl.arange(0, 512)
+    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0.0)
+    q = q.to(DOT_DTYPE)
+
+    n_win_tiles = tl.cdiv(n_win, BLOCK_N)
+    n_tiles = n_win_tiles + tl.cdiv(n_ext, BLOCK_N)
+    t_begin = sp * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    for t in range(t_begin, t_end):
+        if t < n_win_tiles:
+            k, v, valid = _load_kv_tile(swa_ptr, win_ptr + b * win_sb, t * BLOCK_N, n_win, swa_P,
+                                        swa_ps, dv0, BLOCK_N, DV, SCALE_3D, NATIVE, DOT_DTYPE)
+        else:
+            k, v, valid = _load_kv_tile(ext_ptr, ext_idx_ptr + b * ext_sb, (t - n_win_tiles) * BLOCK_N,
+                                        n_ext, ext_P, ext_ps, dv0, BLOCK_N, DV, SCALE_3D, NATIVE,
+                                        DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))  # log2 of sum 2^s
+    dcol = dv0 + tl.arange(0, DV)
+    if SPLIT:
+        row = (b * num_splits + sp) * num_heads + heads
+        tl.store(po_ptr + row[:, None] * 512 + dcol[None, :], acc / l_safe[:, None], mask=hmask[:, None])
+        tl.store(plse_ptr + row, lse2, mask=hmask)
+    else:
+        sink2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+        top = tl.maximum(lse2, sink2)
+        total = top + tl.log2(tl.exp2(lse2 - top) + tl.exp2(sink2 - top))
+        o = acc * tl.exp2(m_i - total)[:, None]
+        o = tl.where(empty[:, None], 0.0, o)
+        tl.store(out_ptr + b * out_sb + heads[:, None] * out_sh + dcol[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        lse = tl.where(empty, float("inf"), lse2 * 0.6931471805599453)
+        tl.store(lse_ptr + b * num_heads + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, plse_ptr, sink_ptr, out_ptr, out_sb, out_sh, lse_ptr, num_heads,
+                  num_splits, BLOCK_S: tl.constexpr):
+    """Combine the splits' normalised partial outputs of one (request, head), with the sink."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    first = b * num_splits * num_heads + h  # partial row of split 0; split s is s * num_heads on
+    lse2 = tl.load(plse_ptr + first + sp * num_heads, mask=sp < num_splits, other=float("-inf"))
+    top = tl.max(lse2, axis=0)
+    empty = top == float("-inf")
+    top_safe = tl.where(empty, 0.0, top)
+    wsum = tl.sum(tl.exp2(lse2 - top_safe), axis=0)
+    sink2 = tl.load(sink_ptr + h) * 1.4426950408889634
+    denom = wsum + tl.exp2(sink2 - top_safe)
+    d = tl.arange(0, 512)
+    o = tl.zeros([512], tl.float32)
+    for s in range(0, num_splits):
+        row = first + s * num_heads
+        w = tl.exp2(tl.load(plse_ptr + row) - top_safe) / denom
+        o += tl.load(po_ptr + row * 512 + d) * w
+    o = tl.where(empty, 0.0, o)
+    tl.store(out_ptr + b * out_sb + h * out_sh + d, o.to(out_ptr.dtype.element_ty))
+    lse = tl.where(empty, float("inf"), (top_safe + tl.log2(tl.where(empty, 1.0, wsum))) * 0.6931471805599453)
+    tl.store(lse_ptr + b * num_heads + h, lse)
+
+
+def default_num_splits(programs: int, n_tiles: int, num_sms: int) -> int:
+    """Split the key list only when the (request, head block) programs leave SMs idle: the
+    partial outputs cost a write and a read of [splits, h, 512] fp32 per request."""
+    if 2 * programs >= num_sms:
+        return 1
+    return max(1, min(triton.cdiv(num_sms, programs), n_tiles // 4))
+
+
+def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.Tensor,
+                  extra_pool: torch.Tensor | None, extra_rows: torch.Tensor | None,
+                  attn_sink: torch.Tensor, softmax_scale: float, num_splits: int | None = None,
+                  config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                  out: torch.Tensor | None = None) -> DecodeAttentionOutput:
+    """Decode attention of one query token per request.
+
+    q: [b, h, 512] (bf16 on the GPU); swa_pool: uint8 [pages, 128 * 584];
+    window_slots: int32 [b, W] SWA slots, -1 = none; extra_pool: uint8 [pages, 64 * 584] or None;
+    extra_rows: int32 [b, k] rows of extra_pool, -1 = none, or None; attn_sink: fp32 [h].
+    num_splits: programs per (request, head block) along the key list (None: a heuristic).
+    """
+    b, h, dim = q.shape
+    if dim != 512 or q.stride(2) != 1:
+        raise ValueError(f"q must be [b, h, 512] with unit last stride, got {tuple(q.shape)}")
+    if window_slots.dim() != 2 or window_slots.shape[0] != b:
+        raise ValueError(f"window_slots must be [b={b}, W], got {tuple(window_slots.shape)}")
+    if attn_sink.shape != (h,):
+        raise ValueError(f"attn_sink must be [h={h}], got {tuple(attn_sink.shape)}")
+    swa_P, swa_ps = page_geometry(swa_pool, KV_ROW_BYTES, "SWA")
+    if extra_rows is None or extra_rows.shape[1] == 0:
+        extra_pool, extra_rows = swa_pool, window_slots[:, :0]
+    if extra_rows.shape[0] != b:
+        raise ValueError(f"extra_rows must be [b={b}, k], got {tuple(extra_rows.shape)}")
+    ext_P, ext_ps = page_geometry(extra_pool, KV_ROW_BYTES, "extra (C4/C128)")
+    check_device(q, swa_pool, window_slots, extra_pool, extra_rows, attn_sink)
+    window_slots = window_slots.to(torch.int32).contiguous()
+    extra_rows = extra_rows.to(torch.int32).contiguous()
+    attn_sink = attn_sink.float().contiguous()
+
+    block_h = max(16, min(config.block_h, triton.next_power_of_2(h)))
+    head_blocks = triton.cdiv(h, block_h)
+    n_win, n_ext = window_slots.shape[1], extra_rows.shape[1]
+    n_tiles = triton.cdiv(n_win, config.block_n) + triton.cdiv(n_ext, config.block_n)
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        num_splits = default_num_splits(b * head_blocks * (512 // config.dv), n_tiles, sms)
+    num_splits = max(1, min(num_splits, max(n_tiles, 1)))
+    tiles_per_split = triton.cdiv(max(n_tiles, 1), num_splits)
+    num_splits = triton.cdiv(max(n_tiles, 1), tiles_per_split)
+
+    if out is None:
+        out = torch.empty(b, h, 512, dtype=torch.bfloat16 if q.is_cuda else q.dtype, device=q.device)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
+    split = num_splits > 1
+    if split:
+        po = torch.empty(b * num_splits * h, 512, dtype=torch.float32, device=q.device)
+        plse = torch.empty(b * num_splits * h, dtype=torch.float32, device=q.device)
+    else:
+        po, plse = lse, lse
+    dt = tl.float32 if dot_dtype() == torch.float32 else tl.bfloat16
+    if config.dv not in (256, 512):
+        raise ValueError(f"config.dv must be 256 or 512, got {config.dv}")
+    _sparse_decode_kernel[(b, head_blocks, num_splits * (512 // config.dv))](
+        q, q.stride(0), q.stride(1),
+        swa_pool, swa_P, swa_ps, window_slots, window_slots.stride(0), n_win,
+        extra_pool, ext_P, ext_ps, extra_rows, extra_rows.stride(0), n_ext,
+        attn_sink, softmax_scale * LOG2E, h,
+        out, out.stride(0), out.stride(1), lse,
+        po, plse, num_splits, tiles_per_split,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, DV=config.dv, SPLIT=split, SCALE_3D=config.scale_3d,
+        NATIVE=native(), DOT_DTYPE=dt,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if split:
+        _merge_kernel[(b, h)](po, plse, attn_sink, out, out.stride(0), out.stride(1), lse, h,
+                              num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+    return DecodeAttentionOutput(out, lse)

@@ -1,0 +1,281 @@
+"""Triton kernels vs their PyTorch references (dsv4_backend/kernels/reference.py).
+
+On a machine without a GPU the kernels run under TRITON_INTERPRET=1 (set here, before triton is
+imported by the kernel modules), at tiny shapes. Every case draws fresh random inputs, poisons
+outputs (NaN rows, pools full of random bytes) so that unwritten or stray writes show, and
+compares bytes exactly where the formats are exact (the interpreter path computes the same
+float32 operations as the reference) or values with FlashMLA-style tolerances otherwise.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from dsv4_backend.kernels import reference as R  # noqa: E402
+from dsv4_backend.kernels._common import (  # noqa: E402
+    bf16_bits, e4m3_decode, e4m3_encode, interpreting, native, pow2_scale_exp, round_bf16,
+)
+from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update  # noqa: E402
+from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
+from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
+from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
+from memory.layout import write_indexer_rows, write_kv_rows  # noqa: E402
+from memory.quant import indexer_fake_quant, pow2_scale  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EXACT = interpreting()  # the interpreter path is bit-identical to the float32 reference
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _poisoned_pool(pages, page_bytes, g):
+    return torch.randint(0, 256, (pages, page_bytes), generator=g, dtype=torch.uint8).to(DEV)
+
+
+def _cos_sin(n, g, theta=160000.0):
+    pos = torch.randint(0, 1 << 20, (n,), generator=g)
+    inv = theta ** (-torch.arange(32, dtype=torch.float32) * 2 / 64)
+    ang = pos.float()[:, None] * inv
+    return ang.cos().to(DEV), ang.sin().to(DEV)
+
+
+def _assert_close(out, ref, atol, rtol, min_cos, what):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    bad = (~torch.isfinite(out)).nonzero()[:5].tolist()
+    assert not bad, f"{what}: non-finite values at {bad}"
+    err = (out - ref).abs()
+    bad = err > atol + rtol * ref.abs()
+    if bad.any():
+        i = err.argmax()
+        raise AssertionError(f"{what}: {int(bad.sum())} elements off; worst at {i.item()}: "
+                             f"{out.flatten()[i].item()} vs {ref.flatten()[i].item()}")
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+    assert cos >= min_cos, f"{what}: cosine {cos.item()}"
+
+
+def _assert_pools_match(pool, ref_pool, what):
+    if EXACT:
+        diff = (pool != ref_pool).nonzero()
+        assert diff.numel() == 0, f"{what}: {diff.shape[0]} bytes differ, first {diff[:5].tolist()}"
+    else:  # GPU: rsqrt/exp approximations may move a value across a rounding boundary
+        frac = (pool != ref_pool).float().mean().item()
+        assert frac < 1e-3, f"{what}: {frac:.2e} of the bytes differ"
+
+
+# ---- number-format helpers ------------------------------------------------------------------
+
+@triton.jit
+def _formats_kernel(x_ptr, codes_ptr, dec_ptr, bf_ptr, bfbits_ptr, k_ptr, N: tl.constexpr,
+                    NATIVE: tl.constexpr):
+    o = tl.arange(0, N)
+    x = tl.load(x_ptr + o)
+    codes = e4m3_encode(tl.minimum(tl.maximum(x, -448.0), 448.0), NATIVE)
+    tl.store(codes_ptr + o, codes)
+    tl.store(dec_ptr + o, e4m3_decode(codes, NATIVE))
+    tl.store(bf_ptr + o, round_bf16(x, NATIVE))
+    tl.store(bfbits_ptr + o, bf16_bits(x, NATIVE))
+    tl.store(k_ptr + o, pow2_scale_exp(tl.abs(x)))
+
+
+def test_number_formats_match_torch():
+    g = _gen(1)
+    n = 4096
+    every_code = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    every_code = every_code[torch.isfinite(every_code)]
+    mids = (every_code.sort().values[1:] + every_code.sort().values[:-1]) / 2  # exact ties
+    rand = torch.randn(n, generator=g) * torch.exp2(torch.randint(-14, 10, (n,), generator=g).float())
+    bf_ties = (torch.randn(64, generator=g).bfloat16().float().view(torch.int32) | 0x8000).view(torch.float32)
+    x = torch.cat([every_code, mids, bf_ties, rand, torch.tensor([1e-5, 448.0, 449.0, 224.0])])
+    x = x[:n]
+    x = torch.cat([x, torch.randn(n - x.numel(), generator=g)]).contiguous().to(DEV)
+    codes = torch.empty(n, dtype=torch.uint8, device=DEV)
+    dec, bf = torch.empty(n, device=DEV), torch.empty(n, device=DEV)
+    bfbits, k = torch.empty(n, dtype=torch.int32, device=DEV), torch.empty(n, dtype=torch.int32, device=DEV)
+    _formats_kernel[(1,)](x, codes, dec, bf, bfbits, k, N=n, NATIVE=native())
+    ref_codes = x.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(codes, ref_codes.view(torch.uint8))
+    assert torch.equal(dec, ref_codes.float())
+    assert torch.equal(bf, x.bfloat16().float())
+    assert torch.equal(bfbits, x.bfloat16().view(torch.int16).int() & 0xFFFF)
+    assert torch.equal(k, pow2_scale(x.abs()).exponent.int())
+
+
+# ---- 1. KV store ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("round_bf16", [True, False])
+def test_kv_store(round_bf16):
+    g = _gen(2 + round_bf16)
+    n = 6
+    pool = _poisoned_pool(3, 128 * 584, g)
+    ref_pool = pool.clone()
+    kv = (torch.randn(n, 512, generator=g) * 4).to(DEV)
+    kv[1, :64] *= 1e-6  # a near-zero tile: amax floor
+    w = (torch.rand(512, generator=g) + 0.5).to(DEV)
+    cos, sin = _cos_sin(n, g)
+    slots = torch.tensor([0, 127, 128, -1, 383, 200]).to(DEV)
+    out = torch.full((n, 512), float("nan"), device=DEV)
+    kv_store(pool, slots, kv, w, cos, sin, round_bf16=round_bf16, out=out)
+    ref = R.kv_store_ref(ref_pool, slots, kv, w, cos, sin, round_bf16=round_bf16)
+    _assert_pools_match(pool, ref_pool, "SWA pool bytes")
+    keep = slots >= 0
+    assert torch.isnan(out[~keep]).all(), "a skipped row was written"
+    _assert_close(out[keep], ref[keep], 0.0 if EXACT else 1e-2, 0.0 if EXACT else 0.07, 1 - 1e-5, "rows")
+
+
+# ---- 2. compressor -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ratio,indexer,state_dtype", [
+    (4, False, torch.float32), (4, True, torch.float32), (128, False, torch.bfloat16)])
+def test_compress(ratio, indexer, state_dtype):
+    g = _gen(10 + ratio + indexer)
+    d = 128 if indexer else 512
+    coff = 2 if ratio == 4 else 1
+    k = coff * ratio
+    e = 3
+    state = (torch.randn(200, 2 * coff * d, generator=g) * 2).to(state_dtype).to(DEV)
+    ape = torch.randn(ratio, coff * d, generator=g).to(DEV)
+    src = torch.randint(0, 200, (e, k), generator=g)
+    if ratio == 4:
+        src[0, :4] = -1  # the first block has no previous block
+    src = src.to(DEV)
+    dest = torch.tensor([5, 64, 127]).to(DEV)
+    w = (torch.rand(d, generator=g) + 0.5).to(DEV)
+    cos, sin = _cos_sin(e, g)
+    row_bytes = 132 if indexer else 584
+    pool = _poisoned_pool(2, 64 * row_bytes, g)
+    ref_pool = pool.clone()
+    had = R.hadamard_matrix(128, device=DEV) if indexer else None
+    out = torch.full((e, d), float("nan"), device=DEV)
+    compress(pool, CompressEvents(dest, src, cos, sin), state, ape, w, ratio, hadamard=had, out=out)
+    ref = R.compress_ref(ref_pool, dest, state, src, ape, w, cos, sin, ratio, indexer=indexer)
+    _assert_pools_match(pool, ref_pool, "compressed pool bytes")
+    _assert_close(out, ref, 0.0 if EXACT else 1e-2, 0.0 if EXACT else 0.07, 1 - 1e-5, "rows")
+
+
+def test_online_c128_matches_ring_pooling():
+    g = _gen(20)
+    d = 128
+    ape = torch.randn(128, d, generator=g).to(DEV)
+    # two requests: A runs positions 100..299 (completes blocks 0 and 1, restarts at 128, 256),
+    # B positions 0..129 (a whole block from a fresh state, then a new block)
+    pos_a, pos_b = torch.arange(100, 300), torch.arange(0, 130)
+    cz = torch.randn(pos_a.numel() + pos_b.numel(), 2 * d, generator=g).to(DEV)
+    positions = torch.cat([pos_a, pos_b]).to(DEV)
+    state = torch.randn(4, 3, d, generator=g).to(DEV)  # slot 1's garbage must be reset at pos 128
+    prefix = torch.randn(100, 2 * d, generator=g).to(DEV)  # A's tokens 0..99, folded in first
+    online_c128_update(state, torch.tensor([1]).to(DEV), torch.tensor([0]).to(DEV),
+                       torch.tensor([100]).to(DEV), prefix, torch.arange(100).to(DEV), ape)
+    pooled = torch.full((cz.shape[0], d), float("nan"), device=DEV)
+    online_c128_update(state, torch.tensor([1, 3]).to(DEV), torch.tensor([0, 200]).to(DEV),
+                       torch.tensor([200, 130]).to(DEV), cz, positions, ape, pooled=pooled)
+    all_a = torch.cat([prefix, cz[:200]])
+    _assert_close(state[1], R.online_c128_ref(all_a, torch.arange(300), ape), 1e-5, 1e-5, 1 - 1e-6, "state A")
+    _assert_close(state[3], R.online_c128_ref(cz[200:], pos_b, ape), 1e-5, 1e-5, 1 - 1e-6, "state B")
+    ring = torch.cat([all_a[:256], cz[200:328]])  # the three completed blocks' tokens
+    ref = R.compress_pool_ref(ring, torch.arange(384).view(3, 128).to(DEV), ape, 128, d)
+    _assert_close(pooled[27], ref[0], 1e-5, 1e-5, 1 - 1e-6, "pooled A, block 0")
+    _assert_close(pooled[155], ref[1], 1e-5, 1e-5, 1 - 1e-6, "pooled A, block 1")
+    _assert_close(pooled[200 + 127], ref[2], 1e-5, 1e-5, 1 - 1e-6, "pooled B")
+    done = torch.zeros(cz.shape[0], dtype=torch.bool)
+    done[[27, 155, 327]] = True
+    assert torch.isnan(pooled[~done]).all(), "pooled rows written at tokens that complete no block"
+
+
+# ---- 3. indexer ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_table", [True, False])
+def test_indexer_topk(use_table):
+    g = _gen(30 + use_table)
+    b, h, k, p = 4, 8, 16, 64
+    q = indexer_fake_quant(torch.randn(b, h, 128, generator=g))
+    w = torch.randn(b, h, generator=g)
+    pool = torch.zeros(8, p * 132, dtype=torch.uint8)
+    rows = torch.randn(8 * p, 128, generator=g)
+    # three identical rows that score high for request 0: ties go to the lower list position
+    rows[[3 * p + 5, 3 * p + 10, 3 * p + 40]] = 6 * q[0, w[0].argmax()]
+    write_indexer_rows(pool, torch.arange(8 * p), rows)
+    pool, q, w = pool.to(DEV), q.to(DEV), w.to(DEV)
+    table = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(b)])
+    table[0, 0] = 3
+    nvis = torch.tensor([250, 11, 0, 256])
+    L = 4 * p
+    pos = torch.arange(L)
+    row_ids = table.gather(1, (pos // p)[None].expand(b, L)) * p + pos % p
+    row_ids = row_ids.masked_fill(pos[None] >= nvis[:, None], -1).to(DEV)
+    if use_table:
+        got = indexer_topk(q, w, pool, k, page_table=table.to(DEV), num_visible=nvis.to(DEV))
+    else:
+        got = indexer_topk(q, w, pool, k, row_ids=row_ids)
+    ref_scores = R.indexer_scores_ref(q, w, pool, row_ids)
+    assert torch.equal(torch.isinf(got.scores), torch.isinf(ref_scores))
+    fin = torch.isfinite(ref_scores)
+    _assert_close(got.scores[fin], ref_scores[fin], 1e-4, 1e-5, 1 - 1e-6, "scores")
+    # select on the kernel's own scores: the selection rule is what is under test here
+    ref_top = R.topk_ref(got.scores, row_ids, k)
+    assert torch.equal(got.rows.cpu(), ref_top.rows.cpu())
+    assert (got.rows[1, 11:] == -1).all() and (got.rows[2] == -1).all()
+    tie = got.scores[0, [5, 10, 40]]
+    assert tie[0] == tie[1] == tie[2]
+    chosen = got.rows[0].tolist()
+    assert chosen.index(3 * p + 5) < chosen.index(3 * p + 10) < chosen.index(3 * p + 40)
+
+
+# ---- 4. sparse decode attention -----------------------------------------------------------
+
+def _kv_pool(pages, page_rows, g):
+    pool = torch.zeros(pages, page_rows * 584, dtype=torch.uint8)
+    n = pages * page_rows
+    write_kv_rows(pool, torch.arange(n), torch.randn(n, 512, generator=g) * 2)
+    return pool.to(DEV)
+
+
+@pytest.mark.parametrize("h,k,num_splits,scale_3d,dv", [
+    (8, 48, 1, True, 512), (16, 130, 3, False, 256), (20, 70, None, True, 256), (16, 40, 2, False, 512)])
+def test_sparse_decode(h, k, num_splits, scale_3d, dv):
+    g = _gen(40 + h)
+    b, w_len = 3, 128
+    swa = _kv_pool(4, 128, g)
+    extra = _kv_pool(6, 64, g)
+    win = torch.randint(0, 512, (b, w_len), generator=g)
+    win[0, 90:] = -1  # a short window
+    ext = torch.randint(0, 384, (b, k), generator=g)
+    ext[0, ::3] = -1  # holes in the extra list
+    win[2], ext[2] = -1, -1  # a request with no key at all
+    q = torch.randn(b, h, 512, generator=g) * 3
+    sink = torch.randn(h, generator=g)
+    scale = 512 ** -0.5
+    qd = q.to(DEV).to(torch.bfloat16 if DEV == "cuda" else torch.float32)
+    out = torch.full((b, h, 512), float("nan"), device=DEV, dtype=qd.dtype)
+    cfg = DecodeAttentionConfig(block_n=32, scale_3d=scale_3d, dv=dv)
+    got = sparse_decode(qd, swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), scale,
+                        num_splits=num_splits, config=cfg, out=out)
+    ref = R.sparse_decode_ref(qd.float(), swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), scale)
+    atol, rtol = (1e-5, 1e-5) if EXACT else (1e-3, 2 ** -7)
+    _assert_close(got.out[:2], ref.out[:2], atol, rtol, 1 - 5e-6, "out")
+    _assert_close(got.lse[:2], ref.lse[:2], 1e-5 if EXACT else 1e-4, 1e-6, 1 - 1e-7, "lse")
+    assert (got.out[2] == 0).all() and torch.isposinf(got.lse[2]).all(), "request with no key"
+
+
+def test_sparse_decode_window_only():
+    g = _gen(50)
+    b, h = 2, 16
+    swa = _kv_pool(2, 128, g)
+    win = torch.randint(0, 256, (b, 128), generator=g).to(DEV)
+    q = (torch.randn(b, h, 512, generator=g)).to(DEV)
+    if DEV == "cuda":
+        q = q.bfloat16()
+    sink = torch.randn(h, generator=g).to(DEV)
+    got = sparse_decode(q, swa, win, None, None, sink, 0.05)
+    ref = R.sparse_decode_ref(q.float(), swa, win, None, None, sink, 0.05)
+    atol, rtol = (1e-5, 1e-5) if EXACT else (1e-3, 2 ** -7)
+    _assert_close(got.out, ref.out, atol, rtol, 1 - 5e-6, "out")
+    _assert_close(got.lse, ref.lse, 1e-5 if EXACT else 1e-4, 1e-6, 1 - 1e-7, "lse")

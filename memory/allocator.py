@@ -290,7 +290,7 @@ class KVAllocator:
                 f"{name} pool: pages in use but owned by no request {sorted(pool._used - set(owned))[:8]}, "
                 f"owned but marked free {sorted(set(owned) - pool._used)[:8]}")
 
-        expect = torch.full_like(self.full_to_swa, -1)
+        expect = torch.full_like(self.full_to_swa, -1, device="cpu")
         expect[-1] = self.plan.num_swa_pages * SWA_PAGE
         for rid, req in self._reqs.items():
             n = req.seq_len

@@ -1,0 +1,454 @@
+"""The engine's DeepSeek-V4 model: every tensor under its release name, attention delegated.
+
+``DSV4Model(cfg, dtype)`` holds exactly the tensors of ``weights.weight_specs(cfg)`` (so
+``model.load_state_dict(random_weights(cfg, seed, dtype))`` loads a model), and runs the
+token-parallel maths of DSV4.md section 2: mHC streams with Sinkhorn mixing, low-rank Q with
+the weightless per-head norm, RoPE / YaRN per layer type, the grouped output projection, MoE
+with hash routing and the shared expert, and the hc_head.
+
+The attention layers stay thin: they compute q, the new KV row, the compressors' raw (C, Z)
+and the indexer's q and head weights, and hand them to an attention backend
+(``backend.forward(layer_id, layer, AttentionInputs, metadata)``), which owns every pool, ring
+and compression. This module never imports the backend; the backend reads the layer's
+compressor norms, ``rope`` and ``attn_sink`` through the layer object it is given.
+
+Precision: in float64 and float32 every intermediate stays in the compute dtype; in bfloat16
+mode activations and the residual streams are bf16 while the norms, mHC maths, RoPE, gate,
+SwiGLU, compressors and logits run in float32 (the release's precision notes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memory.quant import indexer_fake_quant
+
+from .config import DSV4Config, RopeScaling
+from .weights import param_dtype, weight_specs
+
+
+def hi_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the release keeps norms / mixes / gates in: float32, or float64 if asked."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- small pieces ---------------------------------------------------------------------------
+
+class Linear(nn.Module):
+    """``y = x @ W^T`` with the weight cast to the input dtype (no bias anywhere in DSV4)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(hi_dtype(x.dtype))
+        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.to(h.dtype)).to(x.dtype)
+
+
+def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMS normalisation over the last dim (the per-head q norm)."""
+    h = x.to(hi_dtype(x.dtype))
+    return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def yarn_inv_freq(theta: float, rope_dim: int, scaling: Optional[RopeScaling]) -> torch.Tensor:
+    """float32 inverse frequencies ``theta^(-2i/rope_dim)``, YaRN-corrected when ``scaling``."""
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if scaling is None:
+        return inv
+
+    def corr(rotations: float) -> float:
+        return rope_dim * math.log(scaling.original_max_position_embeddings
+                                   / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(corr(scaling.beta_fast)), 0)
+    hi = min(math.ceil(corr(scaling.beta_slow)), rope_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return inv * (1 - ramp) + (inv / scaling.factor) * ramp
+
+
+class Rotary:
+    """Interleaved RoPE (pairs 2i, 2i+1) on the last ``rope_dim`` dims; angles in float32."""
+
+    def __init__(self, theta: float, scaling: Optional[RopeScaling], rope_dim: int = 64):
+        self.rope_dim = rope_dim
+        self.inv_freq = yarn_inv_freq(theta, rope_dim, scaling)  # [rope_dim / 2] float32
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] int -> cos, sin [T, rope_dim / 2] in dtype
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = angles.to(dtype)
+        return angles.cos(), angles.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate ``x [T, ..., D]`` at ``positions [T]`` (by minus the angle when ``inverse``)."""
+        cos, sin = self.cos_sin(positions, hi_dtype(x.dtype))  # bf16 rotates in float32
+        if inverse:
+            sin = -sin
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        nope, rope = x[..., : -self.rope_dim], x[..., -self.rope_dim:].to(cos.dtype)
+        x0, x1 = rope[..., 0::2], rope[..., 1::2]
+        rot = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+        return torch.cat([nope, rot.to(x.dtype)], dim=-1)
+
+
+_HADAMARD: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Sylvester (natural order) Hadamard matrix of size n, scaled by n^-0.5 (symmetric)."""
+    key = (n, dtype, torch.device(device))
+    if key not in _HADAMARD:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD[key] = (h * n ** -0.5).to(dtype=dtype, device=device)
+    return _HADAMARD[key]
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Apply the scaled 128-point (or last-dim-sized) Hadamard rotation to the last dim."""
+    return x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
+
+
+# ---- what attention layers hand to the backend ----------------------------------------------
+
+@dataclass
+class CompressorInput:
+    """Raw per-token compressor material: content ``wkv(x)`` and score ``wgate(x)`` in the
+    checkpoint's channel order; ``ape`` is added by whoever pools (the ring stores these raw
+    values, as the kernels' state buffers do)."""
+
+    c: torch.Tensor  # [T, coff * d]
+    z: torch.Tensor  # [T, coff * d]
+
+
+@dataclass
+class IndexerInput:
+    q: torch.Tensor          # [T, index_heads, 128], roped, rotated, quantised
+    weights: torch.Tensor    # [T, index_heads], head weights with both scales applied
+    compressor: CompressorInput  # the indexer's own compressor (d = 128)
+
+
+@dataclass
+class AttentionInputs:
+    q: torch.Tensor                         # [T, H, 512] roped, per-head normalised
+    kv: torch.Tensor                        # [T, 512] roped, NOT yet FP8-rounded (the pool does it)
+    compressor: Optional[CompressorInput]   # ratio 4 / 128 layers (None if no compression runs)
+    indexer: Optional[IndexerInput]         # ratio 4 layers
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+class Compressor(nn.Module):
+    def __init__(self, dim: int, d: int, ratio: int, eps: float):
+        super().__init__()
+        coff = 2 if ratio == 4 else 1
+        self.ratio, self.d = ratio, d
+        self.wkv = Linear(dim, coff * d)
+        self.wgate = Linear(dim, coff * d)
+        self.ape = nn.Parameter(torch.empty(ratio, coff * d), requires_grad=False)
+        self.norm = RMSNorm(d, eps)
+
+    def raw(self, x: torch.Tensor) -> CompressorInput:
+        h = x.to(hi_dtype(x.dtype))  # the compressors run in fp32 (or float64)
+        return CompressorInput(self.wkv(h), self.wgate(h))
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: DSV4Config):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
+        self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int):
+        super().__init__()
+        D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.cfg, self.layer_id, self.ratio = cfg, layer_id, ratio
+        self.n_heads, self.head_dim = H, hd
+        self.wq_a = Linear(D, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * hd)
+        self.wkv = Linear(D, hd)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D)
+        self.attn_sink = nn.Parameter(torch.empty(H), requires_grad=False)
+        self.compressor = Compressor(D, hd, ratio, cfg.rms_norm_eps) if ratio else None
+        self.indexer = Indexer(cfg) if ratio == 4 else None
+        if ratio:
+            self.rope = Rotary(cfg.compress_rope_theta, cfg.rope_scaling, cfg.qk_rope_head_dim)
+        else:
+            self.rope = Rotary(cfg.rope_theta, None, cfg.qk_rope_head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
+        # x: [T, D] -> [T, D]
+        T, H, hd, eps = x.shape[0], self.n_heads, self.head_dim, self.cfg.rms_norm_eps
+        qr = self.q_norm(self.wq_a(x))
+        q = head_rms_norm(self.wq_b(qr).view(T, H, hd), eps)
+        q = self.rope.apply(q, positions)
+        kv = self.rope.apply(self.kv_norm(self.wkv(x)), positions)
+        compress = self.ratio and getattr(meta, "compress", True)
+        comp = self.compressor.raw(x) if compress else None
+        index = self._indexer_inputs(x, qr, positions) if compress and self.indexer is not None else None
+        o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, index), meta)  # [T, H, hd]
+        o = self.rope.apply(o, positions, inverse=True)
+        return self._project_out(o)
+
+    def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> IndexerInput:
+        ix, T = self.indexer, x.shape[0]
+        q = ix.wq_b(qr).view(T, ix.n_heads, ix.head_dim)
+        q = indexer_fake_quant(hadamard(self.rope.apply(q, positions)))
+        w = ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+        return IndexerInput(q, w, ix.compressor.raw(x))
+
+    def _project_out(self, o: torch.Tensor) -> torch.Tensor:
+        # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
+        G, R = self.cfg.o_groups, self.cfg.o_lora_rank
+        og = o.reshape(o.shape[0], G, -1)                                   # [T, G, H/G * hd]
+        wa = self.wo_a.weight.to(o.dtype).view(G, R, og.shape[-1])           # [G, R, H/G * hd]
+        z = torch.einsum("tgi,gri->tgr", og, wa)                            # [T, G, R]
+        return self.wo_b(z.reshape(o.shape[0], G * R))
+
+
+# ---- MoE ------------------------------------------------------------------------------------
+
+class Expert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = Linear(dim, inter)
+        self.w3 = Linear(dim, inter)
+        self.w2 = Linear(inter, dim)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # x: [N, D]; weight: [N] routing weight applied before w2
+        hi = hi_dtype(x.dtype)
+        g, u = self.w1(x).to(hi), self.w3(x).to(hi)
+        h = F.silu(g.clamp(max=self.limit)) * u.clamp(-self.limit, self.limit)
+        if weight is not None:
+            h = h * weight.to(h.dtype)[:, None]
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: DSV4Config, hash_routed: bool):
+        super().__init__()
+        self.topk, self.scale = cfg.num_experts_per_tok, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size), requires_grad=False)
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> expert ids [T, k] and routing weights [T, k] (normalised, times the scaling factor)."""
+        h = x.to(hi_dtype(x.dtype))
+        s = F.softplus(F.linear(h, self.weight.to(h.dtype))).sqrt()
+        if self.bias is None:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = (s + self.bias.to(s.dtype)).topk(self.topk, dim=-1).indices
+        w = s.gather(-1, ids)
+        return ids, w / w.sum(-1, keepdim=True) * self.scale
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DSV4Config, hash_routed: bool):
+        super().__init__()
+        self.gate = Gate(cfg, hash_routed)
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+            for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                     cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        ids, w = self.gate(x, input_ids)                                    # [T, k]
+        out = self.shared_experts(x)
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        token = order // ids.shape[1]
+        weight = w.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                t, wt = token[start:start + n], weight[start:start + n]
+                out.index_add_(0, t, self.experts[e](x[t], wt))
+            start += n
+        return out
+
+
+# ---- mHC ------------------------------------------------------------------------------------
+
+def hc_mix_weights(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                   base: torch.Tensor):
+    """mHC mixes for streams ``X [T, hc, D]``: pre [T, hc], post [T, hc], C [T, hc, hc]."""
+    hc, eps = cfg.hc_mult, cfg.hc_eps
+    h = X.reshape(X.shape[0], -1).to(hi_dtype(X.dtype))
+    fn, scale, base = fn.to(h.dtype), scale.to(h.dtype), base.to(h.dtype)
+    m = (h @ fn.t()) * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    C = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)        # C[j, k]: j -> k
+    C = C.softmax(-1) + eps
+    C = C / (C.sum(-2, keepdim=True) + eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        C = C / (C.sum(-1, keepdim=True) + eps)
+        C = C / (C.sum(-2, keepdim=True) + eps)
+    return pre, post, C
+
+
+def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    # sum_j pre_j X_j: [T, hc, D] -> [T, D], in pre's (float32 or float64) precision
+    return torch.einsum("tj,tjd->td", pre, X.to(pre.dtype))
+
+
+def hc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    # X'_k = post_k f + sum_j C[j, k] X_j, mixed in C's precision; the streams keep X's dtype
+    mixed = torch.einsum("tjk,tjd->tkd", C, X.to(C.dtype))
+    return (post[:, :, None] * f.to(C.dtype)[:, None, :] + mixed).to(X.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int, hash_routed: bool):
+        super().__init__()
+        hc, D = cfg.hc_mult, cfg.hidden_size
+        n_mix = hc * (2 + hc)
+        self.cfg = cfg
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.empty(n_mix, hc * D), requires_grad=False))
+            self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.empty(n_mix), requires_grad=False))
+            self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.empty(3), requires_grad=False))
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer_id, ratio)
+        self.ffn = MoE(cfg, hash_routed)
+
+    def forward(self, X, input_ids, positions, backend, meta):
+        pre, post, C = hc_mix_weights(self.cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        f = self.attn(self.attn_norm(hc_collapse(X, pre)).to(X.dtype), positions, backend, meta)
+        X = hc_expand(X, f, post, C)
+        pre, post, C = hc_mix_weights(self.cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        f = self.ffn(self.ffn_norm(hc_collapse(X, pre)).to(X.dtype), input_ids)
+        return hc_expand(X, f, post, C)
+
+
+def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch.Tensor:
+    h = X.reshape(X.shape[0], -1).to(hi_dtype(X.dtype))
+    m = (h @ fn.to(h.dtype).t()) * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    pre = torch.sigmoid(m * scale.to(h.dtype) + base.to(h.dtype)) + cfg.hc_eps
+    return hc_collapse(X, pre)
+
+
+class MTPBlock(Block):
+    """``mtp.j``: a window-only block with its own embedding merge, hc_head and norm.
+
+    Its weights load with the model; the engine does not run speculative decoding yet, and
+    running it needs a KV cache of its own, so :meth:`DSV4Model.forward` never calls it."""
+
+    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int):
+        super().__init__(cfg, layer_id, ratio, hash_routed=False)
+        D, hc = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = Linear(D, D)
+        self.h_proj = Linear(D, D)
+        self.enorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * D), requires_grad=False)
+        self.hc_head_base = nn.Parameter(torch.empty(hc), requires_grad=False)
+        self.hc_head_scale = nn.Parameter(torch.empty(1), requires_grad=False)
+
+
+# ---- the model ------------------------------------------------------------------------------
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class DSV4Model(nn.Module):
+    """The whole model; ``forward`` runs the main layers over a step's new tokens.
+
+    ``dtype`` is the compute dtype (float64, float32 or bfloat16); parameters take the dtype
+    ``weights.param_dtype`` gives their name (fp32 parameters stay fp32 unless float64).
+    """
+
+    def __init__(self, cfg: DSV4Config, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", include_mtp: bool = True):
+        super().__init__()
+        D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = Embedding(V, D)
+        self.head = Linear(D, V)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * D), requires_grad=False)
+        self.hc_head_base = nn.Parameter(torch.empty(hc), requires_grad=False)
+        self.hc_head_scale = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, r, cfg.is_hash_layer(i)) for i, r in enumerate(cfg.layer_ratios))
+        n_main = cfg.num_hidden_layers
+        self.mtp = nn.ModuleList(
+            MTPBlock(cfg, n_main + j, r) for j, r in enumerate(cfg.mtp_ratios)) if include_mtp else None
+        self._place(include_mtp, dtype, torch.device(device))
+
+    def _place(self, include_mtp: bool, dtype: torch.dtype, device: torch.device) -> None:
+        """Give every tensor its spec's shape check and dtype; names must equal the specs'."""
+        specs = {s.name: s for s in weight_specs(self.cfg, include_mtp)}
+        own = dict(self.named_parameters())
+        own.update(dict(self.named_buffers()))
+        missing, extra = sorted(set(specs) - set(own)), sorted(set(own) - set(specs))
+        if missing or extra:
+            raise RuntimeError(f"DSV4Model tensor names differ from weight_specs: "
+                               f"missing {missing[:8]}, unexpected {extra[:8]}")
+        for name, t in own.items():
+            spec = specs[name]
+            if tuple(t.shape) != spec.shape:
+                raise RuntimeError(f"{name}: model shape {tuple(t.shape)} != spec {spec.shape}")
+            t.data = torch.empty(spec.shape, dtype=param_dtype(name, spec.kind, dtype), device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
+        """Run the main layers over the step's tokens. ``input_ids, positions: [T]``;
+        returns the final mHC streams ``[T, hc, D]`` (feed rows of it to :meth:`logits`)."""
+        x = self.embed(input_ids).to(self.dtype)
+        X = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            X = layer(X, input_ids, positions, backend, meta)
+        return X
+
+    def logits(self, X: torch.Tensor) -> torch.Tensor:
+        """Streams ``[N, hc, D]`` -> logits ``[N, V]`` (float32; float64 in float64 mode)."""
+        y = hc_head_collapse(self.cfg, X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base)
+        y = self.norm(y)
+        return F.linear(y, self.head.weight.to(y.dtype))

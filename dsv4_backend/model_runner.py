@@ -1,0 +1,120 @@
+"""ModelRunner: one forward step of the engine model over the paged pools.
+
+The scheduler decides what runs and extends the allocator first; the runner turns the step's
+requests into a :class:`~dsv4_backend.backend.ForwardBatch`, lets the backend build its
+metadata once, runs the model, and returns logits where each request asked for them.
+
+    runner = ModelRunner.build(cfg, seed=0, dtype=torch.float64, max_total_tokens=4096)
+    rid = "a"; runner.allocator.admit(rid); runner.allocator.extend(rid, len(prompt))
+    [logits] = runner.forward([ForwardRequest(runner.allocator.req_slot(rid), 0, prompt, "all")])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+
+from memory.allocator import KVAllocator
+from memory.configurator import DSV4PoolConfigurator
+from memory.pools import DSV4KVPools
+
+from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
+from .config import DSV4Config
+from .model import DSV4Model, hi_dtype
+from .weights import random_weights
+
+LogitsMode = Literal["last", "all", "none"]
+
+
+@dataclass
+class ForwardRequest:
+    """One request's part of a step: the tokens at positions ``prefix_len ..``.
+
+    The caller has already extended the allocator so ``req_to_token`` / ``full_to_swa`` cover
+    ``prefix_len + len(input_ids)`` positions. A decode is ``len(input_ids) == 1``."""
+
+    req_slot: int
+    prefix_len: int
+    input_ids: list[int]
+    logits: LogitsMode = "last"
+
+
+class ModelRunner:
+    """Owns the model and the attention backend; pools and allocator are the caller's.
+
+    ``forward`` returns per request logits ``[n, vocab]`` (float32, float64 in float64 mode):
+    n = 1 for ``"last"``, ``len(input_ids)`` for ``"all"``, 0 for ``"none"``.
+    """
+
+    def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor], pools: DSV4KVPools,
+                 allocator: KVAllocator, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 backend: str = "torch", dense: bool = False):
+        self.config, self.pools, self.allocator = config, pools, allocator
+        self.device, self.dtype, self.dense = torch.device(device), dtype, dense
+        if dense != bool(pools.plan.dense):
+            raise ValueError(f"ModelRunner(dense={dense}) needs pools planned with dense={dense}")
+        include_mtp = any(name.startswith("mtp.") for name in weights)
+        self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=include_mtp)
+        self.model.load_state_dict(weights, strict=True)
+        self.model.eval()
+        self.backend = get_attention_backend(backend)(config, pools, allocator, dtype=dtype, dense=dense)
+        self.last_metadata: Optional[ForwardMetadata] = None
+
+    @property
+    def memory_plan(self):
+        return self.pools.plan
+
+    @torch.inference_mode()
+    def forward(self, reqs: list[ForwardRequest]) -> list[torch.Tensor]:
+        if not reqs:
+            return []
+        for r in reqs:
+            if not r.input_ids:
+                raise ValueError(f"request slot {r.req_slot}: a forward needs at least one new token")
+            if r.logits not in ("last", "all", "none"):
+                raise ValueError(f"request slot {r.req_slot}: logits must be 'last', 'all' or 'none', "
+                                 f"got {r.logits!r}")
+        batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs],
+                             [len(r.input_ids) for r in reqs])
+        meta = self.backend.init_forward_metadata(batch)
+        self.last_metadata = meta
+        ids = torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64, device=self.device)
+        X = self.model(ids, meta.positions.to(self.device), self.backend, meta)          # [T, hc, D]
+        pick, counts = [], []
+        for r, start in zip(reqs, meta.token_offsets):
+            n = len(r.input_ids)
+            rows = {"last": [start + n - 1], "all": list(range(start, start + n)), "none": []}[r.logits]
+            pick += rows
+            counts.append(len(rows))
+        if pick:
+            logits = self.model.logits(X[torch.tensor(pick, dtype=torch.int64, device=X.device)])
+        else:
+            logits = torch.empty(0, self.config.vocab_size, dtype=hi_dtype(self.dtype), device=X.device)
+        return list(torch.split(logits, counts))
+
+    # ---- construction for tests and tools --------------------------------------------------
+
+    @classmethod
+    def build(cls, config: DSV4Config | str = "tiny", *, seed: int = 0, dtype: torch.dtype = torch.float32,
+              max_total_tokens: int = 4096, max_running_requests: int = 4, swa_ratio: float = 0.5,
+              max_context: Optional[int] = None, online_compress: bool | None = None,
+              state_dtype: Optional[torch.dtype] = None, dense: bool = False, backend: str = "torch",
+              weights: Optional[dict[str, torch.Tensor]] = None, device: str = "cpu",
+              **preset_overrides: Any) -> "ModelRunner":
+        """Config (or preset name), seeded random weights, a pool plan for ``max_total_tokens``,
+        pools, allocator and runner in one call. State dtype: float64 in float64 mode, else the
+        env flag's (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``) unless given."""
+        cfg = DSV4Config.preset(config, **preset_overrides) if isinstance(config, str) else config
+        if state_dtype is None and dtype == torch.float64:
+            state_dtype = torch.float64
+        plan = DSV4PoolConfigurator(cfg, max_running_requests=max_running_requests, swa_ratio=swa_ratio,
+                                    state_dtype=state_dtype, online_compress=online_compress,
+                                    dense=dense).plan_for_tokens(max_total_tokens)
+        pools = DSV4KVPools(cfg, plan, device=device, state_dtype=state_dtype)
+        allocator = KVAllocator(plan, max_context=max_context or plan.max_full_tokens,
+                                window=cfg.sliding_window, dense=dense, device=device)
+        if weights is None:
+            weights = random_weights(cfg, seed=seed, dtype=dtype, device=device, include_mtp=False)
+        return cls(cfg, weights, pools, allocator, device=device, dtype=dtype, backend=backend, dense=dense)

@@ -8,6 +8,7 @@ read our responses unchanged.
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -19,6 +20,14 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.param = param
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine's waiting queue is over ``max_queued_requests``; retry later (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -58,6 +67,28 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise InvalidRequest(f"{param} {msg}", param=param)
 
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        for name in ("max_new_tokens", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(name, f"must be an integer, got {v!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(x, str) for x in self.stop):
+            bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if any(x == "" for x in self.stop):
+            bad("stop", "must not contain an empty string")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.stop_token_ids):
+            bad("stop_token_ids", f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not (-(2 ** 63) <= self.seed < 2 ** 64)):
+            bad("seed", f"must be an integer that fits in 64 bits, got {self.seed!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             bad("max_new_tokens", f"must be a positive integer, got {self.max_new_tokens!r}")
         if self.temperature < 0:

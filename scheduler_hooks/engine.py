@@ -1,0 +1,459 @@
+"""The engine: model, pools, scheduler and tokenizer behind an SGLang-shaped API.
+
+Offline (the caller's thread drives the scheduler until its requests finish)::
+
+    with Engine(preset="tiny") as eng:
+        out = eng.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+        out["text"], out["output_ids"], out["meta_info"]["finish_reason"]
+
+Online (the HTTP server): ``start()`` runs the scheduler loop in a background thread;
+``submit(req, callback)`` validates at once and the callback receives a ``RequestOutput``
+from the engine thread after every step that produced tokens for the request, and once with
+``finished=True``; ``abort(rid)`` finishes a request wherever it is. ``generate`` also works
+while the loop runs (it then goes through ``submit``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+
+from dsv4_backend.checkpoint import load_checkpoint
+from dsv4_backend.config import DSV4Config
+from dsv4_backend.model_runner import ModelRunner
+from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
+from dsv4_backend.weights import random_weights
+from memory.allocator import KVAllocator
+from memory.configurator import DSV4PoolConfigurator, PoolPlan
+from memory.pools import DSV4KVPools
+
+from .hooks import SchedulerHooks
+from .io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DEFAULT_GPU_MEM_FRACTION = 0.85
+DEFAULT_CPU_MEM_FRACTION = 0.25
+
+Callback = Callable[[RequestOutput], None]
+
+
+class EngineStopped(RuntimeError):
+    """The engine has been shut down."""
+
+
+@dataclass
+class _Add:
+    req: GenerateRequest
+    callback: Callback
+
+
+@dataclass
+class _Abort:
+    rid: str
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return total
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
+
+
+class Engine:
+    """A DeepSeek-V4 model served with paged compressed-KV pools and continuous batching.
+
+    Pools are sized by ``max_total_tokens`` or by ``mem_fraction_static`` of the device's
+    memory (the CPU: of the available RAM) minus the weights; with neither, the CPU default
+    is ``max_total_tokens = context_length`` and the GPU default a fraction of 0.85.
+    ``dtype="float64"`` (CPU only) also keeps the compressor state in float64: the exact mode
+    of the tests. ``capture_logits=True`` keeps every computed position's raw logits per
+    request (``captured_logits(rid)``) for comparisons with the reference.
+    """
+
+    def __init__(
+        self,
+        model_path: Optional[str] = None,
+        preset: str = "tiny",
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_running_requests: int = 16,
+        max_total_tokens: Optional[int] = None,
+        mem_fraction_static: Optional[float] = None,
+        chunked_prefill_size: int = 512,
+        context_length: Optional[int] = None,
+        skip_tokenizer_init: bool = False,
+        random_seed: int = 0,
+        swa_ratio: Optional[float] = None,
+        dense: bool = False,
+        max_queued_requests: int = 256,
+        capture_logits: bool = False,
+        config_overrides: Optional[dict[str, Any]] = None,
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        if dtype == "float64" and self.device.type != "cpu":
+            raise ValueError("dtype='float64' is the CPU-only exact mode")
+        if chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        self.dtype = DTYPES[dtype]
+        torch.manual_seed(random_seed)
+
+        self.config, weights = self._load_model(model_path, preset, random_seed, config_overrides or {})
+        self.model_name = str(model_path) if model_path else f"dsv4-{preset}"
+        self.context_length = int(context_length or self.config.max_position_embeddings)
+        self.tokenizer: Optional[Tokenizer] = None if skip_tokenizer_init else load_tokenizer(model_path)
+        self.vocab_size = self.config.vocab_size
+        if self.tokenizer is not None:
+            self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
+
+        state_dtype = torch.float64 if self.dtype == torch.float64 else None
+        conf = DSV4PoolConfigurator(self.config, max_running_requests=max_running_requests,
+                                    swa_ratio=0.1 if swa_ratio is None else swa_ratio,
+                                    state_dtype=state_dtype, dense=dense)
+        self.plan = self._plan(conf, weights, max_total_tokens, mem_fraction_static)
+        self.max_total_tokens = self.plan.max_full_tokens
+        self.pools = DSV4KVPools(self.config, self.plan, self.device, state_dtype)
+        self.allocator = KVAllocator(self.plan, max_context=self.context_length,
+                                     window=self.config.sliding_window, dense=dense, device=self.device)
+        self.runner = ModelRunner(self.config, weights, self.pools, self.allocator, self.device, self.dtype,
+                                  dense=dense)
+        self.hooks = SchedulerHooks(self.allocator)
+        self.scheduler = Scheduler(self.runner, self.hooks, SchedulerConfig(
+            max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+            context_length=self.context_length, eos_token_id=self.config.eos_token_id,
+            capture_logits=capture_logits, random_seed=random_seed), self.tokenizer)
+        self.max_queued_requests = max_queued_requests
+        self.dense = dense
+
+        self._lock = threading.RLock()           # the scheduler is driven by one thread at a time
+        self._inbox: "queue.Queue[Union[_Add, _Abort]]" = queue.Queue()
+        self._callbacks: dict[str, Callback] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._closed = False
+        logger.debug("memory plan:\n%s", self.plan.table())
+
+    # ---- construction ---------------------------------------------------------------
+
+    def _load_model(self, model_path: Optional[str], preset: str, seed: int,
+                    overrides: dict[str, Any]) -> tuple[DSV4Config, dict[str, torch.Tensor]]:
+        if model_path is not None:
+            if overrides:
+                raise ValueError("config_overrides apply to presets only, not to a checkpoint")
+            ck = load_checkpoint(model_path, dtype=self.dtype, device=self.device, include_mtp=False)
+            return ck.config, ck.weights
+        cfg = DSV4Config.preset(preset, **overrides)
+        logger.warning("no model path: the built-in %r preset has SEEDED RANDOM WEIGHTS (seed %d), so its "
+                       "output is meaningless text; pass a real DeepSeek-V4 checkpoint (model_path / "
+                       "--model-path DIR) for real answers", preset, seed)
+        return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False)
+
+    def _plan(self, conf: DSV4PoolConfigurator, weights: dict[str, torch.Tensor],
+              max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:
+        if max_total_tokens is not None and mem_fraction_static is not None:
+            raise ValueError("pass max_total_tokens or mem_fraction_static, not both")
+        if max_total_tokens is None and mem_fraction_static is None:
+            if self.device.type == "cpu":
+                max_total_tokens = self.context_length
+            else:
+                mem_fraction_static = DEFAULT_GPU_MEM_FRACTION
+        if max_total_tokens is not None:
+            return conf.plan_for_tokens(max_total_tokens)
+        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        budget = int(_available_bytes(self.device) * mem_fraction_static) - weight_bytes
+        if budget <= 0:
+            raise ValueError(f"mem_fraction_static={mem_fraction_static} leaves no memory for the KV pools "
+                             f"after {weight_bytes / 2**30:.2f} GiB of weights")
+        return conf.plan_for_budget(budget)
+
+    def memory_plan_table(self) -> str:
+        return self.plan.table()
+
+    # ---- validation -----------------------------------------------------------------
+
+    def _validate(self, req: GenerateRequest) -> None:
+        ids = req.input_ids
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="input_ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest("input_ids must be integers", param="input_ids")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                 param="input_ids")
+        p = req.sampling_params
+        p.validate()
+        n, limit = len(ids), min(self.context_length, self.max_total_tokens)
+        what = "context length" if limit == self.context_length else "KV pool capacity (max_total_tokens)"
+        if n + p.max_new_tokens > limit:
+            raise InvalidRequest(
+                f"the prompt ({n} tokens) plus max_new_tokens ({p.max_new_tokens}) = {n + p.max_new_tokens} "
+                f"exceeds the {what} of {limit} tokens", param="max_new_tokens" if n < limit else "input_ids")
+        if p.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)",
+                                 param="stop")
+        if any(not isinstance(t, int) or t < 0 for t in p.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be non-negative integers", param="stop_token_ids")
+        if req.top_logprobs_num < 0:
+            raise InvalidRequest("top_logprobs_num must be >= 0", param="top_logprobs_num")
+
+    def _make_request(self, prompt: Optional[str], input_ids: Optional[list[int]],
+                      sampling_params: Union[None, dict, SamplingParams], return_logprob: bool,
+                      logprob_start_len: Optional[int], top_logprobs_num: int, stream: bool) -> GenerateRequest:
+        if input_ids is None:
+            if prompt is None:
+                raise InvalidRequest("give a prompt or input_ids", param="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequest("text prompts need a tokenizer (the engine runs with skip_tokenizer_init); "
+                                     "pass input_ids", param="prompt")
+            input_ids = self.tokenizer.encode(prompt)
+        params = (sampling_params if isinstance(sampling_params, SamplingParams)
+                  else SamplingParams.from_dict(sampling_params))
+        return GenerateRequest(input_ids=list(input_ids), sampling_params=params, return_logprob=return_logprob,
+                               logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+                               top_logprobs_num=top_logprobs_num, stream=stream)
+
+    # ---- offline API ----------------------------------------------------------------
+
+    def generate(self, prompt: Union[None, str, list[str]] = None,
+                 input_ids: Union[None, list[int], list[list[int]]] = None,
+                 sampling_params: Union[None, dict, SamplingParams, list] = None,
+                 return_logprob: bool = False, logprob_start_len: Optional[int] = None,
+                 top_logprobs_num: int = 0, stream: bool = False) -> Any:
+        """One request (a dict back) or a list (a list of dicts back, in order).
+
+        Each dict: ``{"text", "output_ids", "meta_info"}`` with ``prompt_tokens``,
+        ``completion_tokens``, ``finish_reason`` and, with ``return_logprob``, the logprob lists.
+        ``stream=True`` returns an iterator of incremental dicts (``text`` and ``output_ids`` hold
+        only what is new; with a list of requests each dict also carries ``index``).
+        As in SGLang, ``generate(prompt, {"temperature": 0})`` also works: a dict (or
+        SamplingParams) given in the ``input_ids`` place is taken as the sampling parameters.
+        """
+        if isinstance(input_ids, (dict, SamplingParams)) or (
+                isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], (dict, SamplingParams))):
+            if sampling_params is not None:
+                raise InvalidRequest("sampling parameters given twice", param="sampling_params")
+            input_ids, sampling_params = None, input_ids
+        batch = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids
+                                             and isinstance(input_ids[0], list))
+        if batch:
+            n = len(prompt) if isinstance(prompt, list) else len(input_ids)
+            prompts = prompt if isinstance(prompt, list) else [None] * n
+            ids = input_ids if input_ids is not None else [None] * n
+            sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+            reqs = [self._make_request(prompts[i], ids[i], sps[i], return_logprob, logprob_start_len,
+                                       top_logprobs_num, stream) for i in range(n)]
+        else:
+            reqs = [self._make_request(prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                                       top_logprobs_num, stream)]
+        for r in reqs:
+            self._validate(r)
+        if stream:
+            return self._stream(reqs, batch)
+        finals: dict[str, RequestOutput] = {}
+        for out in self._run(reqs):
+            if out.finished:
+                finals[out.rid] = out
+        results = [finals[r.rid].to_dict() for r in reqs]
+        return results if batch else results[0]
+
+    def _stream(self, reqs: list[GenerateRequest], batch: bool) -> Iterator[dict[str, Any]]:
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        for out in self._run(reqs):
+            d = {"text": out.delta_text, "output_ids": list(out.delta_ids), "meta_info": out.meta_info(),
+                 "finished": out.finished}
+            if batch:
+                d["index"] = index[out.rid]
+            yield d
+
+    def _run(self, reqs: list[GenerateRequest]) -> Iterator[RequestOutput]:
+        """Outputs of ``reqs`` as they are produced, until all have finished."""
+        if self._closed:
+            raise EngineStopped("the engine has been shut down")
+        pending = {r.rid for r in reqs}
+        if self._thread is not None:
+            q: "queue.Queue[RequestOutput]" = queue.Queue()
+            for r in reqs:
+                self.submit(r, q.put, check_load=False)
+            try:
+                while pending:
+                    out = q.get()
+                    if out.finished:
+                        pending.discard(out.rid)
+                    yield out
+            finally:
+                for rid in pending:
+                    self.abort(rid)
+            return
+        with self._lock:
+            for r in reqs:
+                self.scheduler.add(r)
+            try:
+                while pending:
+                    outs = self.scheduler.step() + self.scheduler.take_rejections()
+                    if not outs and self.scheduler.idle and pending:
+                        raise RuntimeError(f"scheduler went idle with requests unfinished: {sorted(pending)}")
+                    for out in outs:
+                        if out.rid in pending:
+                            if out.finished:
+                                pending.discard(out.rid)
+                            yield out
+            finally:
+                for rid in list(pending):
+                    self.scheduler.abort(rid, "the caller stopped reading the stream")
+
+    # ---- online API -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the scheduler loop in a background thread (for ``submit``)."""
+        if self._thread is not None:
+            return
+        if self._closed:
+            raise EngineStopped("the engine has been shut down")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenerateRequest, callback: Callback, check_load: bool = True) -> None:
+        """Validate now (InvalidRequest, EngineOverloaded) and queue; outputs go to ``callback``."""
+        if self._thread is None:
+            raise EngineStopped("call start() before submit()")
+        self._validate(req)
+        if check_load and len(self.scheduler.waiting) + self._inbox.qsize() >= self.max_queued_requests:
+            raise EngineOverloaded(f"{self.max_queued_requests} requests are already waiting; retry later")
+        self._inbox.put(_Add(req, callback))
+
+    def abort(self, rid: str) -> None:
+        """Finish ``rid`` (waiting, prefilling or decoding) and free its pages; unknown ids are ignored."""
+        if self._thread is not None:
+            self._inbox.put(_Abort(rid))
+        else:
+            with self._lock:
+                self.scheduler.abort(rid)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=self.scheduler.idle)
+            try:
+                with self._lock:
+                    outs = self.scheduler.step() + self.scheduler.take_rejections()
+            except Exception:
+                logger.exception("engine step failed; aborting every request")
+                outs = self._abort_all("internal error in the engine step")
+            for out in outs:
+                self._deliver(out)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            with self._lock:
+                if isinstance(item, _Add):
+                    self._callbacks[item.req.rid] = item.callback
+                    try:
+                        self.scheduler.add(item.req)
+                    except Exception as e:  # never let one request take the engine thread down
+                        logger.exception("could not queue request %s", item.req.rid)
+                        self._deliver(self._rejected(item.req, f"request rejected: {e}"))
+                else:
+                    out = self.scheduler.abort(item.rid)
+                    if out is not None:
+                        self._deliver(out)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort_all(self, message: str) -> list[RequestOutput]:
+        outs = []
+        with self._lock:
+            for rid in list(self.scheduler.reqs):
+                out = self.scheduler.abort(rid, message)
+                if out is not None:
+                    out.error = message
+                    outs.append(out)
+        return outs
+
+    @staticmethod
+    def _rejected(req: GenerateRequest, message: str) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid, output_ids=[], delta_ids=[], text="", delta_text="", finished=True,
+            finish_reason={"type": "abort", "message": message}, prompt_tokens=len(req.input_ids),
+            completion_tokens=0, error=message)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        cb = self._callbacks.pop(out.rid, None) if out.finished else self._callbacks.get(out.rid)
+        if cb is None:
+            return
+        try:
+            cb(out)
+        except Exception:
+            logger.exception("callback of request %s raised; aborting it", out.rid)
+            if not out.finished:
+                self._inbox.put(_Abort(out.rid))
+
+    # ---- introspection --------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Running / waiting requests, cumulative token counts, and every pool's use."""
+        s = self.scheduler
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting) + self._inbox.qsize(),
+            "prompt_tokens_total": s.num_prompt_tokens,
+            "generation_tokens_total": s.num_generated_tokens,
+            "num_retractions": s.num_retractions,
+            "pools": self.pool_usage(),
+        }
+
+    def pool_usage(self) -> dict[str, dict[str, int]]:
+        """{pool: {"used", "total"}}: full / swa in tokens, req_slots, c4_rows, c4_indexer_rows,
+        c4_ring_slots, c128_rows, c128_ring_rows or c128_online_slots (the allocator's accounting)."""
+        return _pool_usage(self.allocator.stats())
+
+    def captured_logits(self, rid: str) -> torch.Tensor:
+        """Raw logits of every position computed for a finished request: [n, V] (capture_logits only)."""
+        return self.scheduler.captured[rid]
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+
+    # ---- lifetime -------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the loop (unfinished requests are aborted) and drop the pools."""
+        if self._closed:
+            return
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        for out in self._abort_all("the engine shut down"):
+            self._deliver(out)
+        self._closed = True
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _pool_usage(raw: dict[str, Any]) -> dict[str, dict[str, int]]:
+    return {name: {"used": int(st.used), "total": int(st.total)} for name, st in raw.items()}

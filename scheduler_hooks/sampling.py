@@ -1,0 +1,134 @@
+"""Turning one step's logits into tokens, one row per request.
+
+The pipeline for a row (SGLang's order):
+
+1. penalties on the raw logits: repetition (prompt and output tokens: positive logits divided
+   by the penalty, negative ones multiplied), then frequency (minus ``f * count`` over output
+   tokens) and presence (minus ``p`` for every token the output holds);
+2. greedy (temperature 0 or top_k 1): argmax of the penalised logits;
+3. otherwise ``probs = softmax(logits / temperature)`` and, all three judged on these probs,
+   keep token ``t`` iff its rank (descending) is < top_k, the mass of the tokens ranked before
+   it is <= top_p (so the token that crosses top_p stays), and ``probs[t] >= min_p * max(probs)``;
+   draw from the renormalised survivors.
+
+A request with a ``seed`` owns a ``torch.Generator`` (created by the scheduler, kept across
+steps and retractions), so its samples do not depend on what else is in the batch. The draw
+happens on the CPU so a seed gives the same tokens on any device.
+
+Logprobs are ``log_softmax`` of the raw logits (before penalties and temperature), as SGLang
+reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from .io import SamplingParams
+
+
+@dataclass
+class SampleInput:
+    """What sampling needs from one request."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator          # the request's own (seeded) or the engine's
+    top_logprobs_num: int = 0
+    return_logprob: bool = False
+
+
+class TokenLogprob(NamedTuple):
+    logprob: float
+    token_id: int
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[Optional[float]]                       # of the chosen token, None unless asked
+    top_logprobs: list[Optional[list[TokenLogprob]]]      # None unless top_logprobs_num > 0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams,
+                    prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """Penalised copy of one row of logits. logits: [V]."""
+    rp, fp, pp = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    if rp == 1.0 and ((fp == 0.0 and pp == 0.0) or not output_ids):
+        return logits
+    logits = logits.clone()
+    V = logits.shape[-1]
+    dev = logits.device
+    if rp != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=dev)
+        seen = seen[seen < V]
+        if seen.numel():
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / rp, x * rp)
+    if output_ids and (fp != 0.0 or pp != 0.0):
+        out = torch.tensor(output_ids, dtype=torch.long, device=dev)
+        counts = torch.bincount(out[out < V], minlength=V).to(logits.dtype)
+        logits -= fp * counts + pp * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then the top-k / top-p / min-p mask, renormalised. logits: [V] -> probs [V]."""
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k:] = False
+    if params.top_p < 1.0:
+        mass_before = sorted_p.cumsum(0) - sorted_p
+        keep &= mass_before <= params.top_p
+    if params.min_p > 0.0:
+        keep &= sorted_p >= params.min_p * sorted_p[0]
+    keep[0] = True  # the most likely token always survives
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sorted_p[keep]
+    return out / out.sum()
+
+
+def sample_row(logits: torch.Tensor, inp: SampleInput) -> int:
+    """One token for one request. logits: [V] raw."""
+    logits = apply_penalties(logits, inp.params, inp.prompt_ids, inp.output_ids)
+    if inp.params.greedy:
+        return int(torch.argmax(logits).item())
+    probs = filtered_probs(logits, inp.params).cpu()
+    return int(torch.multinomial(probs, 1, generator=inp.generator).item())
+
+
+def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+                    ) -> tuple[list[float], list[Optional[list[TokenLogprob]]]]:
+    """Logprobs of ``token_ids`` under raw ``logits`` and the top ``top_n`` per row.
+
+    logits: [N, V]; token_ids: [N] -> ([N] floats, [N] lists or Nones)
+    """
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    chosen = lp.gather(1, token_ids.view(-1, 1).to(lp.device)).squeeze(1).tolist()
+    if top_n <= 0:
+        return chosen, [None] * len(chosen)
+    vals, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+    tops = [[TokenLogprob(v, i) for v, i in zip(vr, ir)] for vr, ir in zip(vals.tolist(), idx.tolist())]
+    return chosen, tops
+
+
+def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
+    """One token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
+    assert logits.shape[0] == len(inputs), (logits.shape, len(inputs))
+    tokens = [sample_row(logits[i], inp) for i, inp in enumerate(inputs)]
+    logprobs: list[Optional[float]] = [None] * len(inputs)
+    tops: list[Optional[list[TokenLogprob]]] = [None] * len(inputs)
+    want = [i for i, inp in enumerate(inputs) if inp.return_logprob]
+    if want:
+        top_n = max(inputs[i].top_logprobs_num for i in want)
+        ids = torch.tensor([tokens[i] for i in want])
+        chosen, top = logprob_entries(logits[want], ids, top_n)
+        for j, i in enumerate(want):
+            logprobs[i] = chosen[j]
+            n = inputs[i].top_logprobs_num
+            tops[i] = top[j][:n] if n > 0 else None
+    return SampleOutput(tokens, logprobs, tops)

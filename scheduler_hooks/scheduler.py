@@ -1,0 +1,441 @@
+"""Continuous batching: which tokens of which requests go into the next forward.
+
+A request is a list of ids (prompt, then its outputs) of which the first ``kv_len`` are in
+the pools. Every step feeds each scheduled request the next ``n >= 1`` of its ids; when the
+step reaches the end of its ids the last position's logits give a new token. A decode is the
+case ``n == 1``; a prefill (fresh, continued, or the recompute after a retraction) is any
+other, so one step mixes both freely.
+
+Policy of ``step()``:
+
+1. Decodes first, oldest request first. If a decode cannot get its pages, the newest running
+   request is retracted (pages freed, put back at the head of the waiting queue with prompt +
+   outputs so far, to be prefilled again: its outputs continue exactly where they stopped);
+   repeat until the decode fits or the request itself was the one retracted.
+2. Prefill chunks share a budget of ``chunked_prefill_size`` tokens per step (decodes do not
+   count): first requests whose prefill is under way, oldest first, then new admissions from
+   the head of the queue while a request slot is free. A chunk may end anywhere; when the
+   pools cannot hold a chunk it is halved until it fits (down to one token) or the request
+   waits. Admission needs a request slot (which also addresses its C128 ring or online state)
+   and the pages of its first chunk.
+3. If nothing could be scheduled while requests are running (prefills that block each other),
+   the newest running request is retracted and scheduling is tried again.
+
+Finished, aborted and retracted requests give back everything at once (``hooks.release``);
+SWA pages that left the window are given back after every forward (``hooks.after_forward``).
+The allocator's ``check_integrity()`` runs whenever the scheduler becomes idle.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from dsv4_backend.model_runner import ForwardRequest
+from dsv4_backend.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from .hooks import SchedulerHooks
+from .io import GenerateRequest, LogprobEntry, RequestOutput
+from .sampling import SampleInput, TokenLogprob, logprob_entries, sample
+
+logger = logging.getLogger(__name__)
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int
+    context_length: int
+    eos_token_id: int
+    capture_logits: bool = False
+    random_seed: int = 0
+
+
+@dataclass
+class Req:
+    """A request inside the scheduler."""
+
+    rid: str
+    prompt_ids: list[int]
+    greq: GenerateRequest
+    generator: torch.Generator
+    detok: Optional[IncrementalDetokenizer]
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    kv_len: int = 0                      # ids whose KV rows are in the pools
+    num_retractions: int = 0
+    finish_reason: Optional[dict[str, Any]] = None
+    text: str = ""                       # final text once finished
+    text_sent: int = 0                   # characters already delivered
+    logprob_start: int = 0
+    input_logprobs: dict[int, tuple[Optional[float], Optional[list[TokenLogprob]]]] = field(default_factory=dict)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[TokenLogprob]] = field(default_factory=list)
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)   # position -> logits [V]
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_ids(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Ids not yet in the pools; 1 means the next step is a decode."""
+        return self.num_ids - self.kv_len
+
+    @property
+    def params(self):
+        return self.greq.sampling_params
+
+    def input_logprobs_pending(self) -> bool:
+        return self.greq.return_logprob and len(self.input_logprobs) < len(self.prompt_ids) - self.logprob_start
+
+
+@dataclass
+class ScheduledChunk:
+    req: Req
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        return self.req.kv_len + self.num_tokens == self.req.num_ids
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; ``step()`` runs one forward."""
+
+    def __init__(self, runner: Any, hooks: SchedulerHooks, cfg: SchedulerConfig,
+                 tokenizer: Optional[Tokenizer] = None):
+        self.runner = runner
+        self.hooks = hooks
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []          # in admission order: retraction takes the last
+        self.reqs: dict[str, Req] = {}
+        self._default_gen = torch.Generator(device="cpu").manual_seed(cfg.random_seed)
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_retractions = 0
+        self.num_steps = 0
+        self._was_busy = False
+        self._retracted_this_step = False
+        self._pending_rejections: list[RequestOutput] = []
+        # rid -> logits [n, V] of every computed position (capture_logits only), kept after finish
+        self.captured: dict[str, torch.Tensor] = {}
+
+    # ---- requests in and out --------------------------------------------------------
+
+    def add(self, greq: GenerateRequest) -> None:
+        """Queue a validated request (the engine checks ids and lengths)."""
+        if greq.rid in self.reqs:
+            raise ValueError(f"request id {greq.rid!r} is already in the scheduler")
+        p = greq.sampling_params
+        gen = (torch.Generator(device="cpu").manual_seed(p.seed) if p.seed is not None
+               else self._default_gen)
+        detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens) if self.tokenizer else None
+        req = Req(greq.rid, list(greq.input_ids), greq, gen, detok)
+        n = len(req.prompt_ids)
+        start = greq.logprob_start_len
+        req.logprob_start = n - 1 if start is None or start < 0 else min(start, n - 1)
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self.num_prompt_tokens += n
+
+    def abort(self, rid: str, message: str = "aborted") -> Optional[RequestOutput]:
+        """Finish a request wherever it is; returns its final output (None if unknown or done)."""
+        req = self.reqs.get(rid)
+        if req is None or req.state is ReqState.FINISHED:
+            return None
+        if req.state is ReqState.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+            self.hooks.release(rid)
+        self._finish(req, {"type": "abort", "message": message})
+        out = self._output(req, [])
+        del self.reqs[rid]
+        self._maybe_idle_check()
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ---- one step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; returns an output for every request that moved."""
+        batch = self._schedule()
+        if not batch:
+            self._maybe_idle_check()
+            return []
+        self._was_busy = True
+        self.num_steps += 1
+        fwd = []
+        for ch in batch:
+            r = ch.req
+            ids = r.all_ids[r.kv_len:r.kv_len + ch.num_tokens]
+            fwd.append(ForwardRequest(req_slot=self.hooks.req_slot(r.rid), prefix_len=r.kv_len,
+                                      input_ids=ids,
+                                      logits=self._logits_mode(ch)))
+        logits = self.runner.forward(fwd)
+        self.hooks.after_forward(ch.req.rid for ch in batch)
+
+        sampled: list[tuple[Req, torch.Tensor]] = []
+        for ch, lg in zip(batch, logits):
+            r = ch.req
+            if lg.shape[0] == ch.num_tokens:      # every position's logits came back
+                self._record_positions(r, r.kv_len, lg)
+            completes = ch.completes
+            r.kv_len += ch.num_tokens
+            if completes:
+                sampled.append((r, lg[-1]))
+
+        outputs: list[RequestOutput] = []
+        if sampled:
+            inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids, r.generator,
+                                  r.greq.top_logprobs_num, r.greq.return_logprob) for r, _ in sampled]
+            res = sample(torch.stack([lg for _, lg in sampled]), inputs)
+            for i, (r, _) in enumerate(sampled):
+                outputs.append(self._append_token(r, res.token_ids[i], res.logprobs[i], res.top_logprobs[i]))
+        self._maybe_idle_check()
+        return outputs
+
+    def _logits_mode(self, ch: ScheduledChunk) -> str:
+        r = ch.req
+        if self.cfg.capture_logits or (r.input_logprobs_pending()
+                                       and r.kv_len + ch.num_tokens > r.logprob_start - 1):
+            return "all"
+        return "last" if ch.completes else "none"
+
+    def _record_positions(self, r: Req, start: int, lg: torch.Tensor) -> None:
+        """Keep captured logits and input logprobs of positions start .. start + len(lg) - 1."""
+        if self.cfg.capture_logits:
+            for j in range(lg.shape[0]):
+                r.captured[start + j] = lg[j].detach().to("cpu", copy=True)
+        if not r.input_logprobs_pending():
+            return
+        n_prompt = len(r.prompt_ids)
+        # the logits at position q give the logprob of prompt token q + 1
+        qs = [q for q in range(start, start + lg.shape[0]) if r.logprob_start <= q + 1 < n_prompt]
+        if r.logprob_start == 0:
+            r.input_logprobs[0] = (None, None)
+        if not qs:
+            return
+        rows = lg[[q - start for q in qs]]
+        targets = torch.tensor([r.prompt_ids[q + 1] for q in qs])
+        chosen, tops = logprob_entries(rows, targets, r.greq.top_logprobs_num)
+        for q, c, t in zip(qs, chosen, tops):
+            r.input_logprobs[q + 1] = (c, t)
+
+    # ---- scheduling -----------------------------------------------------------------
+
+    def _schedule(self) -> list[ScheduledChunk]:
+        self._retracted_this_step = False
+        while True:
+            batch = self._try_schedule()
+            if batch:
+                return batch
+            if self.running:
+                # running requests exist but none could move: prefills block each other
+                self._retract(self.running[-1])
+                continue
+            if self.waiting and not self._retracted_this_step:
+                self._reject_unrunnable_head()
+            return batch
+
+    def _try_schedule(self) -> list[ScheduledChunk]:
+        batch: list[ScheduledChunk] = []
+        decodes = [r for r in self.running if r.remaining == 1]
+        for r in decodes:
+            if r.state is not ReqState.RUNNING:
+                continue   # retracted while making room for an older one
+            while not (res := self.hooks.reserve(r.rid, r.kv_len + 1)).ok:
+                if res.failed_pool == "context":
+                    raise RuntimeError(f"request {r.rid} reached the allocator's max_context; "
+                                       "the engine's context check should have stopped it")
+                victim = self.running[-1]
+                self._retract(victim)
+                if victim is r:
+                    break
+            else:
+                batch.append(ScheduledChunk(r, 1))
+
+        budget = self.cfg.chunked_prefill_size
+        for r in [r for r in self.running if r.remaining > 1]:
+            if budget <= 0:
+                break
+            n = self._reserve_chunk(r, min(r.remaining, budget))
+            if n:
+                batch.append(ScheduledChunk(r, n))
+                budget -= n
+
+        # no admissions right after a retraction: the pages it freed are for the running requests
+        while (self.waiting and budget > 0 and not self._retracted_this_step
+               and len(self.running) < self.cfg.max_running_requests):
+            r = self.waiting[0]
+            if self.hooks.admit(r.rid) is None:
+                break
+            n = self._reserve_chunk(r, min(r.remaining, budget))
+            if not n:
+                self.hooks.release(r.rid)
+                break
+            self.waiting.popleft()
+            r.state = ReqState.RUNNING
+            self.running.append(r)
+            batch.append(ScheduledChunk(r, n))
+            budget -= n
+        return batch
+
+    def _reserve_chunk(self, r: Req, n: int) -> int:
+        """Reserve pages for the next ``n`` ids of ``r``, halving ``n`` until it fits; 0 if none does."""
+        while n >= 1:
+            if self.hooks.reserve(r.rid, r.kv_len + n).ok:
+                return n
+            n //= 2
+        return 0
+
+    def _retract(self, r: Req) -> None:
+        """Free everything ``r`` holds and put it back at the head of the queue for recompute."""
+        self.running.remove(r)
+        self.hooks.release(r.rid)
+        r.kv_len = 0
+        r.state = ReqState.WAITING
+        r.num_retractions += 1
+        self.num_retractions += 1
+        self._retracted_this_step = True
+        self.waiting.appendleft(r)
+        logger.info("retracted request %s (%d ids) to free pages", r.rid, r.num_ids)
+
+    def _reject_unrunnable_head(self) -> None:
+        """Nothing runs and the head of the queue cannot be admitted: it never will be."""
+        r = self.waiting[0]
+        logger.error("request %s (%d ids) does not fit in the empty pools; aborting it", r.rid, r.num_ids)
+        self.waiting.popleft()
+        self._finish(r, {"type": "abort", "message": "request does not fit in the KV pools"})
+        self._pending_rejections.append(self._output(r, []))
+        del self.reqs[r.rid]
+
+    def take_rejections(self) -> list[RequestOutput]:
+        out, self._pending_rejections = self._pending_rejections, []
+        return out
+
+    # ---- tokens, stop conditions, outputs -------------------------------------------
+
+    def _append_token(self, r: Req, tok: int, logprob: Optional[float],
+                      top: Optional[list[TokenLogprob]]) -> RequestOutput:
+        r.output_ids.append(tok)
+        self.num_generated_tokens += 1
+        if r.greq.return_logprob:
+            r.output_logprobs.append(logprob)
+            if r.greq.top_logprobs_num > 0:
+                r.output_top.append(top or [])
+        p = r.params
+        stop_tok = (tok == self.cfg.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids
+        if r.detok is not None and not (stop_tok and not p.no_stop_trim):
+            r.detok.push([tok])
+        if stop_tok:
+            self._finish(r, {"type": "stop", "matched": tok})
+        elif (hit := self._match_stop_string(r)) is not None:
+            self._finish(r, {"type": "stop", "matched": hit[0]}, text_end=hit[1])
+        elif len(r.output_ids) >= p.max_new_tokens:
+            self._finish(r, {"type": "length", "length": p.max_new_tokens})
+        elif r.num_ids >= self.cfg.context_length:
+            self._finish(r, {"type": "length", "length": len(r.output_ids)})
+        out = self._output(r, [tok])
+        if r.state is ReqState.FINISHED:
+            self.running.remove(r)
+            self.hooks.release(r.rid)
+            del self.reqs[r.rid]
+        return out
+
+    def _match_stop_string(self, r: Req) -> Optional[tuple[str, int]]:
+        """(stop string, where the text ends) for the earliest stop string in the text, if any."""
+        if r.detok is None or not r.params.stop:
+            return None
+        text = r.detok.text
+        best: Optional[tuple[str, int]] = None
+        for s in r.params.stop:
+            i = text.find(s, max(0, r.text_sent - len(s)))
+            if i >= 0 and (best is None or i < best[1]):
+                best = (s, i)
+        if best is None:
+            return None
+        s, i = best
+        return s, (i + len(s) if r.params.no_stop_trim else i)
+
+    def _visible_text(self, r: Req) -> str:
+        """Text that may be sent now: all of it once finished, else minus a possible stop-string start."""
+        if r.detok is None:
+            return ""
+        if r.state is ReqState.FINISHED:
+            return r.text
+        text = r.detok.text
+        hold = 0
+        for s in r.params.stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[:len(text) - hold]
+
+    def _finish(self, r: Req, reason: dict[str, Any], text_end: Optional[int] = None) -> None:
+        r.state = ReqState.FINISHED
+        r.finish_reason = reason
+        if self.cfg.capture_logits:
+            pos = sorted(r.captured)
+            assert pos == list(range(len(pos))), f"captured positions of {r.rid} are not contiguous"
+            self.captured[r.rid] = torch.stack([r.captured[p] for p in pos]) if pos else torch.empty(0)
+            r.captured.clear()
+        if r.detok is not None:
+            if text_end is None:
+                r.detok.flush()
+                r.text = r.detok.text
+            else:
+                r.text = r.detok.text[:text_end]
+
+    def _output(self, r: Req, delta_ids: list[int]) -> RequestOutput:
+        visible = self._visible_text(r)
+        delta_text = visible[r.text_sent:] if len(visible) > r.text_sent else ""
+        r.text_sent = max(r.text_sent, len(visible))
+        out = RequestOutput(
+            rid=r.rid, output_ids=list(r.output_ids), delta_ids=list(delta_ids),
+            text=visible, delta_text=delta_text, finished=r.state is ReqState.FINISHED,
+            finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
+            completion_tokens=len(r.output_ids),
+        )
+        if r.greq.return_logprob:
+            self._fill_logprobs(r, out)
+        return out
+
+    def _fill_logprobs(self, r: Req, out: RequestOutput) -> None:
+        def entries(pairs: list[TokenLogprob]) -> list[LogprobEntry]:
+            return [(lp, tid, None) for lp, tid in pairs]
+
+        positions = range(r.logprob_start, len(r.prompt_ids))
+        ilp = [r.input_logprobs.get(p, (None, None)) for p in positions]
+        out.input_token_logprobs = [(lp, r.prompt_ids[p], None) for p, (lp, _) in zip(positions, ilp)]
+        out.output_token_logprobs = [(lp, tid, None) for lp, tid in zip(r.output_logprobs, r.output_ids)]
+        if r.greq.top_logprobs_num > 0:
+            out.input_top_logprobs = [entries(t) if t is not None else None for _, t in ilp]
+            out.output_top_logprobs = [entries(t) for t in r.output_top]
+
+    def _maybe_idle_check(self) -> None:
+        if self._was_busy and self.idle:
+            self.hooks.check_integrity()
+            self._was_busy = False

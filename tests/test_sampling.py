@@ -1,0 +1,147 @@
+"""Sampling against direct formulas written here in plain Python (float64, math module)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from scheduler_hooks.io import SamplingParams
+from scheduler_hooks.sampling import SampleInput, apply_penalties, filtered_probs, logprob_entries, sample
+
+
+def _rand_logits(V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, generator=g, dtype=torch.float64) * 2.5
+
+
+def _penalised(logits: list[float], prompt: list[int], output: list[int], rp: float, fp: float, pp: float):
+    out = []
+    seen = set(prompt) | set(output)
+    for v, x in enumerate(logits):
+        if v in seen:
+            x = x / rp if x > 0 else x * rp
+        c = output.count(v)
+        x -= fp * c + pp * (1 if c else 0)
+        out.append(x)
+    return out
+
+
+def _filtered(logits: list[float], T: float, top_k: int, top_p: float, min_p: float) -> list[float]:
+    m = max(x / T for x in logits)
+    e = [math.exp(x / T - m) for x in logits]
+    s = sum(e)
+    p = [x / s for x in e]
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep, before = set(), 0.0
+    for rank, i in enumerate(order):
+        ok = (top_k < 0 or rank < top_k) and before <= top_p and p[i] >= min_p * p[order[0]]
+        if ok or rank == 0:
+            keep.add(i)
+        before += p[i]
+    z = sum(p[i] for i in keep)
+    return [p[i] / z if i in keep else 0.0 for i in range(len(p))]
+
+
+@pytest.mark.parametrize("rp,fp,pp", [(1.3, 0.0, 0.0), (0.7, 0.0, 0.0), (1.0, 0.6, 0.0), (1.0, -0.4, 0.9),
+                                      (1.5, 0.5, -0.3)])
+def test_penalties_match_formula(rp, fp, pp):
+    V = 50
+    rng = random.Random(int(rp * 100 + fp * 10 + pp))
+    logits = _rand_logits(V, 3)
+    prompt = [rng.randrange(V) for _ in range(12)]
+    output = [rng.randrange(V) for _ in range(20)]   # with repeats: counts matter
+    params = SamplingParams(repetition_penalty=rp, frequency_penalty=fp, presence_penalty=pp)
+    got = apply_penalties(logits, params, prompt, output)
+    want = torch.tensor(_penalised(logits.tolist(), prompt, output, rp, fp, pp), dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+    assert not torch.equal(got, logits)          # the case is not trivial
+    assert torch.equal(logits, _rand_logits(V, 3))  # the input row is not modified
+
+
+@pytest.mark.parametrize("T,top_k,top_p,min_p", [(1.0, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, -1, 0.6, 0.0),
+                                                 (1.0, -1, 1.0, 0.08), (0.9, 7, 0.8, 0.05), (2.0, 3, 0.3, 0.5)])
+def test_filtered_probs_match_formula(T, top_k, top_p, min_p):
+    V = 40
+    logits = _rand_logits(V, 11)
+    params = SamplingParams(temperature=T, top_k=top_k, top_p=top_p, min_p=min_p)
+    got = filtered_probs(logits, params)
+    want = torch.tensor(_filtered(logits.tolist(), T, top_k, top_p, min_p), dtype=torch.float64)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+    assert (got > 0).sum() == (want > 0).sum()
+
+
+def test_top_p_keeps_the_crossing_token():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64))
+    p = filtered_probs(logits, SamplingParams(top_p=0.6))
+    assert (p > 0).tolist() == [True, True, False, False]   # 0.5 < 0.6, so 0.3 is needed to reach it
+    assert abs(float(p[0]) - 0.5 / 0.8) < 1e-12
+
+
+def test_greedy_is_argmax_of_penalised_logits():
+    V = 30
+    logits = _rand_logits(V, 5)
+    top = int(logits.argmax())
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    gen = torch.Generator().manual_seed(0)
+    tok = sample(logits[None], [SampleInput(p, [top], [], gen)]).token_ids[0]
+    pen = _penalised(logits.tolist(), [top], [], 2.0, 0.0, 0.0)
+    assert tok == max(range(V), key=lambda i: pen[i])
+    assert tok != top or logits[top] < 0
+
+
+def test_seeded_sampling_ignores_batch_composition():
+    V = 64
+    row = _rand_logits(V, 21)
+    p = SamplingParams(temperature=1.0, seed=1234)
+
+    def draws(batch_extra: int) -> list[int]:
+        gen = torch.Generator().manual_seed(1234)
+        other = torch.Generator().manual_seed(99)
+        toks = []
+        for step in range(25):
+            rows = [row] + [_rand_logits(V, 100 + step * 7 + j) for j in range(batch_extra)]
+            ins = [SampleInput(p, [], toks, gen)] + [SampleInput(SamplingParams(), [], [], other)
+                                                        for _ in range(batch_extra)]
+            toks.append(sample(torch.stack(rows), ins).token_ids[0])
+        return toks
+
+    a, b, c = draws(0), draws(3), draws(1)
+    assert a == b == c
+    assert len(set(a)) > 3   # really sampling, not argmax
+
+
+def test_sampling_frequencies_follow_filtered_probs():
+    V = 6
+    logits = _rand_logits(V, 2)
+    params = SamplingParams(temperature=0.8, top_k=4, min_p=0.02)
+    want = filtered_probs(logits, params)
+    gen = torch.Generator().manual_seed(7)
+    n = 6000
+    batch = logits[None].expand(n, V)
+    toks = sample(batch, [SampleInput(params, [], [], gen)] * n).token_ids
+    freq = torch.bincount(torch.tensor(toks), minlength=V).double() / n
+    assert freq[want == 0].sum() == 0
+    assert (freq - want).abs().max() < 0.03, (freq, want)
+
+
+def test_logprobs_are_of_raw_logits():
+    V = 20
+    rows = torch.stack([_rand_logits(V, s) for s in (1, 2, 3)])
+    ids = torch.tensor([4, 0, 19])
+    chosen, tops = logprob_entries(rows, ids, top_n=3)
+    for r in range(3):
+        xs = rows[r].tolist()
+        lse = math.log(sum(math.exp(x) for x in xs))
+        assert abs(chosen[r] - (xs[int(ids[r])] - lse)) < 1e-12
+        best = sorted(range(V), key=lambda i: -xs[i])[:3]
+        assert [t.token_id for t in tops[r]] == best
+        assert all(abs(t.logprob - (xs[t.token_id] - lse)) < 1e-12 for t in tops[r])
+    # penalties and temperature do not change the reported logprob
+    p = SamplingParams(temperature=0.5, repetition_penalty=1.8, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    out = sample(rows[:1], [SampleInput(p, [1, 2], [3], gen, top_logprobs_num=2, return_logprob=True)])
+    lp_direct, _ = logprob_entries(rows[:1], torch.tensor(out.token_ids), 0)
+    assert out.logprobs == lp_direct and len(out.top_logprobs[0]) == 2

@@ -1,0 +1,1109 @@
+"""The OpenAI-compatible HTTP server: ``python server.py`` / ``dsv4-serve`` / ``make serve``.
+
+FastAPI + uvicorn over the offline ``Engine`` (scheduler_hooks/engine.py), which runs the
+scheduler in its own thread. Each request gets an ``asyncio.Queue``; the engine's per-step
+callback hands ``RequestOutput`` objects to the event loop with ``call_soon_threadsafe``, so
+tokens leave as Server-Sent Events the moment a step decodes them.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /generate`` (SGLang's native shape),
+plus ``GET /get_model_info`` and ``GET /get_server_info`` for SGLang tooling.
+Errors follow OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid
+parameter, 404 for an unknown model, 503 with ``Retry-After`` when the queue is full. A client
+that disconnects aborts its requests, which frees their pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dsv4_backend.encoding import EncodingError, encode_messages, parse_message_from_completion_text
+from dsv4_backend.encoding import EOS, THINK_END, TOOL_CALLS_START
+from scheduler_hooks.io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
+
+logger = logging.getLogger("dsv4.server")
+
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.5
+SEED_LIMIT = 2 ** 63        # torch generators take 64-bit seeds
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Launch flags (SGLang's names). Engine fields pass through to ``Engine(...)`` unchanged."""
+
+    model_path: Optional[str] = None
+    preset: str = "tiny"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    dtype: str = "auto"
+    served_model_name: Optional[str] = None
+    max_running_requests: Optional[int] = None
+    max_queued_requests: Optional[int] = None
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: Optional[float] = None
+    context_length: Optional[int] = None
+    chunked_prefill_size: Optional[int] = None
+    random_seed: int = 0
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model_path:
+            return self.model_path
+        return f"deepseek-v4-{self.preset}"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``Engine``; unset optional flags keep the engine's defaults."""
+        dtype = self.dtype if self.dtype != "auto" else ("float32" if self.device == "cpu" else "bfloat16")
+        kw: dict[str, Any] = dict(model_path=self.model_path, preset=self.preset, device=self.device,
+                                  dtype=dtype, random_seed=self.random_seed)
+        for name in ("max_running_requests", "max_queued_requests", "max_total_tokens",
+                     "mem_fraction_static", "context_length", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+
+def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
+    d = ServerArgs()
+    p = argparse.ArgumentParser(description="Serve DeepSeek-V4 over an OpenAI-compatible HTTP API.")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model-path", default=d.model_path,
+                       help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    model.add_argument("--preset", default=d.preset, choices=["tiny", "flash", "pro"],
+                       help="built-in shape with seeded random weights (default: tiny)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--device", default=d.device, help="cpu or cuda")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float64"],
+                   help="activation dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests beyond this many waiting are refused with 503")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    mem.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
+    p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    ns = p.parse_args(argv)
+    return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+# ---- request bodies -------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored (SGLang does the same), so clients with extra_body keys still work.
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """OpenAI sampling fields plus SGLang's extras (top_k, min_p, ignore_eos, ...)."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: Optional[dict[str, float]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class GenerateReqInput(_Body):
+    """SGLang's native /generate request."""
+
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[dict[str, Any]] = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    rid: Optional[str] = None
+
+
+# ---- the bridge from the engine thread to asyncio -------------------------------------------------
+
+
+class EngineBridge:
+    """Submits requests and delivers their outputs into one asyncio.Queue as ``(index, output)``."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+
+    def submit(self, reqs: list[GenerateRequest]) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        submitted: list[str] = []
+        try:
+            for index, req in enumerate(reqs):
+                self.engine.submit(req, self._callback(queue, index))
+                submitted.append(req.rid)
+        except BaseException as e:
+            for rid in submitted:
+                self.engine.abort(rid)
+            raise self._translate(e) from e
+        return queue
+
+    def _callback(self, queue: asyncio.Queue, index: int) -> Callable[[RequestOutput], None]:
+        def deliver(out: RequestOutput) -> None:
+            try:
+                self.loop.call_soon_threadsafe(queue.put_nowait, (index, out))
+            except RuntimeError:
+                pass  # the loop is closed: the server is shutting down
+        return deliver
+
+    def _translate(self, e: BaseException) -> BaseException:
+        if isinstance(e, InvalidRequest):
+            return bad_request(str(e), _OPENAI_PARAM.get(e.param or "", e.param))
+        if isinstance(e, EngineOverloaded):
+            retry = max(1, round(getattr(e, "retry_after_s", RETRY_AFTER_S)))
+            return APIError(503, f"the server is overloaded: {e}", type="server_overloaded",
+                            code="queue_full", headers={"Retry-After": str(retry)})
+        return e
+
+    def abort(self, rids: Iterable[str]) -> None:
+        for rid in rids:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # aborting a request that just finished is harmless
+                logger.debug("abort(%s) failed", rid, exc_info=True)
+
+
+# Engine (SGLang) parameter names -> the OpenAI field a client sent.
+_OPENAI_PARAM = {"max_new_tokens": "max_tokens", "input_ids": "prompt", "top_logprobs_num": "top_logprobs"}
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+class ServerMetrics:
+    """Prometheus metrics: histograms observed here, engine gauges/counters read at scrape time."""
+
+    def __init__(self, engine: Any):
+        self.registry = CollectorRegistry()
+        buckets_ttft = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        buckets_tpot = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+        self.ttft = Histogram("dsv4_time_to_first_token_seconds", "Time to first token.",
+                              buckets=buckets_ttft, registry=self.registry)
+        self.tpot = Histogram("dsv4_time_per_output_token_seconds", "Time per output token after the first.",
+                              buckets=buckets_tpot, registry=self.registry)
+        self.e2e = Histogram("dsv4_e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=buckets_ttft, registry=self.registry)
+        self.registry.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads ``engine.stats()`` on every scrape: queue sizes, token counters, per-pool use."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        yield GaugeMetricFamily("dsv4_num_running_reqs", "Requests in the running batch.", value=s.get("num_running", 0))
+        yield GaugeMetricFamily("dsv4_num_waiting_reqs", "Requests waiting in the queue.", value=s.get("num_waiting", 0))
+        for key, name, doc in (("prompt_tokens", "dsv4_prompt_tokens", "Prompt tokens processed."),
+                               ("generation_tokens", "dsv4_generation_tokens", "Tokens generated.")):
+            value = _find_stat(s, key)
+            if value is not None:
+                yield CounterMetricFamily(name, doc, value=value)
+        used = GaugeMetricFamily("dsv4_pool_used", "Used units of each pool (rows, pages or slots).", labels=["pool"])
+        total = GaugeMetricFamily("dsv4_pool_total", "Capacity of each pool.", labels=["pool"])
+        usage = GaugeMetricFamily("dsv4_pool_usage", "Used fraction of each pool.", labels=["pool"])
+        for pool, (u, t) in sorted(pool_usage(s).items()):
+            used.add_metric([pool], u)
+            total.add_metric([pool], t)
+            usage.add_metric([pool], u / t if t else 0.0)
+        yield used
+        yield total
+        yield usage
+
+
+def _find_stat(stats: dict[str, Any], key: str) -> Optional[float]:
+    """A cumulative counter under any of the spellings an engine may use."""
+    for k in (key, f"{key}_total", f"cumulative_{key}", f"num_{key}"):
+        v = stats.get(k)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
+def pool_usage(stats: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """``{pool: (used, total)}`` from engine stats: a ``pools`` mapping or flat ``<pool>_used`` keys."""
+    out: dict[str, tuple[float, float]] = {}
+    pools = stats.get("pools")
+    if isinstance(pools, dict):
+        for name, v in pools.items():
+            if isinstance(v, dict) and "used" in v and "total" in v:
+                out[str(name)] = (float(v["used"]), float(v["total"]))
+            elif isinstance(v, (tuple, list)) and len(v) == 2:
+                out[str(name)] = (float(v[0]), float(v[1]))
+    for k, v in stats.items():
+        if k.endswith("_used") and isinstance(v, (int, float)):
+            name = k[: -len("_used")]
+            t = stats.get(f"{name}_total")
+            if isinstance(t, (int, float)):
+                out.setdefault(name, (float(v), float(t)))
+    return out
+
+
+# ---- response building (pure functions) -----------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def finish_reason_of(out: RequestOutput) -> Optional[str]:
+    fr = out.finish_reason
+    if not out.finished:
+        return None
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, "stop") if kind else "stop"
+
+
+def _token_text(tokenizer: Any, token_id: int, text: Optional[str]) -> str:
+    if text is not None:
+        return text
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def new_entries(entries: Optional[list], total_len: int, delta_len: int) -> list:
+    """The entries this step added, whether the engine reports them cumulatively or per step."""
+    if not entries:
+        return []
+    if len(entries) >= total_len and total_len > 0:
+        return entries[total_len - delta_len: total_len]
+    return entries[-delta_len:] if delta_len else []
+
+
+def chat_logprob_items(tokenizer: Any, entries: list, tops: Optional[list], n_top: int) -> list[dict[str, Any]]:
+    """OpenAI chat ``logprobs.content`` items for output tokens."""
+    items = []
+    for k, (lp, tid, text) in enumerate(entries):
+        tok = _token_text(tokenizer, tid, text)
+        top = (tops[k] if tops and k < len(tops) and tops[k] else [])[:n_top]
+        items.append({
+            "token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": (t := _token_text(tokenizer, i, s)), "logprob": l,
+                              "bytes": list(t.encode("utf-8"))} for l, i, s in top],
+        })
+    return items
+
+
+def completion_logprobs(tokenizer: Any, entries: list, tops: Optional[list], text_offset0: int) -> dict[str, Any]:
+    """OpenAI completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, lps, top_lps, offsets = [], [], [], []
+    offset = text_offset0
+    for k, (lp, tid, text) in enumerate(entries):
+        tok = _token_text(tokenizer, tid, text)
+        tokens.append(tok)
+        lps.append(lp)
+        top = tops[k] if tops and k < len(tops) else None
+        top_lps.append({_token_text(tokenizer, i, s): l for l, i, s in top} if top else None)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_lps, "text_offset": offsets}
+
+
+def build_chat_message(text: str, thinking: bool, tools_enabled: bool) -> tuple[dict[str, Any], bool]:
+    """The OpenAI assistant message for generated ``text``; also whether it made tool calls.
+
+    Reasoning (thinking mode) goes to ``reasoning_content``; DSML tool calls become OpenAI
+    ``tool_calls`` when the request offered tools, otherwise the text is left as content.
+    """
+    parsed = parse_message_from_completion_text(text, "thinking" if thinking else "chat")
+    content = parsed["content"]
+    calls = parsed["tool_calls"] if tools_enabled else []
+    if not tools_enabled:  # DSML the client did not ask for stays visible as text
+        after = text.split(THINK_END, 1)[1] if thinking and THINK_END in text else ("" if thinking else text)
+        content = after.split(EOS, 1)[0]
+    msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+    if thinking:
+        msg["reasoning_content"] = parsed["reasoning_content"]
+    if calls:
+        msg["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    return msg, bool(calls)
+
+
+class StreamSplitter:
+    """Splits streamed completion text into reasoning and content deltas.
+
+    Holds back any tail that might be the start of ``</think>`` (while reasoning) or of the
+    DSML tool-call block (when tools are on), so a marker is never leaked half-written; once the
+    tool-call block starts, nothing more streams as content (the calls are sent at the end).
+    """
+
+    def __init__(self, thinking: bool, tools_enabled: bool):
+        self.in_reasoning = thinking
+        self.tools_enabled = tools_enabled
+        self.in_tools = False
+        self.pending = ""
+
+    @staticmethod
+    def _held(text: str, marker: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-k:]):
+                return k
+        return 0
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """-> (reasoning delta, content delta)."""
+        self.pending += delta
+        reasoning = content = ""
+        if self.in_reasoning:
+            end = self.pending.find(THINK_END)
+            if end < 0:
+                keep = self._held(self.pending, THINK_END)
+                reasoning, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+                return reasoning, ""
+            reasoning, self.pending = self.pending[:end], self.pending[end + len(THINK_END):]
+            self.in_reasoning = False
+        if self.in_tools:
+            self.pending = ""
+            return reasoning, ""
+        if self.tools_enabled:
+            marker = "\n\n" + TOOL_CALLS_START
+            start = self.pending.find(TOOL_CALLS_START)
+            if start >= 0:
+                content = self.pending[:start]
+                if content.endswith("\n\n"):
+                    content = content[:-2]
+                self.in_tools, self.pending = True, ""
+                return reasoning, content
+            keep = max(self._held(self.pending, marker), self._held(self.pending, TOOL_CALLS_START))
+        else:
+            keep = 0
+        content, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return reasoning, content
+
+    def flush(self) -> tuple[str, str]:
+        """At the end: whatever is held back (a marker that never completed is plain text)."""
+        rest, self.pending = self.pending, ""
+        if self.in_tools:
+            return "", ""
+        return (rest, "") if self.in_reasoning else ("", rest)
+
+
+def engine_error(out: RequestOutput) -> APIError:
+    return APIError(500, f"generation failed: {out.error}", type="internal_server_error")
+
+
+def check_finished(finals: dict[int, RequestOutput], n: int) -> None:
+    """Raise for a request the engine failed, or when the client left before all finished."""
+    for out in finals.values():
+        if out.error:
+            raise engine_error(out)
+    if len(finals) < n:
+        raise APIError(499, "the client closed the request", type="client_closed_request")
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that always closes its generator, so a vanished client's requests are aborted.
+
+    Starlette stops iterating when a send fails but leaves the generator suspended; closing it
+    runs the ``finally`` that aborts whatever is still running.
+    """
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+# ---- request preparation --------------------------------------------------------------------------
+
+
+def _sampling_params(body: _SamplingFields, max_new_tokens: int, seed_offset: int = 0) -> SamplingParams:
+    """OpenAI fields -> SamplingParams (validated; an invalid field becomes a 400 naming it)."""
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    kw: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": body.ignore_eos,
+                          "skip_special_tokens": body.skip_special_tokens, "no_stop_trim": body.no_stop_trim}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "stop_token_ids"):
+        value = getattr(body, name)
+        if value is not None:
+            kw[name] = value
+    if body.stop is not None:
+        kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+        if any(not s for s in kw["stop"]):
+            raise bad_request("stop strings must be non-empty", "stop")
+    if body.seed is not None:
+        if not -SEED_LIMIT <= body.seed < SEED_LIMIT - 16:
+            raise bad_request(f"seed must be a 64-bit signed integer, got {body.seed}", "seed")
+        kw["seed"] = body.seed + seed_offset
+    try:
+        return SamplingParams.from_dict(kw)
+    except InvalidRequest as e:
+        raise bad_request(str(e).replace("max_new_tokens", "max_tokens"), _OPENAI_PARAM.get(e.param or "", e.param))
+
+
+def check_sampling_types(p: SamplingParams) -> None:
+    """Reject wrongly typed native sampling parameters here, before they reach the engine loop."""
+    for f in dataclasses.fields(SamplingParams):
+        v, default = getattr(p, f.name), getattr(SamplingParams(), f.name)
+        if isinstance(default, bool) or isinstance(default, list):
+            want = type(default)
+        elif isinstance(default, float):
+            want = (int, float)
+        elif isinstance(default, int) or f.name == "seed":
+            want = int
+        else:
+            continue
+        ok = isinstance(v, want) and not (isinstance(v, bool) and want is not bool)
+        if f.name == "seed":
+            ok = v is None or (ok and -SEED_LIMIT <= v < SEED_LIMIT)
+        if ok and f.name == "stop":
+            ok = all(isinstance(x, str) and x for x in v)
+        if ok and f.name == "stop_token_ids":
+            ok = all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        if not ok:
+            raise InvalidRequest(f"{f.name} has the wrong type: {v!r}", param=f.name)
+
+
+class ServerState:
+    """Everything the routes share: the engine, its bridge, metrics and the served name."""
+
+    def __init__(self, engine: Any, args: ServerArgs):
+        self.engine = engine
+        self.args = args
+        self.tokenizer = engine.tokenizer
+        self.context_length = int(engine.context_length)
+        # The longest prompt + output one request may have: the context, or the pools if smaller.
+        self.token_limit = min(self.context_length, int(getattr(engine, "max_total_tokens", None) or self.context_length))
+        self.vocab_size = int(engine.vocab_size)
+        self.metrics = ServerMetrics(engine)
+        self.bridge: Optional[EngineBridge] = None
+        self.created = _now()
+
+    # -- checks shared by the routes --
+
+    def check_model(self, model: Optional[str]) -> None:
+        names = {self.args.model_name}
+        if self.args.model_path:
+            names.add(self.args.model_path)
+        if model is not None and model not in names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.args.model_name}`",
+                           param="model", code="model_not_found")
+
+    def check_n(self, n: int) -> None:
+        if not isinstance(n, int) or n < 1 or n > 16:
+            raise bad_request(f"n must be an integer in [1, 16], got {n!r}", "n")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})", param)
+
+    def max_new_tokens(self, prompt_len: int, requested: Optional[int], default: int, param: str = "max_tokens",
+                       prompt_param: str = "messages") -> int:
+        """The request's output budget; the prompt plus it must fit the context length."""
+        room = self.token_limit - prompt_len
+        if requested is not None and (not isinstance(requested, int) or requested < 1):
+            raise bad_request(f"{param} must be a positive integer, got {requested!r}", param)
+        if room < 1:
+            raise bad_request(f"the prompt has {prompt_len} tokens; the limit is {self.token_limit}",
+                              prompt_param)
+        if requested is None:
+            return min(default, room)
+        if prompt_len + requested > self.token_limit:
+            raise bad_request(f"the prompt ({prompt_len} tokens) plus {param} ({requested}) exceeds the "
+                              f"context length of {self.token_limit} tokens", param)
+        return requested
+
+    # -- running requests --
+
+    async def run(self, request: Request, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit ``reqs`` and yield ``(index, output)`` until all finish; abort them if the client leaves."""
+        if self.bridge is None:
+            self.bridge = EngineBridge(self.engine, asyncio.get_running_loop())
+        queue = self.bridge.submit(reqs)
+        t0 = time.perf_counter()
+        first: dict[int, float] = {}
+        remaining = set(range(len(reqs)))
+        next_check = t0 + DISCONNECT_POLL_S
+        try:
+            while remaining:
+                try:
+                    index, out = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    out = None
+                now = time.perf_counter()
+                if now >= next_check:  # outputs may arrive every step: check the client on a clock
+                    next_check = now + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        return
+                if out is None:
+                    continue
+                if out.delta_ids and index not in first:
+                    first[index] = now
+                    self.metrics.ttft.observe(now - t0)
+                if out.finished:
+                    remaining.discard(index)
+                    self.metrics.e2e.observe(now - t0)
+                    if index in first and out.completion_tokens > 1:
+                        self.metrics.tpot.observe((now - first[index]) / (out.completion_tokens - 1))
+                yield index, out
+        finally:
+            if remaining:
+                self.bridge.abort(reqs[i].rid for i in remaining)
+
+
+# ---- the app --------------------------------------------------------------------------------------
+
+
+def create_app(engine: Any, args: ServerArgs) -> FastAPI:
+    """The FastAPI app over a started (or startable) engine."""
+    state = ServerState(engine, args)
+    app = FastAPI(title="dsv4-backend", version="0.1.0")
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        return validation_error(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, str(e.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception):
+        logger.exception("internal error")
+        return APIError(500, f"internal server error: {type(e).__name__}: {e}", type="internal_server_error").response()
+
+    # -- informational routes --
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": args.model_name, "object": "model", "created": state.created, "owned_by": "dsv4-backend",
+            "root": args.model_name, "max_model_len": state.context_length,
+        }]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": args.model_path or f"preset:{args.preset}", "served_model_name": args.model_name,
+                "is_generation": True, "context_length": state.context_length, "vocab_size": state.vocab_size}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        return {**dataclasses.asdict(args), "context_length": state.context_length, "engine": _jsonable(engine.stats())}
+
+    # -- generation routes --
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _chat(state, await read_body(request, ChatCompletionRequest), request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _completions(state, await read_body(request, CompletionRequest), request)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await _generate(state, await read_body(request, GenerateReqInput), request)
+
+    return app
+
+
+def validation_error(errs: list[dict[str, Any]]) -> APIError:
+    """A pydantic validation failure as a 400 naming the first offending field."""
+    loc = [str(x) for x in (errs[0].get("loc", ()) if errs else ()) if x != "body"]
+    msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
+                    for er in errs[:5])
+    return bad_request(f"invalid request: {msg}", loc[0] if loc else None)
+
+
+def _reject_non_finite(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body as ``model``, whatever the Content-Type (curl -d sends form encoding)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw, parse_constant=_reject_non_finite)
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}")
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors())
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------------------
+
+
+@dataclass
+class _ChatPlan:
+    prompt_ids: list[int]
+    thinking: bool
+    tools_enabled: bool
+
+
+def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _ChatPlan:
+    if not body.messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
+    kwargs = body.chat_template_kwargs or {}
+    thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False)))
+    effort = kwargs.get("reasoning_effort", body.reasoning_effort)
+    effort_map = {None: None, "minimal": None, "low": None, "medium": None, "high": "high", "max": "max"}
+    if effort not in effort_map:
+        raise bad_request(f"reasoning_effort must be one of low, medium, high, max; got {effort!r}", "reasoning_effort")
+    tools = body.tools or None
+    choice = body.tool_choice
+    if tools is not None:
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict) \
+                    or not isinstance(t["function"].get("name"), str):
+                raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        named = [t for t in (tools or []) if t["function"]["name"] == name]
+        if not named:
+            raise bad_request(f"tool_choice names a function {name!r} that is not in tools", "tool_choice")
+        tools = named
+    elif choice not in (None, "auto", "none", "required"):
+        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}", "tool_choice")
+    elif choice == "required" and not tools:
+        raise bad_request("tool_choice 'required' needs tools", "tool_choice")
+    if choice == "none":
+        tools = None
+    for i, m in enumerate(body.messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise bad_request(f"messages[{i}] must be an object with a role", "messages")
+    try:
+        prompt = encode_messages(body.messages, thinking_mode="thinking" if thinking else "chat",
+                                 drop_thinking=bool(kwargs.get("drop_thinking", True)),
+                                 reasoning_effort=effort_map[effort], tools=tools)
+    except EncodingError as e:
+        raise bad_request(str(e), "messages")
+    return _ChatPlan(state.tokenizer.encode(prompt), thinking, tools is not None)
+
+
+async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
+    state.check_model(body.model)
+    state.check_n(body.n)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    plan = _plan_chat(state, body)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_new = state.max_new_tokens(len(plan.prompt_ids), requested, SamplingParams().max_new_tokens, param)
+    n_top = body.top_logprobs or 0
+    reqs = [GenerateRequest(input_ids=list(plan.prompt_ids), sampling_params=_sampling_params(body, max_new, i),
+                            rid=f"chatcmpl-{uuid.uuid4().hex}", return_logprob=body.logprobs,
+                            top_logprobs_num=n_top, stream=body.stream) for i in range(body.n)]
+    rid = reqs[0].rid
+    created = _now()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(_chat_stream(state, request, reqs, plan, body.model or state.args.model_name,
+                                              created, include_usage, n_top, body.logprobs),
+                                 media_type="text/event-stream")
+    finals: dict[int, RequestOutput] = {}
+    lp_items: dict[int, list] = {i: [] for i in range(body.n)}
+    async with aclosing(state.run(request, reqs)) as outputs:
+        async for index, out in outputs:
+            if body.logprobs and out.delta_ids:
+                total = len(out.output_ids)
+                lp_items[index] += chat_logprob_items(
+                    state.tokenizer, new_entries(out.output_token_logprobs, total, len(out.delta_ids)),
+                    new_entries(out.output_top_logprobs, total, len(out.delta_ids)), n_top)
+            if out.finished:
+                finals[index] = out
+    check_finished(finals, len(reqs))
+    choices = []
+    for i in range(body.n):
+        out = finals[i]
+        msg, called = build_chat_message(out.text, plan.thinking, plan.tools_enabled)
+        reason = "tool_calls" if called else finish_reason_of(out)
+        choices.append({"index": i, "message": msg, "finish_reason": reason,
+                        "logprobs": {"content": lp_items[i]} if body.logprobs else None})
+    completion_tokens = sum(o.completion_tokens for o in finals.values())
+    return {"id": rid, "object": "chat.completion", "created": created, "model": body.model or state.args.model_name,
+            "choices": choices, "usage": usage_of(finals[0].prompt_tokens, completion_tokens)}
+
+
+async def _chat_stream(state: ServerState, request: Request, reqs: list[GenerateRequest], plan: _ChatPlan,
+                       model: str, created: int, include_usage: bool, n_top: int, logprobs: bool):
+    rid = reqs[0].rid
+    splitters = [StreamSplitter(plan.thinking, plan.tools_enabled) for _ in reqs]
+
+    def chunk(index: int, delta: dict[str, Any], finish: Optional[str] = None, lp: Optional[list] = None) -> str:
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": index, "delta": delta, "logprobs": {"content": lp} if lp is not None else None,
+                                 "finish_reason": finish}], "usage": None})
+
+    for i in range(len(reqs)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    finals: dict[int, RequestOutput] = {}
+    async with aclosing(state.run(request, reqs)) as outputs:
+        async for index, out in outputs:
+            reasoning, content = splitters[index].feed(out.delta_text)
+            lp = None
+            if logprobs and out.delta_ids:
+                total = len(out.output_ids)
+                lp = chat_logprob_items(state.tokenizer, new_entries(out.output_token_logprobs, total, len(out.delta_ids)),
+                                        new_entries(out.output_top_logprobs, total, len(out.delta_ids)), n_top)
+            if reasoning:
+                yield chunk(index, {"reasoning_content": reasoning})
+            if content or lp:
+                yield chunk(index, {"content": content}, lp=lp)
+            if out.finished:
+                finals[index] = out
+                if out.error:
+                    yield sse(engine_error(out).body())
+                reasoning, content = splitters[index].flush()
+                if reasoning:
+                    yield chunk(index, {"reasoning_content": reasoning})
+                if content:
+                    yield chunk(index, {"content": content})
+                msg, called = build_chat_message(out.text, plan.thinking, plan.tools_enabled)
+                if called:
+                    calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
+                    yield chunk(index, {"tool_calls": calls})
+                yield chunk(index, {}, "tool_calls" if called else finish_reason_of(out))
+    if include_usage and len(finals) == len(reqs):
+        completion_tokens = sum(o.completion_tokens for o in finals.values())
+        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [], "usage": usage_of(finals[0].prompt_tokens, completion_tokens)})
+    yield SSE_DONE
+
+
+# ---- /v1/completions ------------------------------------------------------------------------------
+
+
+def _prompts_of(state: ServerState, prompt: Any) -> list[list[int]]:
+    """Token ids of each prompt: a string, a list of strings, a list of ids or a list of id lists."""
+    bos = state.tokenizer.bos_token_id if hasattr(state.tokenizer, "bos_token_id") else None
+
+    def text_ids(s: str) -> list[int]:
+        if not s:
+            raise bad_request("the prompt is empty", "prompt")
+        ids = state.tokenizer.encode(s)
+        return ([bos] if bos is not None else []) + ids
+
+    if isinstance(prompt, str):
+        return [text_ids(prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt must be a non-empty string, list of strings, list of token ids or list of lists", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [text_ids(p) for p in prompt]
+    if all(isinstance(p, int) for p in prompt):
+        state.check_ids(prompt, "prompt")
+        return [list(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        for p in prompt:
+            state.check_ids(p, "prompt")
+        return [list(p) for p in prompt]
+    raise bad_request("prompt mixes strings, token ids and lists", "prompt")
+
+
+async def _completions(state: ServerState, body: CompletionRequest, request: Request):
+    state.check_model(body.model)
+    state.check_n(body.n)
+    if body.suffix:
+        raise bad_request("suffix is not supported by this model (no fill-in-the-middle)", "suffix")
+    if body.best_of not in (None, 1) and body.best_of != body.n:
+        raise bad_request("best_of other than n is not supported", "best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+        raise bad_request("logprobs must be in [0, 20]", "logprobs")
+    prompts = _prompts_of(state, body.prompt)
+    want_lp = body.logprobs is not None
+    reqs: list[GenerateRequest] = []
+    for ids in prompts:
+        max_new = state.max_new_tokens(len(ids), body.max_tokens, 16, "max_tokens", "prompt")
+        for j in range(body.n):
+            reqs.append(GenerateRequest(
+                input_ids=list(ids), sampling_params=_sampling_params(body, max_new, j),
+                rid=f"cmpl-{uuid.uuid4().hex}", return_logprob=want_lp,
+                logprob_start_len=0 if (want_lp and body.echo) else -1,
+                top_logprobs_num=body.logprobs or 0, stream=body.stream))
+    prompt_of = [prompts[i // body.n] for i in range(len(reqs))]
+    created = _now()
+    model = body.model or state.args.model_name
+    rid = reqs[0].rid
+    prompt_tokens = sum(len(p) for p in prompts)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(_completion_stream(state, request, reqs, prompt_of, body, model, created,
+                                                    include_usage, prompt_tokens),
+                                 media_type="text/event-stream")
+    finals: dict[int, RequestOutput] = {}
+    async with aclosing(state.run(request, reqs)) as outputs:
+        async for index, out in outputs:
+            if out.finished:
+                finals[index] = out
+    check_finished(finals, len(reqs))
+    choices = []
+    for i, out in sorted(finals.items()):
+        text, lp = out.text, None
+        echo_text = state.tokenizer.decode(prompt_of[i]) if body.echo else ""
+        if want_lp:
+            entries = list(out.output_token_logprobs or [])
+            tops = list(out.output_top_logprobs or [])
+            if body.echo:
+                entries = list(out.input_token_logprobs or []) + entries
+                tops = list(out.input_top_logprobs or []) + tops
+            lp = completion_logprobs(state.tokenizer, entries, tops if body.logprobs else None, 0)
+        choices.append({"index": i, "text": echo_text + text, "logprobs": lp, "finish_reason": finish_reason_of(out)})
+    completion_tokens = sum(o.completion_tokens for o in finals.values())
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage_of(prompt_tokens, completion_tokens)}
+
+
+async def _completion_stream(state: ServerState, request: Request, reqs: list[GenerateRequest], prompt_of: list,
+                             body: CompletionRequest, model: str, created: int, include_usage: bool,
+                             prompt_tokens: int):
+    rid = reqs[0].rid
+    want_lp = body.logprobs is not None
+
+    def chunk(index: int, text: str, finish: Optional[str], lp: Optional[dict]) -> str:
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": None})
+
+    if body.echo:
+        for i in range(len(reqs)):
+            yield chunk(i, state.tokenizer.decode(prompt_of[i]), None, None)
+    finals: dict[int, RequestOutput] = {}
+    offsets = [len(state.tokenizer.decode(p)) if body.echo else 0 for p in prompt_of]  # text_offset so far
+    async with aclosing(state.run(request, reqs)) as outputs:
+        async for index, out in outputs:
+            lp = None
+            if want_lp and out.delta_ids:
+                total = len(out.output_ids)
+                lp = completion_logprobs(state.tokenizer,
+                                         new_entries(out.output_token_logprobs, total, len(out.delta_ids)),
+                                         new_entries(out.output_top_logprobs, total, len(out.delta_ids))
+                                         if body.logprobs else None, offsets[index])
+                offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[index]
+            if out.finished:
+                finals[index] = out
+                if out.error:
+                    yield sse(engine_error(out).body())
+            if out.delta_text or out.finished or lp:
+                yield chunk(index, out.delta_text, finish_reason_of(out), lp)
+    if include_usage and len(finals) == len(reqs):
+        completion_tokens = sum(o.completion_tokens for o in finals.values())
+        yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                   "usage": usage_of(prompt_tokens, completion_tokens)})
+    yield SSE_DONE
+
+
+# ---- /generate (SGLang native) --------------------------------------------------------------------
+
+
+async def _generate(state: ServerState, body: GenerateReqInput, request: Request):
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", "text")
+    batched = isinstance(body.text, list) or (isinstance(body.input_ids, list) and body.input_ids
+                                              and isinstance(body.input_ids[0], list))
+    prompts = _prompts_of(state, body.text if body.text is not None else body.input_ids)
+    if batched and body.stream:
+        raise bad_request("streaming a batch is not supported; send one request per prompt", "stream")
+    sp = dict(body.sampling_params or {})
+    try:
+        params = [SamplingParams.from_dict(sp) for _ in prompts]
+        for p in params:
+            check_sampling_types(p)
+    except InvalidRequest as e:
+        raise bad_request(str(e), f"sampling_params.{e.param}" if e.param else "sampling_params")
+    except TypeError as e:
+        raise bad_request(f"invalid sampling_params: {e}", "sampling_params")
+    reqs = []
+    for ids, p in zip(prompts, params):
+        p.max_new_tokens = state.max_new_tokens(len(ids), sp.get("max_new_tokens"), p.max_new_tokens,
+                                                "sampling_params.max_new_tokens", "input_ids")
+        reqs.append(GenerateRequest(input_ids=list(ids), sampling_params=p,
+                                    rid=body.rid if (body.rid and not batched) else uuid.uuid4().hex,
+                                    return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
+                                    top_logprobs_num=body.top_logprobs_num, stream=body.stream))
+    if body.stream:
+        async def stream():
+            async with aclosing(state.run(request, reqs)) as outputs:
+                async for _, out in outputs:
+                    yield sse(out.to_dict())
+            yield SSE_DONE
+        return EventStream(stream(), media_type="text/event-stream")
+    finals: dict[int, RequestOutput] = {}
+    async with aclosing(state.run(request, reqs)) as outputs:
+        async for index, out in outputs:
+            if out.finished:
+                finals[index] = out
+    check_finished(finals, len(reqs))
+    results = [finals[i].to_dict() for i in range(len(reqs))]
+    return results if batched else results[0]
+
+
+# ---- entry point ----------------------------------------------------------------------------------
+
+
+def build_engine(args: ServerArgs):
+    from scheduler_hooks.engine import Engine
+
+    return Engine(**args.engine_kwargs())
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    engine = build_engine(args)
+    logger.info("memory plan:\n%s", engine.memory_plan_table())
+    # (the engine itself warns, once, when it serves a preset's seeded random weights)
+    logger.info("tokenizer: %s", getattr(engine.tokenizer, "source", type(engine.tokenizer).__name__))
+    engine.start()
+    app = create_app(engine, args)
+    logger.info("serving %s on http://%s:%d (context length %d)", args.model_name, args.host, args.port,
+                engine.context_length)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2)
+    finally:
+        for stop in ("shutdown", "stop"):
+            fn = getattr(engine, stop, None)
+            if callable(fn):
+                fn()
+                break
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,11 @@ Online (the HTTP server): ``start()`` runs the scheduler loop in a background th
 from the engine thread after every step that produced tokens for the request, and once with
 ``finished=True``; ``abort(rid)`` finishes a request wherever it is. ``generate`` also works
 while the loop runs (it then goes through ``submit``).
+
+Benchmarks: ``add_synthetic_request(context_len, ...)`` queues a request whose context is
+admitted by the scheduler without a prefill (its pages taken as a prefill would take them,
+filled with random valid rows by :class:`SyntheticContextFiller`); ``step()`` then drives it
+through ordinary decode steps. See docs/engine.md, "Synthetic contexts".
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from dsv4_backend.model_runner import ModelRunner
 from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
 from dsv4_backend.weights import random_weights
 from memory.allocator import KVAllocator
-from memory.configurator import DSV4PoolConfigurator, PoolPlan
+from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, DSV4PoolConfigurator, PoolPlan
+from memory.layout import (INDEXER_ROW_BYTES, KV_ROW_BYTES, write_indexer_rows,
+                           write_kv_rows)
 from memory.pools import DSV4KVPools
 
 from .hooks import SchedulerHooks
@@ -100,6 +107,7 @@ class Engine:
         max_queued_requests: int = 256,
         capture_logits: bool = False,
         config_overrides: Optional[dict[str, Any]] = None,
+        random_weights_on_device: bool = False,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -111,6 +119,7 @@ class Engine:
         self.dtype = DTYPES[dtype]
         torch.manual_seed(random_seed)
 
+        self._weights_on_device = random_weights_on_device
         self.config, weights = self._load_model(model_path, preset, random_seed, config_overrides or {})
         self.model_name = str(model_path) if model_path else f"dsv4-{preset}"
         self.context_length = int(context_length or self.config.max_position_embeddings)
@@ -137,6 +146,9 @@ class Engine:
             capture_logits=capture_logits, random_seed=random_seed), self.tokenizer)
         self.max_queued_requests = max_queued_requests
         self.dense = dense
+        self.synthetic_filler = SyntheticContextFiller(self.pools, self.allocator, seed=random_seed)
+        self.scheduler.synthetic_fill = self.synthetic_filler.fill
+        self._synthetic_ids = torch.Generator(device="cpu").manual_seed(random_seed + 1)
 
         self._lock = threading.RLock()           # the scheduler is driven by one thread at a time
         self._inbox: "queue.Queue[Union[_Add, _Abort]]" = queue.Queue()
@@ -159,7 +171,8 @@ class Engine:
         logger.warning("no model path: the built-in %r preset has SEEDED RANDOM WEIGHTS (seed %d), so its "
                        "output is meaningless text; pass a real DeepSeek-V4 checkpoint (model_path / "
                        "--model-path DIR) for real answers", preset, seed)
-        return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False)
+        return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False,
+                                   draw_on_device=self._weights_on_device)
 
     def _plan(self, conf: DSV4PoolConfigurator, weights: dict[str, torch.Tensor],
               max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:
@@ -316,6 +329,38 @@ class Engine:
                 for rid in list(pending):
                     self.scheduler.abort(rid, "the caller stopped reading the stream")
 
+    # ---- benchmarks -----------------------------------------------------------------
+
+    def add_synthetic_request(self, context_len: int,
+                              sampling_params: Union[None, dict, SamplingParams] = None,
+                              rid: Optional[str] = None) -> str:
+        """Queue a benchmark request whose ``context_len``-token context is synthetic; returns its id.
+
+        The scheduler admits it through the same hooks as any request (request slot, the full and
+        SWA pages of ``context_len`` tokens taken chunk by chunk with SWA eviction, as a prefill
+        would), fills those slots with random valid rows instead of running the model, and emits a
+        stand-in first token; it then decodes normally. Its prompt is ``context_len`` random ids.
+        Offline only: drive it with :meth:`step` (or ``generate`` of other requests)."""
+        if self._thread is not None:
+            raise RuntimeError("add_synthetic_request is for offline benchmarks; stop the loop first")
+        if context_len < 1:
+            raise InvalidRequest(f"context_len must be >= 1, got {context_len}", param="context_len")
+        ids = torch.randint(0, self.vocab_size, (context_len,), generator=self._synthetic_ids).tolist()
+        req = self._make_request(None, ids, sampling_params, False, None, 0, False)
+        if rid is not None:
+            req.rid = rid
+        self._validate(req)
+        with self._lock:
+            self.scheduler.add(req, synthetic=True)
+        return req.rid
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step (offline): a forward over the next batch, or admissions only."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is running; step() is for offline use")
+        with self._lock:
+            return self.scheduler.step() + self.scheduler.take_rejections()
+
     # ---- online API -----------------------------------------------------------------
 
     def start(self) -> None:
@@ -453,6 +498,86 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+class SyntheticContextFiller:
+    """Writes random but valid contents into the pool slots a request holds (benchmarks only).
+
+    KV and indexer pages are copied from a small bank of pages packed by ``memory.layout``'s
+    writers from random rows (so every FP8 byte and scale is a real quantised value); C128 rows,
+    which share pages with other requests, are written row by row; ring slots and the online
+    C128 state get random state values (positive sums). The stored values do not change the cost
+    of a decode step: top-k runs over the same number of rows whatever they hold.
+    """
+
+    BANK_PAGES = 8
+    COPY_PAGES = 1024   # pages copied per indexing op (bounds the temporary)
+
+    def __init__(self, pools: DSV4KVPools, allocator: KVAllocator, seed: int = 0):
+        self.pools, self.allocator = pools, allocator
+        self.device = pools.device
+        self.gen = torch.Generator(device=self.device).manual_seed(seed + 2)
+        self._banks: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen, device=self.device).to(dtype)
+
+    def _bank(self, kind: str, page_bytes: int) -> torch.Tensor:
+        key = (kind, page_bytes)
+        if key not in self._banks:
+            indexer = kind == "c4_indexer"
+            row_bytes, dim = (INDEXER_ROW_BYTES, 128) if indexer else (KV_ROW_BYTES, 512)
+            bank = torch.zeros(self.BANK_PAGES, page_bytes, dtype=torch.uint8, device=self.device)
+            n = self.BANK_PAGES * (page_bytes // row_bytes)
+            slots = torch.arange(n, device=self.device)
+            (write_indexer_rows if indexer else write_kv_rows)(bank, slots, self._randn(n, dim))
+            self._banks[key] = bank
+        return self._banks[key]
+
+    def _copy_pages(self, kind: str, pages: torch.Tensor) -> None:
+        for pool in getattr(self.pools, kind).values():
+            bank = self._bank(kind, pool.shape[1])
+            for i in range(0, pages.numel(), self.COPY_PAGES):
+                part = pages[i:i + self.COPY_PAGES]
+                pick = torch.randint(0, self.BANK_PAGES, (part.numel(),), generator=self.gen, device=self.device)
+                pool[part] = bank[pick]
+
+    @torch.inference_mode()
+    def fill(self, rid: str, num_tokens: int) -> None:
+        """Fill what ``rid`` holds for its positions ``0 .. num_tokens - 1``."""
+        alloc, pools, plan = self.allocator, self.pools, self.pools.plan
+        slot, dev = alloc.req_slot(rid), self.device
+        full_slots = alloc.req_to_token[slot, :num_tokens].to(dev)
+        swa_pages = [p for k in range(-(-num_tokens // SWA_PAGE)) if (p := alloc.swa_page_of(rid, k)) is not None]
+        swa_pages_t = torch.tensor(swa_pages, dtype=torch.int64, device=dev)
+        self._copy_pages("swa_kv", swa_pages_t)
+        if plan.dense:
+            return
+        if pools.c4_kv:
+            if plan.full_page == 4 * COMPRESSED_PAGE:   # one full page <-> one C4 page: owned by rid
+                self._copy_pages("c4_kv", full_slots[::plan.full_page] // plan.full_page)
+                self._copy_pages("c4_indexer", full_slots[::plan.full_page] // plan.full_page)
+            else:
+                rows = full_slots[::4] // 4
+                for layer in pools.c4_kv:
+                    write_kv_rows(pools.c4_kv[layer], rows, self._randn(rows.numel(), 512))
+                    write_indexer_rows(pools.c4_indexer[layer], rows, self._randn(rows.numel(), 128))
+            ring = (swa_pages_t[:, None] * plan.c4_ring_size
+                    + torch.arange(plan.c4_ring_size, device=dev)[None, :]).flatten()
+            for kind in ("c4_ring", "c4_indexer_ring"):
+                for t in getattr(pools, kind).values():
+                    t[ring] = self._randn(ring.numel(), t.shape[1], dtype=t.dtype)
+        if pools.c128_kv:
+            rows = full_slots[::128] // 128
+            for t in pools.c128_kv.values():
+                write_kv_rows(t, rows, self._randn(rows.numel(), 512))
+            for t in pools.c128_ring.values():
+                ring = slot * plan.c128_ring_size + torch.arange(plan.c128_ring_size, device=dev)
+                t[ring] = self._randn(ring.numel(), t.shape[1], dtype=t.dtype)
+            for t in pools.c128_online.values():
+                state = self._randn(*t.shape[1:], dtype=t.dtype)       # (max, sum, kv)
+                state[1] = state[1].abs() + 0.5
+                t[slot] = state
 
 
 def _pool_usage(raw: dict[str, Any]) -> dict[str, dict[str, int]]:

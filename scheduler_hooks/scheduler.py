@@ -24,6 +24,15 @@ Policy of ``step()``:
 Finished, aborted and retracted requests give back everything at once (``hooks.release``);
 SWA pages that left the window are given back after every forward (``hooks.after_forward``).
 The allocator's ``check_integrity()`` runs whenever the scheduler becomes idle.
+
+Synthetic requests (benchmarks only, ``add(greq, synthetic=True)``): at admission the request
+takes its request slot and the pages of all its ids exactly as a chunked prefill would
+(chunk by chunk, SWA pages that leave the window freed after each), but instead of a forward
+the engine's ``synthetic_fill`` callback writes random valid rows and ring contents into the
+slots it now holds, and its first output token is a stand-in (the last prompt id) instead of a
+sample. From then on it decodes like any request (same batches, hooks, eviction, retraction:
+a retracted synthetic request is re-admitted the same way). Its outputs are meaningless; the
+cost of its decode steps is the real one.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import collections
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -83,10 +92,20 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[TokenLogprob]] = field(default_factory=list)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)   # position -> logits [V]
+    synthetic: bool = False              # benchmark request: admitted without a prefill forward
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building the whole list (prompts may be 1M ids long)."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
 
     @property
     def num_ids(self) -> int:
@@ -137,18 +156,27 @@ class Scheduler:
         self._pending_rejections: list[RequestOutput] = []
         # rid -> logits [n, V] of every computed position (capture_logits only), kept after finish
         self.captured: dict[str, torch.Tensor] = {}
+        # (rid, num_tokens) -> None: writes random valid pool contents for a synthetic request's
+        # first num_tokens positions (set by the engine; see the module docstring)
+        self.synthetic_fill: Optional[Callable[[str, int], None]] = None
+        self._synthetic_outputs: list[RequestOutput] = []
 
     # ---- requests in and out --------------------------------------------------------
 
-    def add(self, greq: GenerateRequest) -> None:
-        """Queue a validated request (the engine checks ids and lengths)."""
+    def add(self, greq: GenerateRequest, synthetic: bool = False) -> None:
+        """Queue a validated request (the engine checks ids and lengths). ``synthetic=True``: a
+        benchmark request whose context is filled with random rows instead of prefilled."""
         if greq.rid in self.reqs:
             raise ValueError(f"request id {greq.rid!r} is already in the scheduler")
+        if synthetic and self.synthetic_fill is None:
+            raise ValueError("synthetic requests need the engine's synthetic_fill callback")
+        if synthetic and (greq.return_logprob or self.cfg.capture_logits):
+            raise ValueError("a synthetic request has no prefill logits: logprobs / captured logits are undefined")
         p = greq.sampling_params
         gen = (torch.Generator(device="cpu").manual_seed(p.seed) if p.seed is not None
                else self._default_gen)
         detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens) if self.tokenizer else None
-        req = Req(greq.rid, list(greq.input_ids), greq, gen, detok)
+        req = Req(greq.rid, list(greq.input_ids), greq, gen, detok, synthetic=synthetic)
         n = len(req.prompt_ids)
         start = greq.logprob_start_len
         req.logprob_start = n - 1 if start is None or start < 0 else min(start, n - 1)
@@ -181,15 +209,16 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; returns an output for every request that moved."""
         batch = self._schedule()
+        synthetic_outs, self._synthetic_outputs = self._synthetic_outputs, []
         if not batch:
             self._maybe_idle_check()
-            return []
+            return synthetic_outs
         self._was_busy = True
         self.num_steps += 1
         fwd = []
         for ch in batch:
             r = ch.req
-            ids = r.all_ids[r.kv_len:r.kv_len + ch.num_tokens]
+            ids = r.ids_between(r.kv_len, r.kv_len + ch.num_tokens)
             fwd.append(ForwardRequest(req_slot=self.hooks.req_slot(r.rid), prefix_len=r.kv_len,
                                       input_ids=ids,
                                       logits=self._logits_mode(ch)))
@@ -206,7 +235,7 @@ class Scheduler:
             if completes:
                 sampled.append((r, lg[-1]))
 
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = synthetic_outs
         if sampled:
             inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids, r.generator,
                                   r.greq.top_logprobs_num, r.greq.return_logprob) for r, _ in sampled]
@@ -249,7 +278,7 @@ class Scheduler:
         self._retracted_this_step = False
         while True:
             batch = self._try_schedule()
-            if batch:
+            if batch or self._synthetic_outputs:
                 return batch
             if self.running:
                 # running requests exist but none could move: prefills block each other
@@ -291,6 +320,10 @@ class Scheduler:
             r = self.waiting[0]
             if self.hooks.admit(r.rid) is None:
                 break
+            if r.synthetic:
+                if not self._admit_synthetic(r):
+                    break
+                continue
             n = self._reserve_chunk(r, min(r.remaining, budget))
             if not n:
                 self.hooks.release(r.rid)
@@ -309,6 +342,27 @@ class Scheduler:
                 return n
             n //= 2
         return 0
+
+    def _admit_synthetic(self, r: Req) -> bool:
+        """Take the pages of all of ``r``'s ids as a chunked prefill would, fill them, emit a
+        stand-in first token. ``r`` already holds its request slot; on failure it holds nothing."""
+        chunk = max(1, self.cfg.chunked_prefill_size)
+        while r.kv_len < r.num_ids:
+            n = self._reserve_chunk(r, min(r.num_ids - r.kv_len, chunk))
+            if not n:
+                self.hooks.release(r.rid)
+                r.kv_len = 0
+                return False
+            r.kv_len += n
+            self.hooks.after_forward([r.rid])
+        self.synthetic_fill(r.rid, r.kv_len)
+        self.waiting.popleft()
+        r.state = ReqState.RUNNING
+        self.running.append(r)
+        self._was_busy = True
+        stand_in = r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]
+        self._synthetic_outputs.append(self._append_token(r, stand_in, None, None))
+        return True
 
     def _retract(self, r: Req) -> None:
         """Free everything ``r`` holds and put it back at the head of the queue for recompute."""

@@ -1,0 +1,288 @@
+"""Shared pieces of the engine benchmarks: decode timing, a per-layer-type time breakdown, KV accounting.
+
+Everything goes through an :class:`~scheduler_hooks.engine.Engine` (its scheduler, hooks and
+pools); nothing here changes the engine. The breakdown instruments it from outside: forward
+pre/post hooks on every block, its attention and its MoE module, and wrappers on the model
+runner's ``forward`` and the backend's ``init_forward_metadata`` / top-k selection, installed on
+the instances for the duration of a ``with LayerTimer(engine):`` block.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from memory.configurator import (C4_INDEXER_STATE_WIDTH, C4_STATE_WIDTH, C128_STATE_WIDTH,
+                                 INDEXER_ROW_BYTES, KV_ROW_BYTES, ONLINE_STATE_SHAPE)
+
+# Breakdown categories, in report order. "attn" categories are whole attention modules (q/kv
+# projections, compressor and indexer inputs, the backend's pool writes, compression, top-k and
+# attention, output projection) grouped by the layer's compress ratio.
+CATEGORIES = (
+    ("attn_window", "attention, window-only layers"),
+    ("attn_csa", "attention, CSA layers (indexer incl.)"),
+    ("attn_hca", "attention, HCA layers"),
+    ("moe", "MoE (gate, shared + routed experts)"),
+    ("mhc_norms", "mHC mixes + norms (block - attn - MoE)"),
+    ("embed_head", "embedding + head/logits"),
+    ("metadata", "step metadata (backend)"),
+    ("sched_sampling", "sampling + scheduling (step - forward)"),
+)
+SUB_CATEGORIES = (("indexer_topk", "of which CSA top-k selection (indexer scan)"),)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- KV accounting ----------------------------------------------------------------------------
+
+def kv_bytes_held(engine: Any) -> int:
+    """Bytes the live requests occupy in the pools (rows and ring slots in use, all layers)."""
+    cfg, plan = engine.config, engine.plan
+    S = torch.empty((), dtype=engine.pools.state_dtype).element_size()
+    used = {k: v["used"] for k, v in engine.pool_usage().items()}
+    L, l4, l128 = cfg.num_hidden_layers, plan.num_c4_layers, plan.num_c128_layers
+    return int(used["swa"] * KV_ROW_BYTES * L
+               + used.get("c4_rows", 0) * KV_ROW_BYTES * l4
+               + used.get("c4_indexer_rows", 0) * INDEXER_ROW_BYTES * l4
+               + used.get("c4_ring_slots", 0) * (C4_STATE_WIDTH + C4_INDEXER_STATE_WIDTH) * S * l4
+               + used.get("c128_rows", 0) * KV_ROW_BYTES * l128
+               + used.get("c128_ring_rows", 0) * C128_STATE_WIDTH * S * l128
+               + used.get("c128_online_slots", 0) * ONLINE_STATE_SHAPE[0] * ONLINE_STATE_SHAPE[1] * S * l128)
+
+
+def plan_bytes_per_request(plan: Any, context: int) -> int:
+    """What the plan charges one request of ``context`` tokens: its full pages times the bytes
+    per full token (window share and ring share included), plus its share of the fixed C128 state."""
+    pages = -(-context // plan.full_page)
+    return int(pages * plan.full_page * plan.bytes_per_full_token + plan.fixed_bytes / plan.max_running_requests)
+
+
+# ---- the breakdown ----------------------------------------------------------------------------
+
+class _Clock:
+    """Marks on the CPU (perf_counter) or on the current CUDA stream (events)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
+
+
+@dataclass
+class Breakdown:
+    """Mean ms per step per category (``CATEGORIES`` + ``SUB_CATEGORIES`` keys) over ``steps`` steps."""
+
+    steps: int = 0
+    step_ms: float = 0.0
+    ms: dict[str, float] = field(default_factory=dict)
+
+    def pct(self, key: str) -> float:
+        return 100.0 * self.ms.get(key, 0.0) / self.step_ms if self.step_ms else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "step_ms": self.step_ms, "ms": dict(self.ms),
+                "pct": {k: self.pct(k) for k in self.ms}}
+
+    def table(self, title: str = "") -> str:
+        lines = [title] if title else []
+        lines.append(f"  {'part':<44} {'ms/step':>9} {'%':>6}")
+        for key, label in CATEGORIES + SUB_CATEGORIES:
+            if key in self.ms:
+                pad = "    " if (key, label) in SUB_CATEGORIES else ""
+                lines.append(f"  {pad + label:<44} {self.ms[key]:>9.2f} {self.pct(key):>5.1f}%")
+        lines.append(f"  {'step':<44} {self.step_ms:>9.2f} {100.0:>5.1f}%")
+        return "\n".join(lines)
+
+
+class LayerTimer:
+    """Time one engine step at a time, split by layer type.
+
+        with LayerTimer(engine) as lt:
+            for _ in range(n):
+                lt.step()           # engine.step(), timed
+        lt.breakdown()              # -> Breakdown (means over the timed steps)
+
+    CPU: wall time around each module. CUDA: events recorded at each hook, read after a
+    synchronize at the end of the step (so the numbers are the GPU timeline's; gaps where the
+    GPU waits for the CPU count towards the module running at the time).
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        runner = engine.runner
+        self.runner, self.model, self.backend = runner, runner.model, runner.backend
+        self.device = runner.device
+        self.clock = _Clock(self.device)
+        self._handles: list[Any] = []
+        self._patched: list[tuple[Any, str]] = []
+        self._open: dict[int, Any] = {}
+        self._intervals: list[tuple[str, Any, Any]] = []
+        self._totals: dict[str, float] = {}
+        self._steps = 0
+        self._step_ms = 0.0
+
+    # ---- instrumentation ----------------------------------------------------------------
+
+    def _module_hooks(self, module: torch.nn.Module, key: str) -> None:
+        def pre(mod: Any, args: Any) -> None:
+            self._open[id(mod)] = self.clock.mark()
+
+        def post(mod: Any, args: Any, out: Any) -> None:
+            self._intervals.append((key, self._open.pop(id(mod)), self.clock.mark()))
+
+        self._handles.append(module.register_forward_pre_hook(pre))
+        self._handles.append(module.register_forward_hook(post))
+
+    def _wrap(self, obj: Any, name: str, key: str) -> None:
+        fn: Optional[Callable] = getattr(obj, name, None)
+        if fn is None:
+            return
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            start = self.clock.mark()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._intervals.append((key, start, self.clock.mark()))
+
+        setattr(obj, name, timed)          # an instance attribute shadows the class's method
+        self._patched.append((obj, name))
+
+    def __enter__(self) -> "LayerTimer":
+        kinds = {0: "attn_window", 4: "attn_csa", 128: "attn_hca"}
+        for block in self.model.layers:
+            self._module_hooks(block, "block")
+            self._module_hooks(block.attn, kinds[block.attn.ratio])
+            self._module_hooks(block.ffn, "moe")
+        self._wrap(self.runner, "forward", "forward")
+        self._wrap(self.backend, "init_forward_metadata", "metadata")
+        # the CSA selection: "_select" in the Triton backend, "_topk" in the torch one
+        for name in ("_select", "_topk"):
+            if hasattr(self.backend, name):
+                self._wrap(self.backend, name, "indexer_topk")
+                break
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        for obj, name in self._patched:
+            delattr(obj, name)
+        self._handles, self._patched = [], []
+
+    # ---- measuring ----------------------------------------------------------------------
+
+    def step(self) -> list[Any]:
+        """One ``engine.step()``, timed and split; returns its outputs."""
+        self._intervals.clear()
+        sync(self.device)
+        start = self.clock.mark()
+        outs = self.engine.step()
+        end = self.clock.mark()
+        sync(self.device)
+        step_ms = self.clock.ms(start, end)
+        sums: dict[str, float] = {}
+        for key, a, b in self._intervals:
+            sums[key] = sums.get(key, 0.0) + self.clock.ms(a, b)
+        attn = sum(sums.get(k, 0.0) for k in ("attn_window", "attn_csa", "attn_hca"))
+        parts = {k: sums.get(k, 0.0) for k in ("attn_window", "attn_csa", "attn_hca", "moe", "metadata")}
+        parts["mhc_norms"] = sums.get("block", 0.0) - attn - sums.get("moe", 0.0)
+        parts["embed_head"] = sums.get("forward", 0.0) - sums.get("metadata", 0.0) - sums.get("block", 0.0)
+        parts["sched_sampling"] = step_ms - sums.get("forward", 0.0)
+        if "indexer_topk" in sums:
+            parts["indexer_topk"] = sums["indexer_topk"]
+        for k, v in parts.items():
+            self._totals[k] = self._totals.get(k, 0.0) + v
+        self._steps += 1
+        self._step_ms += step_ms
+        return outs
+
+    def breakdown(self) -> Breakdown:
+        n = max(self._steps, 1)
+        return Breakdown(self._steps, self._step_ms / n, {k: v / n for k, v in self._totals.items()})
+
+
+# ---- decode timing ----------------------------------------------------------------------------
+
+@dataclass
+class DecodeTiming:
+    steps: int
+    seconds: float
+    tokens: int
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.seconds / max(self.steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def timed_decode_steps(engine: Any, steps: int, batch: int) -> DecodeTiming:
+    """Run ``steps`` engine steps in which each of the ``batch`` running requests gains a token."""
+    sync(engine.device)
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(steps):
+        outs = engine.step()
+        tokens += sum(len(o.delta_ids) for o in outs)
+    sync(engine.device)
+    dt = time.perf_counter() - t0
+    if tokens != steps * batch:
+        raise RuntimeError(f"expected {steps * batch} tokens from {steps} decode steps of batch {batch}, "
+                           f"got {tokens}: a request finished, was retracted or never decoded")
+    return DecodeTiming(steps, dt, tokens)
+
+
+def admit_synthetic(engine: Any, context: int, batch: int, max_new_tokens: int) -> list[str]:
+    """Queue ``batch`` synthetic requests of ``context`` tokens and run the admission step(s);
+    every one must then be running (decoding). Returns their ids."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+    rids = [engine.add_synthetic_request(context, params) for _ in range(batch)]
+    sched = engine.scheduler
+    for _ in range(batch + 1):
+        if all(r in sched.reqs and sched.reqs[r].remaining == 1 for r in rids) and not sched.waiting:
+            break
+        engine.step()
+    running = sum(1 for r in rids if r in sched.reqs and sched.reqs[r].remaining == 1)
+    if running != batch:
+        finish_all(engine, rids)
+        raise RuntimeError(f"only {running} of {batch} synthetic requests of {context} tokens were admitted")
+    return rids
+
+
+def finish_all(engine: Any, rids: list[str]) -> None:
+    """Abort whatever of ``rids`` is still in the engine; the pools must then balance."""
+    for rid in rids:
+        engine.abort(rid)
+    engine.check_integrity()
+
+
+def fmt_tokens(n: int) -> str:
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n >> 10}K"
+    return str(n)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"

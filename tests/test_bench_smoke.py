@@ -1,0 +1,202 @@
+"""Synthetic contexts, the per-layer-type timer, and the two engine benchmarks end to end (tiny, CPU).
+
+A synthetic request must take exactly what a real prefill of the same length takes (every pool's
+used count), hold valid rows (bytes that are a fixed point of the pools' own quantisation), decode
+through the scheduler, survive a retraction, and give everything back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from bench import bench_long_context, bench_offline
+from bench._bench_common import CATEGORIES, LayerTimer
+from memory.layout import read_indexer_rows, read_kv_rows, write_indexer_rows, write_kv_rows
+from scheduler_hooks.engine import Engine
+from scheduler_hooks.io import GenerateRequest, SamplingParams
+
+VOCAB = 1024
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def make_engine(dense: bool = False, **kw) -> Engine:
+    args = dict(preset="tiny", skip_tokenizer_init=True, max_total_tokens=4096, chunked_prefill_size=256,
+                max_running_requests=2, config_overrides={"vocab_size": VOCAB}, dense=dense)
+    args.update(kw)
+    return Engine(**args)
+
+
+def greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+def assert_all_free(eng: Engine) -> None:
+    eng.check_integrity()
+    usage = eng.pool_usage()
+    assert all(v["used"] == 0 for v in usage.values()), usage
+
+
+def held_rows(eng: Engine, rid: str, n: int) -> dict[str, torch.Tensor]:
+    """Slots / rows of the first n positions of rid that the pools hold."""
+    slot = eng.allocator.req_slot(rid)
+    full = eng.allocator.req_to_token[slot, :n]
+    swa = eng.allocator.full_to_swa[full]
+    out = {"swa": swa[swa >= 0]}
+    if not eng.dense:
+        out["c4"] = full[3::4] // 4          # rows of complete C4 blocks
+        out["c128"] = full[127::128] // 128
+    return out
+
+
+def assert_valid_rows(pool: torch.Tensor, slots: torch.Tensor, indexer: bool = False) -> None:
+    """Rows decode to finite, non-trivial values that the pool's own quantiser stores exactly
+    (a fixed point: random bytes would hold NaN codes or values off the FP8 grid of their scale)."""
+    read, write = (read_indexer_rows, write_indexer_rows) if indexer else (read_kv_rows, write_kv_rows)
+    rows = read(pool, slots)
+    assert torch.isfinite(rows).all() and rows.std() > 0.1
+    copy = pool.clone()
+    write(copy, slots, rows)
+    assert torch.equal(read(copy, slots), rows)
+
+
+@pytest.mark.parametrize("dense, online", [(False, False), (False, True), (True, False)])
+def test_synthetic_admission_equals_prefill_and_frees(dense, online, monkeypatch):
+    monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1" if online else "0")
+    n = 700   # crosses five SWA pages, two full pages, five C128 blocks; 700 % 4 == 0
+    real, syn = make_engine(dense), make_engine(dense)
+    ids = [random.Random(1).randrange(VOCAB) for _ in range(n)]
+    real.scheduler.add(GenerateRequest(ids, SamplingParams(**greedy(9)), rid="r"))
+    while real.scheduler.reqs["r"].kv_len < n:
+        real.step()
+    rid = syn.add_synthetic_request(n, greedy(9))
+    outs = syn.step()                               # the admission step: no forward, one stand-in token
+    assert [o.rid for o in outs] == [rid] and len(outs[0].output_ids) == 1
+    assert syn.scheduler.reqs[rid].kv_len == n and syn.scheduler.reqs[rid].remaining == 1
+    assert syn.pool_usage() == real.pool_usage()
+
+    rows = held_rows(syn, rid, n)
+    for layer in syn.pools.swa_kv:
+        assert_valid_rows(syn.pools.swa_kv[layer], rows["swa"])
+    if not dense:
+        for layer in syn.pools.c4_kv:
+            assert_valid_rows(syn.pools.c4_kv[layer], rows["c4"])
+            assert_valid_rows(syn.pools.c4_indexer[layer], rows["c4"], indexer=True)
+        for layer in syn.pools.c128_kv:
+            assert_valid_rows(syn.pools.c128_kv[layer], rows["c128"])
+        for layer, t in syn.pools.c128_online.items():
+            assert (t[syn.allocator.req_slot(rid), 1] > 0).all()    # running sums are positive
+
+    steps = 0
+    while syn.scheduler.reqs:                       # 8 decode steps: two C4 blocks complete
+        outs = syn.step()
+        steps += 1
+        assert all(o.rid == rid for o in outs)
+        if steps < 8:
+            assert syn.pool_usage()["full"]["used"] > 0
+    assert steps == 8 and outs[-1].finished and len(outs[-1].output_ids) == 9
+    assert_all_free(syn)
+    real.shutdown()
+
+
+def test_synthetic_request_retracted_and_readmitted():
+    # pools of two full pages: the second request's decode needs a page the first holds
+    eng = make_engine(max_total_tokens=512, swa_ratio=1.0, chunked_prefill_size=512)
+    a = eng.add_synthetic_request(240, greedy(24))
+    b = eng.add_synthetic_request(236, greedy(26))
+    done = {}
+    while eng.scheduler.reqs or eng.scheduler.waiting:
+        for o in eng.step():
+            if o.finished:
+                done[o.rid] = o
+    assert eng.scheduler.num_retractions >= 1
+    assert len(done[a].output_ids) == 24 and len(done[b].output_ids) == 26
+    assert all(o.finish_reason["type"] == "length" for o in done.values())
+    assert_all_free(eng)
+
+
+def test_synthetic_request_rejects_logprobs_and_running_loop():
+    eng = make_engine()
+    with pytest.raises(ValueError, match="logprob"):
+        eng.scheduler.add(GenerateRequest([1, 2, 3], SamplingParams(), return_logprob=True), synthetic=True)
+    eng.start()
+    try:
+        with pytest.raises(RuntimeError, match="offline"):
+            eng.add_synthetic_request(16)
+    finally:
+        eng.shutdown()
+
+
+def test_layer_timer_splits_the_step_and_removes_itself():
+    eng = make_engine(max_running_requests=1)
+    eng.add_synthetic_request(600, greedy(6))
+    eng.step()
+    runner_forward = eng.runner.forward
+    with LayerTimer(eng) as lt:
+        for _ in range(2):
+            assert len(lt.step()) == 1
+    bd = lt.breakdown()
+    assert bd.steps == 2 and bd.step_ms > 0
+    top = [k for k, _ in CATEGORIES]
+    assert set(top) <= set(bd.ms)
+    # the top-level parts tile the step
+    assert sum(bd.ms[k] for k in top) == pytest.approx(bd.step_ms, rel=1e-6)
+    for k in ("attn_window", "attn_csa", "attn_hca", "moe", "metadata"):
+        assert bd.ms[k] > 0, k
+    assert 0 < bd.ms["indexer_topk"] < bd.ms["attn_csa"]
+    # hooks and wrappers are gone
+    assert eng.runner.forward == runner_forward and "forward" not in vars(eng.runner)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in eng.runner.model.modules())
+    eng.shutdown()
+
+
+def test_bench_offline_end_to_end(tmp_path):
+    out = tmp_path / "off.json"
+    res = bench_offline.main(["--contexts", "300", "--batches", "2", "--steps", "2", "--breakdown-steps", "1",
+                              "--real-prefill-max-tokens", "1000", "--no-progress", "--out", str(out)])
+    kinds = {(r.mode, r.via) for r in res}
+    assert kinds == {("compressed", "prefill"), ("dense", "prefill"), ("compressed", "synthetic"),
+                     ("dense", "synthetic")}
+    assert all(r.tokens_per_s > 0 and r.breakdown for r in res)
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 4
+
+
+def test_bench_long_context_end_to_end(tmp_path):
+    out, png = tmp_path / "long.json", tmp_path / "long.png"
+    rep = bench_long_context.main([
+        "--preset", "tiny", "--device", "cpu", "--contexts", "512,1024", "--steps", "2", "--warmup", "1",
+        "--max-batch", "4", "--breakdown-contexts", "1024", "--breakdown-steps", "1",
+        "--prefill-contexts", "512", "--prefill-long", "1024", "--prefill-max-seconds", "0.01",
+        "--prefill-chunk", "256", "--no-progress", "--out", str(out), "--plot", str(png)])
+    ok = [r for r in rep.decode if r.status == "ok"]
+    assert {r.mode for r in ok} == {"compressed", "dense"}
+    assert {(r.context, r.batch) for r in ok if r.mode == "compressed" and r.batch_kind == "1"} == {(512, 1), (1024, 1)}
+    # the dense plan holds fewer requests: its row at the compressed maximum is the plan's refusal
+    assert any(r.mode == "dense" and r.status == "refused by plan" for r in rep.decode)
+    assert any(r.breakdown for r in ok if r.context == 1024)
+    pre = {p.context: p for p in rep.prefill}
+    assert pre[512].status == "complete" and pre[512].tokens_done == 512
+    assert pre[1024].status.startswith("stopped") and 0 < pre[1024].tokens_done < 1024   # one chunk, then the budget
+    assert png.stat().st_size > 1000
+    data = json.loads(out.read_text())
+    assert data["summary"] and len(data["decode"]) == len(rep.decode)
+
+
+def test_ids_between_is_a_slice_of_all_ids():
+    from scheduler_hooks.scheduler import Req
+    req = Req("x", [5, 6, 7, 8], GenerateRequest([5, 6, 7, 8], SamplingParams()), torch.Generator(), None)
+    req.output_ids = [9, 10, 11]
+    for a in range(8):
+        for b in range(a, 8):
+            assert req.ids_between(a, b) == req.all_ids[a:b], (a, b)

@@ -20,6 +20,7 @@ from memory.allocator import KVAllocator
 from memory.configurator import DSV4PoolConfigurator
 from memory.pools import DSV4KVPools
 
+from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
 from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
 from .config import DSV4Config
 from .model import DSV4Model, hi_dtype
@@ -41,6 +42,12 @@ class ForwardRequest:
     logits: LogitsMode = "last"
 
 
+def default_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The backend a runner gets when none is named: the Triton kernels on CUDA, the PyTorch
+    path on the CPU and for exact float64 runs (the kernels compute in fp32 / bf16)."""
+    return "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
+
+
 class ModelRunner:
     """Owns the model and the attention backend; pools and allocator are the caller's.
 
@@ -50,7 +57,7 @@ class ModelRunner:
 
     def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor], pools: DSV4KVPools,
                  allocator: KVAllocator, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 backend: str = "torch", dense: bool = False):
+                 backend: Optional[str] = None, dense: bool = False):
         self.config, self.pools, self.allocator = config, pools, allocator
         self.device, self.dtype, self.dense = torch.device(device), dtype, dense
         if dense != bool(pools.plan.dense):
@@ -59,7 +66,8 @@ class ModelRunner:
         self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=include_mtp)
         self.model.load_state_dict(weights, strict=True)
         self.model.eval()
-        self.backend = get_attention_backend(backend)(config, pools, allocator, dtype=dtype, dense=dense)
+        self.backend_name = backend or default_backend(self.device, dtype)
+        self.backend = get_attention_backend(self.backend_name)(config, pools, allocator, dtype=dtype, dense=dense)
         self.last_metadata: Optional[ForwardMetadata] = None
 
     @property
@@ -100,7 +108,7 @@ class ModelRunner:
     def build(cls, config: DSV4Config | str = "tiny", *, seed: int = 0, dtype: torch.dtype = torch.float32,
               max_total_tokens: int = 4096, max_running_requests: int = 4, swa_ratio: float = 0.5,
               max_context: Optional[int] = None, online_compress: bool | None = None,
-              state_dtype: Optional[torch.dtype] = None, dense: bool = False, backend: str = "torch",
+              state_dtype: Optional[torch.dtype] = None, dense: bool = False, backend: Optional[str] = None,
               weights: Optional[dict[str, torch.Tensor]] = None, device: str = "cpu",
               **preset_overrides: Any) -> "ModelRunner":
         """Config (or preset name), seeded random weights, a pool plan for ``max_total_tokens``,

@@ -11,7 +11,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "kv_store": "kv_store", "finish_rows": "kv_store",
+    "kv_store": "kv_store", "kv_store_rows": "kv_store", "finish_rows": "kv_store",
     "compress": "compressor", "compress_pool": "compressor", "CompressEvents": "compressor",
     "online_c128_update": "compressor",
     "indexer_scores": "indexer", "indexer_topk": "indexer", "topk_rows": "indexer",

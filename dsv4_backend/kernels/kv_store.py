@@ -135,3 +135,42 @@ def kv_store(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, norm_wei
     """
     return finish_rows(pool, slots, kv, norm_weight, cos, sin, eps, round_in=False,
                        round_bf16=round_bf16, out=out)
+
+
+# ---- store-only: rows already normalised and rotated ---------------------------------------
+
+@triton.jit
+def _store_kernel(x_ptr, x_stride, dest_ptr, pool_ptr, P, page_stride, NATIVE: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    dest = tl.load(dest_ptr + n).to(tl.int64)
+    if dest >= 0:
+        t = tl.arange(0, 8)
+        c = tl.arange(0, 64)
+        i = tl.arange(0, 32)
+        row = x_ptr + n * x_stride
+        x = tl.load(row + t[:, None] * 64 + c[None, :], mask=t[:, None] < 7, other=0.0).to(tl.float32)
+        re = round_bf16(tl.load(row + 448 + 2 * i).to(tl.float32), NATIVE)
+        ro = round_bf16(tl.load(row + 449 + 2 * i).to(tl.float32), NATIVE)
+        part, group = kv_row_offsets(dest, P, page_stride)
+        store_kv_row(pool_ptr, part, group, x, re, ro, NATIVE)
+
+
+def kv_store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Quantise finished attention rows into the pool (no norm, no RoPE).
+
+    The engine model hands the backend rows already normalised and rotated (``kv_norm`` and
+    RoPE run with the rest of the layer's projections), so the store only rounds: nope dims to
+    e4m3 with the tile scale, rope dims to bf16; the same bytes as ``memory.layout.write_kv_rows``.
+    pool: uint8 [num_pages, P * 584]; slots: int [N] (< 0 = skip); rows: [N, 512] any float dtype.
+    """
+    n = rows.shape[0]
+    if rows.dim() != 2 or rows.shape[1] != KV_DIM or rows.stride(1) != 1:
+        raise ValueError(f"rows must be [N, {KV_DIM}] with unit column stride, got {tuple(rows.shape)}")
+    if slots.shape != (n,):
+        raise ValueError(f"slots must be [N={n}], got {tuple(slots.shape)}")
+    check_device(pool, slots, rows)
+    P, page_stride = page_geometry(pool, KV_ROW_BYTES, "attention")
+    if n == 0:
+        return
+    _store_kernel[(n,)](rows, rows.stride(0), slots.contiguous(), pool, P, page_stride,
+                        NATIVE=native(), num_warps=2)

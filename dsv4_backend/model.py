@@ -12,6 +12,12 @@ and the indexer's q and head weights, and hand them to an attention backend
 and compression. This module never imports the backend; the backend reads the layer's
 compressor norms, ``rope`` and ``attn_sink`` through the layer object it is given.
 
+On CUDA (float32 / bfloat16) the mHC mix, collapse and expand run as fused Triton kernels
+(``kernels/mhc.py``; ``DSV4_MHC_KERNELS=0`` turns them off), and in bfloat16 the routed experts
+are allocated as stacked slices and run as two ``torch._grouped_mm`` calls without a host sync
+(``DSV4_GROUPED_MOE=0`` keeps the per-expert loop). The CPU and float64 always take the torch
+code below, which is the reference for both.
+
 Precision: in float64 and float32 every intermediate stays in the compute dtype; in bfloat16
 mode activations and the residual streams are bf16 while the norms, mHC maths, RoPE, gate,
 SwiGLU, compressors and logits run in float32 (the release's precision notes).
@@ -20,8 +26,9 @@ SwiGLU, compressors and logits run in float32 (the release's precision notes).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -288,10 +295,32 @@ class MoE(nn.Module):
             for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                      cfg.swiglu_limit)
+        self._w13: Optional[torch.Tensor] = None  # [E, 2 * inter, D]: w1 rows, then w3 rows
+        self._w2: Optional[torch.Tensor] = None   # [E, D, inter]
+        self._aligned = False
+
+    def stack_experts(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the routed experts' weights as slices of two stacked tensors.
+
+        Names and values are unchanged (``load_state_dict`` copies into the slices in place);
+        the stacks let :meth:`_grouped` run every expert in one grouped GEMM with the
+        per-expert row counts kept on the device (no host sync)."""
+        inter, dim = self.experts[0].w1.weight.shape
+        E = len(self.experts)
+        # the grouped GEMM's operands need 16-byte-aligned rows
+        self._aligned = (inter * dtype.itemsize) % 16 == 0 and (dim * dtype.itemsize) % 16 == 0
+        self._w13 = torch.empty(E, 2 * inter, dim, dtype=dtype, device=device)
+        self._w2 = torch.empty(E, dim, inter, dtype=dtype, device=device)
+        for e, ex in enumerate(self.experts):
+            ex.w1.weight.data = self._w13[e, :inter]
+            ex.w3.weight.data = self._w13[e, inter:]
+            ex.w2.weight.data = self._w2[e]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x, input_ids)                                    # [T, k]
         out = self.shared_experts(x)
+        if self._grouped_applies(x):
+            return self._grouped(x, ids, w, out)
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
@@ -305,16 +334,87 @@ class MoE(nn.Module):
             start += n
         return out
 
+    def _grouped_applies(self, x: torch.Tensor) -> bool:
+        # torch._grouped_mm is sync-free only in its bf16 CUTLASS path (sm90 / sm100); anything
+        # else (and stacks that no longer back the parameters, e.g. after .to()) takes the loop.
+        if not (USE_GROUPED_MOE and x.is_cuda and x.dtype == torch.bfloat16 and self._w13 is not None):
+            return False
+        ex0, exn = self.experts[0], self.experts[-1]
+        return (self._aligned and _grouped_mm_device(x.device) and self._w13.dtype == torch.bfloat16
+                and self._w13.device == x.device
+                and ex0.w1.weight.data_ptr() == self._w13.data_ptr()
+                and exn.w3.weight.data_ptr() == self._w13[-1, exn.w1.weight.shape[0]:].data_ptr()
+                and exn.w2.weight.data_ptr() == self._w2[-1].data_ptr())
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """All routed experts as two grouped GEMMs over the (token, expert) pairs sorted by
+        expert, the group ends found on the device: no host sync, no launch per expert, and
+        each expert's weights read once per tile of its own rows only. The maths is
+        Expert.forward's: projections in x's dtype, SwiGLU and the routing weight in fp32."""
+        T, k = ids.shape
+        inter, limit = self._w2.shape[2], self.experts[0].limit
+        sorted_ids, order = ids.reshape(-1).sort(stable=True)
+        # group ends by binary search (CUDA bincount reads its max on the host: a sync)
+        experts = torch.arange(len(self.experts), device=ids.device, dtype=sorted_ids.dtype)
+        ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+        token = order // k
+        gu = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=ends)  # [T*k, 2*inter]
+        hi = hi_dtype(x.dtype)
+        g, u = gu[:, :inter].to(hi), gu[:, inter:].to(hi)
+        h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * w.reshape(-1)[order].to(hi)[:, None]
+        y = torch._grouped_mm(h.to(x.dtype), self._w2.transpose(-2, -1), offs=ends)  # [T*k, D]
+        return out.index_add_(0, token, y)
+
+
+# torch._grouped_mm on CUDA, bfloat16, routed experts stacked (see MoE.stack_experts);
+# DSV4_GROUPED_MOE=0 keeps the per-expert loop (for A/B timing).
+USE_GROUPED_MOE = os.environ.get("DSV4_GROUPED_MOE", "1") != "0"
+_GROUPED_MM_OK: dict[int, bool] = {}
+
+
+def _stack_experts_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether DSV4Model allocates routed experts as stacks (where MoE._grouped can run)."""
+    return device.type == "cuda" and dtype == torch.bfloat16
+
+
+def _grouped_mm_device(device: torch.device) -> bool:
+    """Whether torch._grouped_mm has its sync-free bf16 kernel on this GPU (sm90 / sm100)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _GROUPED_MM_OK:
+        major = torch.cuda.get_device_capability(idx)[0]
+        _GROUPED_MM_OK[idx] = hasattr(torch, "_grouped_mm") and major in (9, 10)
+    return _GROUPED_MM_OK[idx]
+
 
 # ---- mHC ------------------------------------------------------------------------------------
 
-def hc_mix_weights(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
-                   base: torch.Tensor):
-    """mHC mixes for streams ``X [T, hc, D]``: pre [T, hc], post [T, hc], C [T, hc, hc]."""
-    hc, eps = cfg.hc_mult, cfg.hc_eps
+class HCMix(NamedTuple):
+    """One mHC mix: pre [T, hc], post [T, hc], C [T, hc, hc] (C[t, j, k]: stream j -> k)."""
+    pre: torch.Tensor
+    post: torch.Tensor
+    C: torch.Tensor
+
+
+# The fused Triton mHC kernels (kernels/mhc.py) run on CUDA for float32 / bfloat16 models;
+# DSV4_MHC_KERNELS=0 keeps the torch ops there too (for A/B timing).
+USE_MHC_KERNELS = os.environ.get("DSV4_MHC_KERNELS", "1") != "0"
+
+
+def _mhc_kernels_apply(X: torch.Tensor) -> bool:
+    return USE_MHC_KERNELS and X.is_cuda and X.dtype != torch.float64
+
+
+def hc_mix_logits(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """The 2 * hc + hc * hc mix logits of streams ``X [T, hc, D]``, RMS-scaled, in hi precision."""
     h = X.reshape(X.shape[0], -1).to(hi_dtype(X.dtype))
-    fn, scale, base = fn.to(h.dtype), scale.to(h.dtype), base.to(h.dtype)
-    m = (h @ fn.t()) * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+    return (h @ fn.to(h.dtype).t()) * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+
+def hc_sinkhorn(cfg: DSV4Config, m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> HCMix:
+    """Gates and the Sinkhorn-normalised C from logits ``m [T, hc * (2 + hc)]`` (torch ops;
+    the reference for ``kernels.mhc.mhc_mix``)."""
+    hc, eps = cfg.hc_mult, cfg.hc_eps
+    scale, base = scale.to(m.dtype), base.to(m.dtype)
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     C = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)        # C[j, k]: j -> k
@@ -323,16 +423,32 @@ def hc_mix_weights(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: to
     for _ in range(cfg.hc_sinkhorn_iters - 1):
         C = C / (C.sum(-1, keepdim=True) + eps)
         C = C / (C.sum(-2, keepdim=True) + eps)
-    return pre, post, C
+    return HCMix(pre, post, C)
+
+
+def hc_mix_weights(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                   base: torch.Tensor) -> HCMix:
+    """mHC mixes for streams ``X [T, hc, D]``: pre [T, hc], post [T, hc], C [T, hc, hc]."""
+    m = hc_mix_logits(cfg, X, fn)
+    if _mhc_kernels_apply(X):
+        from .kernels.mhc import mhc_mix
+        return HCMix(*mhc_mix(m, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps))
+    return hc_sinkhorn(cfg, m, scale, base)
 
 
 def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     # sum_j pre_j X_j: [T, hc, D] -> [T, D], in pre's (float32 or float64) precision
+    if _mhc_kernels_apply(X) and pre.dtype == torch.float32:
+        from .kernels.mhc import mhc_collapse
+        return mhc_collapse(X.contiguous(), pre)
     return torch.einsum("tj,tjd->td", pre, X.to(pre.dtype))
 
 
 def hc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     # X'_k = post_k f + sum_j C[j, k] X_j, mixed in C's precision; the streams keep X's dtype
+    if _mhc_kernels_apply(X) and C.dtype == torch.float32:
+        from .kernels.mhc import mhc_expand
+        return mhc_expand(X.contiguous(), f, post, C)
     mixed = torch.einsum("tjk,tjd->tkd", C, X.to(C.dtype))
     return (post[:, :, None] * f.to(C.dtype)[:, None, :] + mixed).to(X.dtype)
 
@@ -432,11 +548,19 @@ class DSV4Model(nn.Module):
         if missing or extra:
             raise RuntimeError(f"DSV4Model tensor names differ from weight_specs: "
                                f"missing {missing[:8]}, unexpected {extra[:8]}")
+        stack = _stack_experts_for(device, dtype)
         for name, t in own.items():
             spec = specs[name]
             if tuple(t.shape) != spec.shape:
                 raise RuntimeError(f"{name}: model shape {tuple(t.shape)} != spec {spec.shape}")
+            if stack and ".ffn.experts." in name:
+                continue  # allocated below, as slices of the stacks
             t.data = torch.empty(spec.shape, dtype=param_dtype(name, spec.kind, dtype), device=device)
+        if stack:
+            for mod_name, mod in self.named_modules():
+                if isinstance(mod, MoE):
+                    name = f"{mod_name}.experts.0.w1.weight"
+                    mod.stack_experts(param_dtype(name, specs[name].kind, dtype), device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
         """Run the main layers over the step's tokens. ``input_ids, positions: [T]``;

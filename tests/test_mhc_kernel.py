@@ -1,0 +1,283 @@
+"""The mHC Triton kernels (dsv4_backend/kernels/mhc.py) against float64 torch formulas.
+
+On a machine without CUDA they run under TRITON_INTERPRET=1 (tests/conftest.py).
+
+Tolerances: the kernels compute in fp32, so they are compared with the same formulas in
+float64 (``model.hc_sinkhorn`` on float64 logits, einsum for collapse / expand) at 2e-6 absolute
+(pre, post, C are in [0, 2]; 20 Sinkhorn rounds of fp32 division stay within a few ulp of 1e-7
+each, since the iteration contracts errors), and with the model's own fp32 torch path at the
+same bound. Expand into bf16 streams is allowed one bf16 ulp (2^-8 relative) for rounding
+boundaries the fp32 sums land on differently.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_backend import model as model_mod
+from dsv4_backend.config import DSV4Config
+from dsv4_backend.kernels.mhc import mhc_collapse, mhc_expand, mhc_mix
+from dsv4_backend.model import hc_collapse, hc_expand, hc_mix_weights, hc_sinkhorn
+
+CFG = DSV4Config.preset("tiny")
+TOL = 2e-6
+
+
+def mix_inputs(cfg: DSV4Config, T: int, seed: int, spread: float):
+    g = torch.Generator().manual_seed(seed)
+    n = cfg.hc_mult * (2 + cfg.hc_mult)
+    m = torch.randn(T, n, generator=g, dtype=torch.float64) * spread
+    m[: T // 4] *= 8.0                                    # a quarter with large logits
+    scale = torch.rand(3, generator=g, dtype=torch.float64) * 2 + 0.1
+    base = torch.randn(n, generator=g, dtype=torch.float64)
+    return m, scale, base
+
+
+def check_mix(cfg: DSV4Config, T: int, seed: int, spread: float):
+    m, scale, base = mix_inputs(cfg, T, seed, spread)
+    got = mhc_mix(m.float(), scale.float(), base.float(), cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    # the fp32 inputs, evaluated in float64
+    ref = hc_sinkhorn(cfg, m.float().double(), scale.float().double(), base.float().double())
+    torch32 = hc_sinkhorn(cfg, m.float(), scale.float(), base.float())
+    for name in ("pre", "post", "C"):
+        g, r, t32 = getattr(got, name), getattr(ref, name), getattr(torch32, name)
+        assert g.dtype == torch.float32 and g.shape == r.shape, name
+        assert torch.isfinite(g).all(), name
+        err = (g.double() - r).abs().max().item()
+        assert err <= TOL, f"{name}: max |kernel - float64| = {err:.3g}"
+        err32 = (g - t32).abs().max().item()
+        assert err32 <= TOL, f"{name}: max |kernel - torch fp32| = {err32:.3g}"
+    return got, ref
+
+
+def test_mix_matches_float64_reference():
+    got, ref = check_mix(CFG, T=300, seed=1, spread=3.0)
+    C = got.C.double()
+    # the last Sinkhorn step normalises columns: they sum to 1 (up to eps); rows are as close
+    # to 1 as the float64 reference gets them after the same rounds
+    col = C.sum(-2)
+    assert (col - 1).abs().max().item() < 1e-5
+    row, row_ref = C.sum(-1), ref.C.sum(-1)
+    assert (row - row_ref).abs().max().item() < 1e-5
+    assert (row - 1).abs().median().item() < 1e-3
+    assert (got.pre > 0).all() and (got.pre <= 1 + 2 * CFG.hc_eps).all()
+    assert (got.post >= 0).all() and (got.post <= 2).all()
+
+
+@pytest.mark.parametrize("hc, iters, T", [(3, 5, 37), (4, 1, 65), (2, 7, 16)])
+def test_mix_other_shapes(hc, iters, T):
+    # hc not a power of two exercises the padded rows / columns; iters = 1 the column step only
+    cfg = CFG.replace(hc_mult=hc, hc_sinkhorn_iters=iters)
+    check_mix(cfg, T=T, seed=hc * 10 + iters, spread=2.0)
+
+
+def test_mix_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="mhc_mix"):
+        mhc_mix(torch.randn(5, 23), torch.ones(3), torch.zeros(24), 4, 20, 1e-6)
+    with pytest.raises(ValueError, match="mhc_mix"):
+        mhc_mix(torch.randn(5, 24), torch.ones(2), torch.zeros(24), 4, 20, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_collapse_and_expand(dtype):
+    g = torch.Generator().manual_seed(7)
+    T, hc, D = 9, CFG.hc_mult, 300                       # D not a multiple of the block
+    X = torch.randn(T, hc, D, generator=g).to(dtype)
+    f = torch.randn(T, D, generator=g).to(dtype)
+    pre = torch.rand(T, hc, generator=g)
+    post = torch.rand(T, hc, generator=g) * 2
+    C = torch.rand(T, hc, hc, generator=g)
+
+    y = mhc_collapse(X, pre)
+    y_ref = torch.einsum("tj,tjd->td", pre.double(), X.double())
+    assert y.dtype == torch.float32
+    assert (y.double() - y_ref).abs().max().item() < 1e-5
+
+    out = mhc_expand(X, f, post, C)
+    out_ref = (post.double()[:, :, None] * f.double()[:, None, :]
+               + torch.einsum("tjk,tjd->tkd", C.double(), X.double()))
+    assert out.dtype == dtype and out.shape == X.shape
+    if dtype == torch.float32:
+        assert (out.double() - out_ref).abs().max().item() < 1e-5
+    else:
+        rel = ((out.double() - out_ref).abs() / out_ref.abs().clamp(min=1e-3)).max().item()
+        assert rel <= 2 ** -8 * 1.01   # bf16's unit roundoff (+ fp32 noise)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_dispatch_uses_kernels(monkeypatch, dtype):
+    """With the CUDA condition forced on, the model's mHC functions route to the kernels and
+    agree with their torch path (which the CPU keeps)."""
+    g = torch.Generator().manual_seed(3)
+    T, hc, D = 50, CFG.hc_mult, CFG.hidden_size
+    X = torch.randn(T, hc, D, generator=g).to(dtype)
+    fn = torch.randn(hc * (2 + hc), hc * D, generator=g) * 0.05
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(hc * (2 + hc), generator=g)
+    f = torch.randn(T, D, generator=g).to(dtype)
+
+    torch_mix = hc_mix_weights(CFG, X, fn, scale, base)
+    torch_y = hc_collapse(X, torch_mix.pre)
+    torch_out = hc_expand(X, f, torch_mix.post, torch_mix.C)
+
+    calls = []
+    monkeypatch.setattr(model_mod, "_mhc_kernels_apply",
+                        lambda t: calls.append(t.dtype) or t.dtype != torch.float64)
+    mix = hc_mix_weights(CFG, X, fn, scale, base)
+    y = hc_collapse(X, mix.pre)
+    out = hc_expand(X, f, mix.post, mix.C)
+    assert len(calls) == 3
+    for a, b in zip(mix, torch_mix):
+        assert (a - b).abs().max().item() <= TOL
+    assert (y - torch_y).abs().max().item() < 1e-4
+    if dtype == torch.float32:
+        assert (out - torch_out).abs().max().item() < 1e-4
+    else:
+        ref = torch_out.double()
+        rel = ((out.double() - ref).abs() / ref.abs().clamp(min=1e-2)).max().item()
+        assert rel <= 2 ** -7 * 1.01   # both round to nearest bf16: at most one ulp apart
+
+
+def test_float64_path_stays_torch(monkeypatch):
+    """float64 never reaches a kernel (the engine's exactness tests rely on it)."""
+    X = torch.randn(4, CFG.hc_mult, 16, dtype=torch.float64)
+    assert not model_mod._mhc_kernels_apply(X)
+    assert not model_mod._mhc_kernels_apply(X.float())        # CPU tensors: torch path
+
+
+# ---- MoE: the grouped (sync-free) routed-expert path ------------------------------------------
+
+def make_moe(cfg: DSV4Config, seed: int, dtype: torch.dtype, stacked: bool) -> model_mod.MoE:
+    g = torch.Generator().manual_seed(seed)
+    moe = model_mod.MoE(cfg, hash_routed=False)
+    if stacked:
+        moe.stack_experts(dtype, torch.device("cpu"))
+    for name, p in moe.named_parameters():
+        fan_in = p.shape[-1] if p.dim() == 2 else 1
+        val = torch.randn(p.shape, generator=g) * fan_in ** -0.5
+        if name.startswith("gate."):
+            p.data = val.float() * (0.01 if name == "gate.bias" else 1.0)  # no expert starved
+        elif ".experts." in "." + name and stacked:
+            p.data.copy_(val.to(dtype))          # in place: the stacks see it
+        else:
+            p.data = val.to(dtype)
+    return moe
+
+
+@pytest.mark.parametrize("T", [3, 200])
+def test_grouped_moe_matches_expert_loop(monkeypatch, T):
+    """The grouped path (forced on; torch._grouped_mm's CPU version stands in for the CUDA
+    kernel) gives the per-expert loop's output, with experts that get no token (T = 3) and
+    many tokens per expert (T = 200)."""
+    cfg = CFG.replace(n_routed_experts=16, num_experts_per_tok=3)
+    moe = make_moe(cfg, seed=T, dtype=torch.bfloat16, stacked=True)
+    g = torch.Generator().manual_seed(T + 1)
+    x = torch.randn(T, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    ids = torch.zeros(T, dtype=torch.int64)
+    ids_used, _ = moe.gate(x, ids)
+    used = torch.bincount(ids_used.reshape(-1), minlength=16)
+    assert (used == 0).any() if T == 3 else (used > 1).all()
+
+    monkeypatch.setattr(model_mod.MoE, "_grouped_applies", lambda self, x: False)
+    loop = moe(x, ids)
+    calls = []
+    monkeypatch.setattr(model_mod.MoE, "_grouped_applies", lambda self, x: calls.append(1) or True)
+    grouped = moe(x, ids)
+    assert calls and grouped.dtype == torch.bfloat16
+    # float64 reference of the same maths (projections rounded to bf16 as both paths do)
+    xd, out = x.double(), moe.shared_experts(x).double()
+    wts = moe.gate(x, ids)[1].double()
+    for t in range(T):
+        for j in range(cfg.num_experts_per_tok):
+            ex = moe.experts[int(ids_used[t, j])]
+            gt = (xd[t] @ ex.w1.weight.double().t()).to(torch.bfloat16).double()
+            ut = (xd[t] @ ex.w3.weight.double().t()).to(torch.bfloat16).double()
+            h = torch.nn.functional.silu(gt.clamp(max=ex.limit)) * ut.clamp(-ex.limit, ex.limit) * wts[t, j]
+            out[t] += h.to(torch.bfloat16).double() @ ex.w2.weight.double().t()
+    scale = out.abs().max().item()
+    assert (grouped.double() - loop.double()).abs().max().item() <= 2 ** -6 * scale
+    assert (grouped.double() - out).abs().max().item() <= 2 ** -6 * scale
+
+
+def test_stacked_experts_keep_names_and_values():
+    cfg = CFG.replace(n_routed_experts=4)
+    moe = make_moe(cfg, seed=5, dtype=torch.bfloat16, stacked=True)
+    inter = cfg.moe_intermediate_size
+    for e, ex in enumerate(moe.experts):
+        assert torch.equal(moe._w13[e, :inter], ex.w1.weight) and torch.equal(moe._w13[e, inter:], ex.w3.weight)
+        assert torch.equal(moe._w2[e], ex.w2.weight)
+    assert "_w13" not in dict(moe.state_dict()) and len(moe.state_dict()) == len(make_moe(
+        cfg, seed=5, dtype=torch.bfloat16, stacked=False).state_dict())
+    assert moe._aligned   # 128 / 256-wide bf16 rows are 16-byte multiples
+    # CPU tensors never take the grouped path
+    assert not moe._grouped_applies(torch.zeros(2, cfg.hidden_size, dtype=torch.bfloat16))
+
+
+def test_model_with_stacked_experts_loads_the_release_weights(monkeypatch):
+    """DSV4Model's stacked allocation (CUDA bf16 only; forced here) keeps every name and
+    loads every expert tensor into its stack slice."""
+    from dsv4_backend.model import DSV4Model
+    from dsv4_backend.weights import random_weights
+    monkeypatch.setattr(model_mod, "_stack_experts_for", lambda device, dtype: True)
+    weights = random_weights(CFG, seed=11, dtype=torch.bfloat16, include_mtp=True)
+    model = DSV4Model(CFG, dtype=torch.bfloat16, include_mtp=True)
+    model.load_state_dict(weights, strict=True)
+    state = model.state_dict()
+    assert set(state) == set(weights)
+    moes = [m for m in model.modules() if isinstance(m, model_mod.MoE)]
+    assert len(moes) == CFG.num_hidden_layers + len(CFG.mtp_ratios)
+    inter = CFG.moe_intermediate_size
+    for prefix, moe in [(n, m) for n, m in model.named_modules() if isinstance(m, model_mod.MoE)]:
+        for e in (0, len(moe.experts) - 1):
+            name = f"{prefix}.experts.{e}"
+            assert torch.equal(moe._w13[e, :inter], weights[f"{name}.w1.weight"])
+            assert torch.equal(moe._w13[e, inter:], weights[f"{name}.w3.weight"])
+            assert torch.equal(moe._w2[e], weights[f"{name}.w2.weight"])
+            assert state[f"{name}.w2.weight"].data_ptr() == moe._w2[e].data_ptr()
+        assert torch.equal(moe.shared_experts.w1.weight, weights[f"{prefix}.shared_experts.w1.weight"])
+
+
+# ---- on a GPU only: the real CUDA paths (skipped on the CPU) ----------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_mix_collapse_expand_match_torch():
+    dev = torch.device("cuda")
+    m, scale, base = mix_inputs(CFG, 1000, 21, 3.0)
+    got = mhc_mix(m.float().to(dev), scale.float().to(dev), base.float().to(dev),
+                  CFG.hc_mult, CFG.hc_sinkhorn_iters, CFG.hc_eps)
+    ref = hc_sinkhorn(CFG, m.float().double(), scale.float().double(), base.float().double())
+    for a, b in zip(got, ref):
+        assert (a.double().cpu() - b).abs().max().item() <= TOL
+    X = torch.randn(64, CFG.hc_mult, 4096, device=dev).bfloat16()
+    f = torch.randn(64, 4096, device=dev).bfloat16()
+    pre, post, C = (t[:64].to(dev) for t in got)
+    y_ref = torch.einsum("tj,tjd->td", pre.double(), X.double())
+    assert (mhc_collapse(X, pre).double() - y_ref).abs().max().item() < 1e-4
+    out_ref = post.double()[:, :, None] * f.double()[:, None, :] + torch.einsum("tjk,tjd->tkd", C.double(), X.double())
+    rel = ((mhc_expand(X, f, post, C).double() - out_ref).abs() / out_ref.abs().clamp(min=1e-2)).max().item()
+    assert rel <= 2 ** -8 * 1.01
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 33, 1024])
+def test_cuda_grouped_moe_matches_expert_loop(monkeypatch, T):
+    if not model_mod._grouped_mm_device(torch.device("cuda")):
+        pytest.skip("torch._grouped_mm has no sync-free bf16 kernel on this GPU")
+    cfg = CFG.replace(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=256,
+                      num_experts_per_tok=6)
+    moe = make_moe(cfg, seed=T, dtype=torch.bfloat16, stacked=True).cuda()
+    moe.stack_experts(torch.bfloat16, torch.device("cuda"))   # .cuda() moved the params off the stacks
+    ref = make_moe(cfg, seed=T, dtype=torch.bfloat16, stacked=False)
+    moe.load_state_dict(ref.state_dict())
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).bfloat16().cuda()
+    ids = torch.zeros(T, dtype=torch.int64, device="cuda")
+    assert moe._grouped_applies(x)
+    grouped = moe(x, ids)
+    monkeypatch.setattr(model_mod, "USE_GROUPED_MOE", False)
+    assert not moe._grouped_applies(x)
+    loop = moe(x, ids)
+    scale = loop.abs().max().item()
+    assert (grouped.double() - loop.double()).abs().max().item() <= 2 ** -6 * scale

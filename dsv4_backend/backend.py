@@ -101,6 +101,9 @@ class CompressionEvents:
     row: torch.Tensor        # [E] destination row full_slot(i * m) // m
     src_ring: torch.Tensor   # [E, 2m or m]
     src_new: torch.Tensor    # [E, 2m or m]
+    # flat indices into src_ring.reshape(-1) of the candidates read from the ring (src_ring >= 0),
+    # known on the host, so a kernel can gather them without a device-side nonzero
+    ring_cand: Optional[torch.Tensor] = None  # [G]
 
     @property
     def num(self) -> int:
@@ -128,6 +131,10 @@ class OnlineSegments:
     fresh: torch.Tensor       # [S] bool
     row: torch.Tensor         # [S] destination row, or -1 while the block is incomplete
     first_pos: torch.Tensor   # [S] block start position (RoPE position of the row)
+    # the same split as index lists built on the host, so no layer needs a boolean mask
+    done_idx: Optional[torch.Tensor] = None    # [D] segments with row >= 0, in order
+    open_idx: Optional[torch.Tensor] = None    # [S - D] the others, in order
+    done_token: Optional[torch.Tensor] = None  # [D] new-token index of each completed block's last token
 
 
 @dataclass
@@ -151,6 +158,8 @@ class ForwardMetadata:
     ``0 .. p`` in dense mode); ``window_slots`` lists their SWA slots (-1 padded, sparse mode
     only, FlashMLA's ``indices``), and ``kv_slots`` lists per request the SWA slots of
     positions ``kv_start[r] ..`` the union of its queries' windows (what the CPU path reads).
+    ``host`` repeats the per-request fields as Python ints, so per-request loops (the CPU
+    path's) never read a device tensor.
     """
 
     req_slots: torch.Tensor     # [R]
@@ -168,6 +177,7 @@ class ForwardMetadata:
     kv_slots: torch.Tensor      # [R, max_kv] SWA slots of positions kv_start.., -1 padded
     compressed: dict[int, CompressedMeta] = field(default_factory=dict)
     dense: bool = False
+    host: Optional["StepLists"] = None  # the per-request fields above as Python ints
 
     @property
     def compress(self) -> bool:
@@ -191,15 +201,6 @@ class AttentionBackend(ABC):
         """One attention layer: writes the step's rows, compresses, attends; -> o [T, H, 512]."""
 
 
-def _pad_rows(rows: list[torch.Tensor], width: int = 0) -> torch.Tensor:
-    """Stack 1-D int64 tensors into [len(rows), max(width, longest)], -1 padded."""
-    width = max([width] + [int(r.numel()) for r in rows])
-    out = torch.full((len(rows), width), -1, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
-
-
 def _to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor field of a metadata dataclass (nested, dict values too) to ``device``."""
     if isinstance(obj, torch.Tensor):
@@ -213,26 +214,128 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 
 
 @dataclass
-class _RequestView:
-    """The CPU copy of one request's table rows that metadata building reads."""
+class StepLists:
+    """The step's per-request numbers as Python ints: what per-request loops read without
+    touching a device tensor."""
 
-    slot: int
-    prefix: int
-    seq_len: int
-    offset: int                # first new token's index in the step
-    kv_start: int              # first position of ``swa``
-    full: torch.Tensor         # [seq_len] full slots of positions 0..
-    swa: torch.Tensor          # [seq_len - kv_start] SWA slots of positions kv_start..
+    req_slots: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    seq_lens: list[int]
+    kv_start: list[int]
 
-    def ring_slot(self, p: torch.Tensor, m: int) -> torch.Tensor:
-        """Ring slot (C4: per SWA page) or ring row (C128: per request) of positions ``p``."""
-        if m == 128:
-            return self.slot * C128_RING + p % C128_RING
-        if p.numel() and int(p.min()) < self.kv_start:
-            raise RuntimeError(f"request slot {self.slot}: the C4 ring needs position {int(p.min())}, "
-                               f"outside the window starting at {self.kv_start}")
-        swa = self.swa[(p - self.kv_start).clamp_min(0)]
-        return (swa // SWA_PAGE) * C4_RING + p % C4_RING
+
+@dataclass
+class _StepHost:
+    """The step's layout built on the host from the batch alone (sizes O(R + T))."""
+
+    lists: StepLists
+    offsets: list[int]          # R + 1 token boundaries
+    per_req: torch.Tensor       # [6, R] slot, prefix, extend, seq_len, kv_start, first token
+    token_req: torch.Tensor     # [T]
+    positions: torch.Tensor     # [T]
+
+    @staticmethod
+    def build(batch: ForwardBatch, window: int, dense: bool) -> "_StepHost":
+        slots, prefix, ext = [list(map(int, x)) for x in (batch.req_slots, batch.prefix_lens, batch.extend_lens)]
+        for r, (slot, n) in enumerate(zip(slots, ext)):
+            if n <= 0:
+                raise ValueError(f"request {r} (slot {slot}) extends by {n} tokens; every request needs >= 1")
+        seq = [p + n for p, n in zip(prefix, ext)]
+        start = [0 if dense else max(0, p - window + 1) for p in prefix]
+        offsets = [0]
+        for n in ext:
+            offsets.append(offsets[-1] + n)
+        per_req = torch.tensor([slots, prefix, ext, seq, start, offsets[:-1]], dtype=torch.int64).view(6, -1)
+        token_req = torch.repeat_interleave(torch.arange(len(slots)), per_req[2])
+        positions = torch.arange(offsets[-1]) - per_req[5][token_req] + per_req[1][token_req]
+        return _StepHost(StepLists(slots, prefix, ext, seq, start), offsets, per_req, token_req, positions)
+
+
+def _ranges(lo: list[int], hi: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated ``range(lo[r], hi[r])`` (empty where hi <= lo): (owner r, value), each [N]."""
+    counts = torch.tensor([max(0, h - l) for l, h in zip(lo, hi)], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(lo)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    value = torch.arange(owner.numel()) - first[owner] + torch.tensor(lo, dtype=torch.int64)[owner]
+    return owner, value
+
+
+def _events_host(m: int, step: _StepHost) -> dict:
+    """Ring path, ratio m: the events' and ring writes' host-computable parts (keys ``(m, name)``)."""
+    L = step.lists
+    slot, prefix, offset, start = step.per_req[0], step.per_req[1], step.per_req[5], step.per_req[4]
+    ev_req, ev_block = _ranges([p // m for p in L.prefix_lens], [s // m for s in L.seq_lens])
+    cand = torch.arange(-m, m) if m == 4 else torch.arange(m)          # candidate offsets from i * m
+    P = ev_block[:, None] * m + cand[None, :]                             # [E, n] candidate positions
+    pre = prefix[ev_req][:, None]
+    old = (P >= 0) & (P < pre)                                            # read from the ring
+    out = {(m, "ev_req"): ev_req, (m, "ev_block"): ev_block,
+           (m, "ev_new"): torch.where(P >= pre, P - pre + offset[ev_req][:, None], -1),
+           (m, "ev_cand"): torch.nonzero(old.reshape(-1)).flatten()}
+    # the tail future blocks read: the open block (and for m = 4 the last complete one)
+    tail = [max(0, (s // m - (1 if m == 4 else 0)) * m) for s in L.seq_lens]
+    w_req, w_pos = _ranges([max(p, t) for p, t in zip(L.prefix_lens, tail)], L.seq_lens)
+    out[m, "w_tok"] = w_pos - prefix[w_req] + offset[w_req]
+    if m == 128:
+        out[m, "ev_ring"] = torch.where(old, slot[ev_req][:, None] * C128_RING + P % C128_RING, -1)
+        out[m, "w_slot"] = slot[w_req] * C128_RING + w_pos % C128_RING
+        return out
+    col = P - start[ev_req][:, None]                                      # column in the request's kv_slots
+    outside = old & (col < 0)
+    if bool(outside.any()):
+        e = int(torch.nonzero(outside)[0, 0])
+        first = int(P[e][outside[e]].min())
+        raise RuntimeError(f"request slot {L.req_slots[int(ev_req[e])]}: the C4 ring needs position {first}, "
+                           f"outside the window starting at {L.kv_start[int(ev_req[e])]}")
+    out.update({(m, "ev_col"): torch.where(old, col, -1), (m, "ev_pos"): P, (m, "w_req"): w_req, (m, "w_pos"): w_pos})
+    return out
+
+
+def _segments_host(m: int, step: _StepHost) -> dict:
+    """Online C128: per (request, block) touched, its new tokens and flags (keys ``(m, name)``)."""
+    L = step.lists
+    prefix, seq, offset = step.per_req[1], step.per_req[3], step.per_req[5]
+    seg_req, seg_block = _ranges([p // m for p in L.prefix_lens], [(s - 1) // m + 1 for s in L.seq_lens])
+    lo = torch.maximum(prefix[seg_req], seg_block * m)
+    hi = torch.minimum(seq[seg_req], (seg_block + 1) * m)
+    pos = lo[:, None] + torch.arange(m)[None, :]
+    base = (offset - prefix)[seg_req]                                     # new-token index = position + base
+    done = (seg_block + 1) * m <= seq[seg_req]
+    return {(m, "seg_req"): seg_req, (m, "seg_block"): seg_block,
+            (m, "seg_tokens"): torch.where(pos < hi[:, None], pos + base[:, None], -1),
+            (m, "seg_fresh"): (seg_block * m >= prefix[seg_req]).to(torch.int64),
+            (m, "seg_done"): done.to(torch.int64),
+            (m, "seg_done_idx"): torch.nonzero(done).flatten(),
+            (m, "seg_open_idx"): torch.nonzero(~done).flatten(),
+            (m, "seg_done_token"): (hi - 1 + base)[done]}
+
+
+def _upload(host: dict, device: torch.device) -> dict:
+    """Move a dict of small int64 host tensors to ``device`` in one copy (views of one buffer)."""
+    if device.type == "cpu":
+        return dict(host)
+    keys = list(host)
+    flat = torch.cat([host[k].reshape(-1) for k in keys]).to(device)
+    out, i = {}, 0
+    for k in keys:
+        n = host[k].numel()
+        out[k] = flat[i:i + n].view(host[k].shape)
+        i += n
+    return out
+
+
+def _host_int(meta: ForwardMetadata, name: str, r: int) -> int:
+    """Per-request field ``name`` of request r, from the host lists when the metadata has them."""
+    return getattr(meta.host, name)[r] if meta.host is not None else int(getattr(meta, name)[r])
+
+
+def _online_split(seg: OnlineSegments) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completed, open) segment indices; from the host-built lists when present."""
+    if seg.done_idx is not None:
+        return seg.done_idx, seg.open_idx
+    done = seg.row >= 0
+    return torch.nonzero(done).flatten(), torch.nonzero(~done).flatten()
 
 
 # ---- the CPU PyTorch backend ----------------------------------------------------------------
@@ -265,98 +368,98 @@ class TorchDSV4Backend(AttentionBackend):
     # ---- metadata ------------------------------------------------------------------------
 
     def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:
-        # Built on the CPU from the rows of the allocator's tables this step touches, then moved
-        # to the pools' device in one go.
-        req_to_token, full_to_swa = self.tables.req_to_token, self.tables.full_to_swa
-        offsets = [0]
-        for n in batch.extend_lens:
-            offsets.append(offsets[-1] + n)
-        views, positions, full, swa, token_req, kv_start, kv_slots = [], [], [], [], [], [], []
-        for r, (slot, prefix, n) in enumerate(zip(batch.req_slots, batch.prefix_lens, batch.extend_lens)):
-            if n <= 0:
-                raise ValueError(f"request {r} (slot {slot}) extends by {n} tokens; every request needs >= 1")
-            L = prefix + n
-            start = 0 if self.dense else max(0, prefix - self.window + 1)
-            f_all = req_to_token[slot, :L].to(torch.int64).cpu()
-            ks = full_to_swa[req_to_token[slot, start:L]].to(torch.int64).cpu()   # SWA slots of start..L-1
-            if bool((ks < 0).any()):
-                missing = (torch.nonzero(ks < 0).flatten() + start).tolist()[:8]
-                raise RuntimeError(f"request slot {slot}: positions {missing} of the step's windows have no "
-                                   "SWA slot (evicted, or the allocator was not extended before the forward)")
-            views.append(_RequestView(slot, prefix, L, offsets[r], start, f_all, ks))
-            positions.append(torch.arange(prefix, L, dtype=torch.int64))
-            full.append(f_all[prefix:])
-            swa.append(ks[prefix - start:])
-            token_req.append(torch.full((n,), r, dtype=torch.int64))
-            kv_start.append(start)
-            kv_slots.append(ks)
-        positions_t = torch.cat(positions)
-        token_req_t = torch.cat(token_req)
-        kv_start_t = torch.tensor(kv_start, dtype=torch.int64)
-        kv_slots_t = _pad_rows(kv_slots)
-        seq_lens = [v.seq_len for v in views]
+        # Everything whose size is the step's (tokens, events, ring writes) is laid out on the host
+        # from the batch's ints and moved in one copy; everything read from the tables (full and
+        # SWA slots, compressed rows) is gathered on the tables' device, so no context-length row
+        # ever goes through the host. The one device read is the missing-SWA-slot check.
+        tables = self.tables
+        dev = tables.req_to_token.device
+        step = _StepHost.build(batch, self.window, self.dense)
+        host = {"req": step.per_req, "token_req": step.token_req, "positions": step.positions}
+        for m in self.ratios:
+            online = m == 128 and self.online_compress
+            host.update(_segments_host(m, step) if online else _events_host(m, step))
+        d = _upload(host, dev)
+        per_req, token_req, positions = d["req"], d["token_req"], d["positions"]
+        slots, seq, start = per_req[0], per_req[3], per_req[4]
+        lists = step.lists
+        kv_slots = self._kv_slots(lists, slots, seq, start)
+        tok_col = positions - start[token_req]                     # column of each new token in kv_slots
         if self.dense:
-            window, window_slots = max(seq_lens), None
+            window, window_slots = max(lists.seq_lens), None
         else:
             window = self.window
             # query t's window, positions p - W + 1 .. p, as columns of its request's kv_slots row
-            col = (positions_t - kv_start_t[token_req_t])[:, None] + torch.arange(-window + 1, 1)[None, :]
-            window_slots = torch.where(col >= 0, kv_slots_t[token_req_t[:, None], col.clamp_min(0)], -1)
+            col = tok_col[:, None] + torch.arange(-window + 1, 1, device=dev)[None, :]
+            window_slots = torch.where(col >= 0, kv_slots[token_req[:, None], col.clamp_min(0)], -1)
         meta = ForwardMetadata(
-            req_slots=torch.tensor(batch.req_slots, dtype=torch.int64),
-            prefix_lens=torch.tensor(batch.prefix_lens, dtype=torch.int64),
-            extend_lens=torch.tensor(batch.extend_lens, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            token_offsets=offsets, token_req=token_req_t, positions=positions_t,
-            full_slots=torch.cat(full), swa_slots=torch.cat(swa), window=window,
-            window_slots=window_slots, kv_start=kv_start_t, kv_slots=kv_slots_t, dense=self.dense,
+            req_slots=slots, prefix_lens=per_req[1], extend_lens=per_req[2], seq_lens=seq,
+            token_offsets=step.offsets, token_req=token_req, positions=positions,
+            full_slots=tables.req_to_token[slots[token_req], positions].to(torch.int64),
+            swa_slots=kv_slots[token_req, tok_col], window=window,
+            window_slots=window_slots, kv_start=start, kv_slots=kv_slots, dense=self.dense, host=lists,
         )
         for m in self.ratios:
-            meta.compressed[m] = self._compressed_meta(m, views, positions_t)
+            meta.compressed[m] = self._compressed_meta(m, d, meta)
         return _to_device(meta, self.device)
 
-    def _compressed_meta(self, m: int, views: list["_RequestView"], positions: torch.Tensor) -> CompressedMeta:
-        online = m == 128 and self.online_compress
-        rows, ev_req, ev_block, src_ring, src_new, ring_tok, ring_slot, segs = [], [], [], [], [], [], [], []
-        cand = torch.arange(-m, m) if m == 4 else torch.arange(m)   # candidate offsets from i * m
-        for r, v in enumerate(views):
-            nb = v.seq_len // m
-            rows.append(v.full[: nb * m: m] // m)
-            if online:
-                for b in range(v.prefix // m, (v.seq_len - 1) // m + 1):
-                    lo, hi = max(v.prefix, b * m), min(v.seq_len, (b + 1) * m)
-                    done = (b + 1) * m <= v.seq_len
-                    segs.append((v.slot, torch.arange(lo, hi) - v.prefix + v.offset, b * m >= v.prefix,
-                                 int(rows[-1][b]) if done else -1, b * m))
-                continue
-            blocks = torch.arange(v.prefix // m, nb)
-            P = blocks[:, None] * m + cand[None, :]                          # [E_r, n] candidate positions
-            old = (P >= 0) & (P < v.prefix)
-            src_ring.append(torch.where(old, v.ring_slot(torch.where(old, P, v.seq_len - 1), m), -1))
-            src_new.append(torch.where(P >= v.prefix, P - v.prefix + v.offset, -1))
-            ev_req.append(torch.full_like(blocks, r))
-            ev_block.append(blocks)
-            # the tail future blocks read: the open block (and for m = 4 the last complete one)
-            tail = max(0, (nb - (1 if m == 4 else 0)) * m)
-            p = torch.arange(max(v.prefix, tail), v.seq_len)
-            ring_tok.append(p - v.prefix + v.offset)
-            ring_slot.append(v.ring_slot(p, m))
-        num_visible = (positions + 1) // m
-        if online:
-            toks = _pad_rows([s[1] for s in segs], width=m)
+    def _kv_slots(self, lists: "StepLists", slots: torch.Tensor, seq: torch.Tensor,
+                  start: torch.Tensor) -> torch.Tensor:
+        """[R, max_kv] SWA slots of positions kv_start[r] .. seq_len[r] - 1, -1 padded (device)."""
+        req_to_token, full_to_swa = self.tables.req_to_token, self.tables.full_to_swa
+        width = max(s - k for s, k in zip(lists.seq_lens, lists.kv_start))
+        pos = start[:, None] + torch.arange(width, device=slots.device)[None, :]
+        valid = pos < seq[:, None]
+        if any(lists.kv_start):
+            full = req_to_token[slots[:, None], torch.where(valid, pos, 0)]
+        else:   # every row starts at position 0 (dense mode, short requests): a row copy
+            full = req_to_token[:, :width].index_select(0, slots)
+        ks = full_to_swa[full].to(torch.int64)
+        missing = valid & (ks < 0)
+        if bool(missing.any()):
+            for r, slot in enumerate(lists.req_slots):
+                if bool(missing[r].any()):
+                    gone = (torch.nonzero(missing[r]).flatten() + lists.kv_start[r]).tolist()[:8]
+                    raise RuntimeError(f"request slot {slot}: positions {gone} of the step's windows have no "
+                                       "SWA slot (evicted, or the allocator was not extended before the forward)")
+        return torch.where(valid, ks, -1)
+
+    def _compressed_meta(self, m: int, d: dict, meta: ForwardMetadata) -> CompressedMeta:
+        """One ratio's tables from the uploaded host layout ``d`` and the device tables."""
+        nbw = max(meta.host.seq_lens) // m
+        # full slot of each block's first position: a strided view of the table, rows copied
+        full = self.tables.req_to_token[:, : nbw * m: m].index_select(0, meta.req_slots).to(torch.int64)
+        shift = m.bit_length() - 1
+        rows = full >> shift if 1 << shift == m else full // m    # the same integers, shift is cheaper
+        if any(s // m < nbw for s in meta.host.seq_lens):
+            blocks = torch.arange(nbw, device=rows.device)
+            rows.masked_fill_(blocks[None, :] >= (meta.seq_lens // m)[:, None], -1)       # [R, nbw]
+        num_visible = (meta.positions + 1) // m
+        if (m, "seg_req") in d:
+            seg_req, seg_block = d[m, "seg_req"], d[m, "seg_block"]
+            done = d[m, "seg_done"] != 0
+            if nbw:
+                row = torch.where(done, rows[seg_req, seg_block.clamp(max=nbw - 1)], -1)
+            else:
+                row = torch.full_like(seg_block, -1)
             seg = OnlineSegments(
-                state_slot=torch.tensor([s[0] for s in segs], dtype=torch.int64), tokens=toks,
-                fresh=torch.tensor([s[2] for s in segs], dtype=torch.bool),
-                row=torch.tensor([s[3] for s in segs], dtype=torch.int64),
-                first_pos=torch.tensor([s[4] for s in segs], dtype=torch.int64))
-            return CompressedMeta(m, _pad_rows(rows), num_visible, None, None, seg)
-        block = torch.cat(ev_block)
-        req = torch.cat(ev_req)
-        first_row = torch.cat([r_[b] if b.numel() else b for r_, b in zip(rows, ev_block)])
-        events = CompressionEvents(req=req, block=block, first_pos=block * m, row=first_row,
-                                   src_ring=torch.cat(src_ring), src_new=torch.cat(src_new))
-        return CompressedMeta(m, _pad_rows(rows), num_visible, events,
-                              RingWrites(torch.cat(ring_tok), torch.cat(ring_slot)))
+                state_slot=meta.req_slots[seg_req], tokens=d[m, "seg_tokens"], fresh=d[m, "seg_fresh"] != 0,
+                row=row, first_pos=seg_block * m, done_idx=d[m, "seg_done_idx"],
+                open_idx=d[m, "seg_open_idx"], done_token=d[m, "seg_done_token"])
+            return CompressedMeta(m, rows, num_visible, None, None, seg)
+        ev_req, ev_block = d[m, "ev_req"], d[m, "ev_block"]
+        if m == 4:   # ring slots hang off the candidates' SWA pages
+            col = d[m, "ev_col"]
+            swa = meta.kv_slots[ev_req[:, None], col.clamp_min(0)]
+            src_ring = torch.where(col >= 0, (swa // SWA_PAGE) * C4_RING + d[m, "ev_pos"] % C4_RING, -1)
+            w_req, w_pos = d[m, "w_req"], d[m, "w_pos"]
+            swa = meta.kv_slots[w_req, w_pos - meta.kv_start[w_req]]
+            ring_slot = (swa // SWA_PAGE) * C4_RING + w_pos % C4_RING
+        else:
+            src_ring, ring_slot = d[m, "ev_ring"], d[m, "w_slot"]
+        events = CompressionEvents(req=ev_req, block=ev_block, first_pos=ev_block * m, row=rows[ev_req, ev_block],
+                                   src_ring=src_ring, src_new=d[m, "ev_new"], ring_cand=d[m, "ev_cand"])
+        return CompressedMeta(m, rows, num_visible, events, RingWrites(d[m, "w_tok"], ring_slot))
 
     # ---- per layer -----------------------------------------------------------------------
 
@@ -439,11 +542,11 @@ class TorchDSV4Backend(AttentionBackend):
         keep = torch.where(fresh, 0.0, (old_max - new_max).exp())
         tot = torch.where(fresh, 0.0, old[:, 1]) * keep + e.sum(dim=1)
         kv = torch.where(fresh, 0.0, old[:, 2]) * keep + (e * c).sum(dim=1)
-        done = seg.row >= 0
+        done, keep_open = _online_split(seg)
         # Only a request's open block carries over (a completed block's successor starts fresh);
         # storing just those keeps the write free of duplicate slots.
-        state[seg.state_slot[~done]] = torch.stack([new_max, tot, kv], dim=1)[~done].to(state.dtype)
-        if bool(done.any()):
+        state[seg.state_slot[keep_open]] = torch.stack([new_max, tot, kv], dim=1)[keep_open].to(state.dtype)
+        if done.numel():
             pooled = kv[done] / tot[done]
             self._finish_rows(layer, layer.compressor, pooled, seg.first_pos[done], write, seg.row[done])
 
@@ -457,7 +560,7 @@ class TorchDSV4Backend(AttentionBackend):
         pools = self.pools
         for r in range(len(meta.token_offsets) - 1):
             t0, t1 = meta.token_offsets[r], meta.token_offsets[r + 1]
-            prefix, start = int(meta.prefix_lens[r]), int(meta.kv_start[r])
+            prefix, start = _host_int(meta, "prefix_lens", r), _host_int(meta, "kv_start", r)
             seq_len = prefix + t1 - t0
             keys = read_kv_rows(pools.swa_kv[layer_id], meta.kv_slots[r, :seq_len - start]).to(q.dtype)
             comp = None
@@ -514,7 +617,7 @@ class TorchDSV4Backend(AttentionBackend):
         """CSA selection for request r's queries: C4 row ids [n, k] (-1 where fewer are visible)."""
         cm = meta.compressed[4]
         t0, t1 = meta.token_offsets[r], meta.token_offsets[r + 1]
-        nb = int(meta.seq_lens[r]) // 4
+        nb = _host_int(meta, "seq_lens", r) // 4
         k = min(self.cfg.index_topk, nb)
         if k == 0:
             return torch.full((t1 - t0, 0), -1, dtype=torch.int64, device=inputs.q.device)

@@ -1,8 +1,10 @@
 """The GPU attention backend: the Triton kernels behind the torch backend's metadata.
 
 ``TritonDSV4Backend`` (registered as ``"triton"``) subclasses :class:`TorchDSV4Backend` and
-reuses its :meth:`init_forward_metadata` unchanged: the same :class:`ForwardMetadata` feeds both
-backends. Per attention layer it runs, in the torch backend's order:
+reuses its :meth:`init_forward_metadata`: the same :class:`ForwardMetadata` feeds both backends.
+It derives its kernels' per-step tables (``_StepPlan``) from the metadata once per step, when the
+metadata is built, so a layer's host work is argument plumbing and kernel launches, with no
+device reads. Per attention layer it runs, in the torch backend's order:
 
 1. ``kv_store_rows``: the new tokens' rows (normalised and rotated by the model) rounded to FP8
    into the SWA pool;
@@ -89,6 +91,8 @@ class _StepPlan:
     c4_visible: Optional[torch.Tensor] = None  # int32 [T]
     c4_len: int = 0                            # longest request's C4 row count this step
     c128_rows: Optional[torch.Tensor] = None   # int32 [T, nb] visible C128 rows, -1 padded
+    # fp32 RoPE (cos, sin) of the rows finished this step, per (ratio, rope frequencies)
+    cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @register_attention_backend("triton")
@@ -112,6 +116,11 @@ class TritonDSV4Backend(TorchDSV4Backend):
         self._plan: Optional[_StepPlan] = None
 
     # ---- per step ------------------------------------------------------------------------
+
+    def init_forward_metadata(self, batch: Any) -> ForwardMetadata:
+        meta = super().init_forward_metadata(batch)
+        self._step_plan(meta)
+        return meta
 
     def _step_plan(self, meta: ForwardMetadata) -> _StepPlan:
         if self._plan_meta is meta:
@@ -148,7 +157,8 @@ class TritonDSV4Backend(TorchDSV4Backend):
         ev, wr = cm.events, cm.ring_writes
         flat_ring, flat_new = ev.src_ring.reshape(-1), ev.src_new.reshape(-1)
         from_ring = flat_ring >= 0
-        gather = flat_ring[from_ring]
+        # host-built candidate list when present: a boolean-mask gather would read the device
+        gather = flat_ring[ev.ring_cand] if ev.ring_cand is not None else flat_ring[from_ring]
         in_buf = torch.cumsum(from_ring.to(torch.int64), 0) - 1
         sources = torch.where(from_ring, in_buf,
                               torch.where(flat_new >= 0, gather.numel() + flat_new, -1))
@@ -157,12 +167,27 @@ class TritonDSV4Backend(TorchDSV4Backend):
 
     @staticmethod
     def _online_plan(meta: ForwardMetadata, cm: CompressedMeta) -> _OnlinePlan:
-        dev = meta.positions.device
-        starts = torch.tensor(meta.token_offsets[:-1], dtype=torch.int32, device=dev)
+        ext = meta.extend_lens
+        starts = (torch.cumsum(ext, 0) - ext).to(torch.int32)
+        seg = cm.online
+        if seg.done_token is not None:   # host-built: tokens at position % 128 == 127, in order
+            return _OnlinePlan(starts, ext.to(torch.int32), seg.done_token, seg.row[seg.done_idx],
+                               seg.first_pos[seg.done_idx])
         pos = meta.positions
         done = torch.nonzero((pos + 1) % 128 == 0).flatten()
         dest = cm.rows[meta.token_req[done], pos[done] // 128]
-        return _OnlinePlan(starts, meta.extend_lens.to(torch.int32), done, dest, pos[done] - 127)
+        return _OnlinePlan(starts, ext.to(torch.int32), done, dest, pos[done] - 127)
+
+    @staticmethod
+    def _cos_sin(plan: _StepPlan, m: int, rope: Any, first_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 RoPE of this step's finished rows, computed once per step for every layer whose
+        rope has the same frequencies (every compressed layer shares one)."""
+        inv = rope.inv_freq
+        # reading a CPU tensor's values costs no device sync; a device one is keyed by identity
+        key = (m, tuple(inv.tolist())) if inv.device.type == "cpu" else (m, id(rope))
+        if key not in plan.cos_sin:
+            plan.cos_sin[key] = rope.cos_sin(first_pos, torch.float32)
+        return plan.cos_sin[key]
 
     # ---- per layer -----------------------------------------------------------------------
 
@@ -175,17 +200,17 @@ class TritonDSV4Backend(TorchDSV4Backend):
         extra_pool = extra_rows = None
         if ratio == 4:
             ring = plan.rings[4]
-            self._compress(layer, layer.compressor, inputs.compressor, ring, pools.c4_ring[layer_id],
+            self._compress(plan, 4, layer, layer.compressor, inputs.compressor, ring, pools.c4_ring[layer_id],
                            pools.c4_kv[layer_id], None)
-            self._compress(layer, layer.indexer.compressor, inputs.indexer.compressor, ring,
+            self._compress(plan, 4, layer, layer.indexer.compressor, inputs.indexer.compressor, ring,
                            pools.c4_indexer_ring[layer_id], pools.c4_indexer[layer_id],
                            hadamard_matrix(128, torch.float32, inputs.q.device))
             extra_pool, extra_rows = pools.c4_kv[layer_id], self._select(layer_id, inputs, plan)
         elif ratio == 128:
             if plan.online is not None:
-                self._compress_online_kernel(layer, layer_id, inputs.compressor, meta, plan.online)
+                self._compress_online_kernel(plan, layer, layer_id, inputs.compressor, meta, plan.online)
             else:
-                self._compress(layer, layer.compressor, inputs.compressor, plan.rings[128],
+                self._compress(plan, 128, layer, layer.compressor, inputs.compressor, plan.rings[128],
                                pools.c128_ring[layer_id], pools.c128_kv[layer_id], None)
             extra_pool, extra_rows = pools.c128_kv[layer_id], plan.c128_rows
         q = inputs.q.to(torch.bfloat16) if inputs.q.is_cuda else inputs.q
@@ -193,8 +218,9 @@ class TritonDSV4Backend(TorchDSV4Backend):
                               layer.attn_sink.float(), self.cfg.softmax_scale)
         return res.out.to(inputs.q.dtype)
 
-    def _compress(self, layer: Any, compressor: Any, raw: CompressorInput, ring_plan: _RingPlan,
-                  ring: torch.Tensor, pool: torch.Tensor, hadamard: Optional[torch.Tensor]) -> None:
+    def _compress(self, plan: _StepPlan, m: int, layer: Any, compressor: Any, raw: CompressorInput,
+                  ring_plan: _RingPlan, ring: torch.Tensor, pool: torch.Tensor,
+                  hadamard: Optional[torch.Tensor]) -> None:
         """Ring path: pool the completed blocks, write the ring tail, finish the rows."""
         K = _kernels()
         rp = ring_plan
@@ -203,15 +229,18 @@ class TritonDSV4Backend(TorchDSV4Backend):
         if n_events:
             # the candidates, gathered before the ring write below can overwrite their slots
             buf = torch.cat([ring[rp.gather], cz])
-        if rp.ring_token.numel():
+        if rp.ring_token.numel() == cz.shape[0]:
+            # ring_token is increasing, so writing every token means it is 0..T-1 (each decode step)
+            ring[rp.ring_slot] = cz
+        elif rp.ring_token.numel():
             ring[rp.ring_slot] = cz[rp.ring_token]
         if n_events:
-            cos, sin = layer.rope.cos_sin(rp.first_pos, torch.float32)
+            cos, sin = self._cos_sin(plan, m, layer.rope, rp.first_pos)
             K.compress(pool, K.CompressEvents(rp.dest_rows, rp.sources, cos, sin), buf, compressor.ape,
                        compressor.norm.weight, compressor.ratio, eps=compressor.norm.eps,
                        round_bf16=self.round_bf16, hadamard=hadamard)
 
-    def _compress_online_kernel(self, layer: Any, layer_id: int, raw: CompressorInput,
+    def _compress_online_kernel(self, plan: _StepPlan, layer: Any, layer_id: int, raw: CompressorInput,
                                 meta: ForwardMetadata, op: _OnlinePlan) -> None:
         state = self.pools.c128_online[layer_id]
         if state.dtype != torch.float32:  # the kernel keeps an fp32 running state
@@ -224,7 +253,7 @@ class TritonDSV4Backend(TorchDSV4Backend):
         pooled = K.online_c128_update(state, meta.req_slots, op.token_start, op.token_count, cz,
                                       meta.positions, comp.ape)
         if op.done_tokens.numel():
-            cos, sin = layer.rope.cos_sin(op.first_pos, torch.float32)
+            cos, sin = self._cos_sin(plan, 128, layer.rope, op.first_pos)
             K.finish_rows(self.pools.c128_kv[layer_id], op.dest_rows, pooled[op.done_tokens],
                           comp.norm.weight, cos, sin, comp.norm.eps, round_in=self.round_bf16,
                           round_bf16=self.round_bf16)

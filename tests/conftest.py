@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -19,3 +20,12 @@ if str(ROOT) not in sys.path:
 
 # ../shared/testdata beside the checkout (present for developers and CI).
 SHARED_TESTDATA = ROOT.parent / "shared" / "testdata"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The engine tests run many small ops: one torch thread avoids oversubscribing 2 shared cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

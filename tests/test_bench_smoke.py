@@ -22,14 +22,6 @@ from scheduler_hooks.io import GenerateRequest, SamplingParams
 VOCAB = 1024
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def make_engine(dense: bool = False, **kw) -> Engine:
     args = dict(preset="tiny", skip_tokenizer_init=True, max_total_tokens=4096, chunked_prefill_size=256,
                 max_running_requests=2, config_overrides={"vocab_size": VOCAB}, dense=dense)

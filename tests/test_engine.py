@@ -44,14 +44,6 @@ BF16_STATE_P99_BOUND = 0.1
 BF16_STATE_MAX_BOUND = 4.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 @pytest.fixture(scope="module")
 def cfg() -> DSV4Config:
     return DSV4Config.preset("tiny", **OVERRIDES)

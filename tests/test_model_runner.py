@@ -31,15 +31,6 @@ NUM_SEQS = 3           # distinct token streams, so cross-request mix-ups show
 TOL64 = 1e-9
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tests are many small ops; one thread avoids oversubscribing a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def weights64():
     return random_weights(CFG, seed=0, dtype=torch.float64, include_mtp=False)

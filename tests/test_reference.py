@@ -18,7 +18,6 @@ from dsv4_backend import reference as R
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.weights import random_weights
 
-torch.set_num_threads(1)
 
 CFG = DSV4Config.preset("tiny", vocab_size=1024)
 SEQ = 320

@@ -40,14 +40,6 @@ LOGIT_MEDIAN_TOL = 1e-2
 LOGIT_MAX_TOL = 0.5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def weights():
     return random_weights(CFG, seed=3, dtype=torch.float32, include_mtp=False)

@@ -35,7 +35,6 @@ from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c12
 from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
-from memory.quant import indexer_fake_quant  # noqa: E402
 
 DEV = "cuda"
 CHECKS: list[dict] = []

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4_backend.backend import TorchDSV4Backend  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.model import hadamard_matrix  # noqa: E402
-from dsv4_backend.model_runner import ForwardRequest, ModelRunner  # noqa: E402
+from dsv4_backend.model_runner import ForwardRequest, ModelRunner, run_schedule  # noqa: E402
 from dsv4_backend.weights import WeightKind, param_dtype, random_weights, weight_specs  # noqa: E402
 from memory.allocator import KVAllocator  # noqa: E402
 from memory.configurator import DSV4PoolConfigurator  # noqa: E402
@@ -87,23 +87,11 @@ def tiny_cases() -> list[Case]:
 
 
 def play(runner: ModelRunner, case: Case, seqs: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-    """Scheduler stand-in: extend, forward with logits at every new position, evict."""
-    alloc, pos, out = runner.allocator, {}, {r: [] for r in case.lengths}
-    for step in case.steps:
-        reqs = []
-        for rid, n in step:
-            if rid not in alloc:
-                alloc.admit(rid)
-                pos[rid] = 0
-            alloc.extend(rid, pos[rid] + n)
-            reqs.append(ForwardRequest(alloc.req_slot(rid), pos[rid], seqs[rid][pos[rid]:pos[rid] + n], "all"))
-        for (rid, n), logits in zip(step, runner.forward(reqs)):
-            out[rid].append(logits.float().cpu())
-            pos[rid] += n
-            alloc.evict_swa(rid)
+    """Run the case's schedule (see ``run_schedule``), free its requests, logits on the CPU."""
+    out = run_schedule(runner, case.steps, seqs)
     for rid in case.lengths:
-        alloc.free(rid)
-    return {r: torch.cat(v) for r, v in out.items()}
+        runner.allocator.free(rid)
+    return {r: v.float().cpu() for r, v in out.items()}
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> dict:

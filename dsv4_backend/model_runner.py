@@ -126,3 +126,32 @@ class ModelRunner:
         if weights is None:
             weights = random_weights(cfg, seed=seed, dtype=dtype, device=device, include_mtp=False)
         return cls(cfg, weights, pools, allocator, device=device, dtype=dtype, backend=backend, dense=dense)
+
+
+def run_schedule(runner: ModelRunner, steps: list[list[tuple[str, int]]],
+                 seqs: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """A scheduler stand-in for checks: run a fixed schedule and return every new position's logits.
+
+    Each step is ``[(rid, n new tokens), ...]`` (one forward; requests join on first mention);
+    tokens come from ``seqs[rid]``. Allocation and SWA eviction go through ``runner.allocator``
+    exactly as the scheduler's hooks do; the requests stay admitted (the caller frees them).
+    Returns ``{rid: logits [positions run, vocab]}``.
+    """
+    alloc, pos = runner.allocator, {}
+    out: dict[str, list[torch.Tensor]] = {rid: [] for step in steps for rid, _ in step}
+    for step in steps:
+        reqs = []
+        for rid, n in step:
+            if rid not in alloc:
+                if alloc.admit(rid) is None:
+                    raise RuntimeError(f"no request slot for {rid!r}")
+                pos[rid] = 0
+            res = alloc.extend(rid, pos[rid] + n)
+            if not res.ok:
+                raise RuntimeError(f"cannot extend {rid!r} to {pos[rid] + n} tokens: {res}")
+            reqs.append(ForwardRequest(alloc.req_slot(rid), pos[rid], seqs[rid][pos[rid]:pos[rid] + n], "all"))
+        for (rid, n), logits in zip(step, runner.forward(reqs)):
+            out[rid].append(logits)
+            pos[rid] += n
+            alloc.evict_swa(rid)
+    return {rid: torch.cat(v) for rid, v in out.items()}

@@ -24,7 +24,7 @@ import torch
 
 from dsv4_backend.backend import AttentionBackend, TorchDSV4Backend
 from dsv4_backend.config import DSV4Config
-from dsv4_backend.model_runner import ForwardRequest, ModelRunner, default_backend
+from dsv4_backend.model_runner import ModelRunner, default_backend, run_schedule
 from dsv4_backend.triton_backend import TritonDSV4Backend
 from dsv4_backend.weights import random_weights
 from memory.layout import read_indexer_rows, read_kv_rows
@@ -79,24 +79,6 @@ def lockstep_runner(weights, dense=False, **kw) -> tuple[ModelRunner, LockStep]:
     return runner, runner.backend
 
 
-def play(runner: ModelRunner, plan: list[list[tuple[str, int]]], seqs: dict[str, list[int]]) -> dict[str, list]:
-    """Scheduler stand-in: each step is [(rid, n new tokens)]; logits at every new position."""
-    alloc, pos, out = runner.allocator, {}, {rid: [] for rid in seqs}
-    for step in plan:
-        reqs = []
-        for rid, n in step:
-            if rid not in alloc:
-                alloc.admit(rid)
-                pos[rid] = 0
-            alloc.extend(rid, pos[rid] + n)
-            reqs.append(ForwardRequest(alloc.req_slot(rid), pos[rid], seqs[rid][pos[rid]:pos[rid] + n], "all"))
-        for (rid, n), logits in zip(step, runner.forward(reqs)):
-            out[rid].append(logits)
-            pos[rid] += n
-            alloc.evict_swa(rid)
-    return {rid: torch.cat(v) for rid, v in out.items()}
-
-
 def compare_pools(a: DSV4KVPools, b: DSV4KVPools) -> None:
     for kind in ("swa_kv", "c4_ring", "c4_indexer_ring", "c128_ring"):
         for layer, t in getattr(a, kind).items():
@@ -122,7 +104,7 @@ def test_lockstep_chunked_prefill_and_decode(weights):
     # b joins mid-way with a 30-token chunk and decodes alongside.
     plan = [[("a", 70)], [("a", 60), ("b", 30)]] + [[("a", 1), ("b", 1)]] * 6
     runner, lock = lockstep_runner(weights)
-    play(runner, plan, seqs)
+    run_schedule(runner, plan, seqs)
     assert lock.layers_seen == {0, 4, 128}
     assert lock.max_diff <= ATT_TOL, lock.max_diff
     compare_pools(lock.ref.pools, lock.test.pools)
@@ -131,7 +113,7 @@ def test_lockstep_chunked_prefill_and_decode(weights):
 def test_lockstep_dense(weights):
     seqs = {"a": tokens(24, 5)}
     runner, lock = lockstep_runner(weights, dense=True)
-    play(runner, [[("a", 20)], [("a", 1)], [("a", 1)]], seqs)
+    run_schedule(runner, [[("a", 20)], [("a", 1)], [("a", 1)]], seqs)
     assert lock.max_diff <= ATT_TOL, lock.max_diff
     for layer, t in lock.ref.pools.swa_kv.items():
         assert torch.equal(t, lock.test.pools.swa_kv[layer])
@@ -145,7 +127,7 @@ def test_end_to_end_online_c128(weights):
         runner = ModelRunner.build(CFG, dtype=torch.float32, weights=weights, backend=name,
                                    max_total_tokens=2048, max_running_requests=2, online_compress=True)
         assert type(runner.backend).__name__ == {"torch": "TorchDSV4Backend", "triton": "TritonDSV4Backend"}[name]
-        out[name] = play(runner, plan, seqs)["a"]
+        out[name] = run_schedule(runner, plan, seqs)["a"]
     ref, got = out["torch"], out["triton"]
     assert torch.isfinite(got).all()
     per_pos = (ref - got).abs().amax(-1)                                  # [132]

@@ -66,6 +66,7 @@ class ServerArgs:
     context_length: Optional[int] = None
     chunked_prefill_size: Optional[int] = None
     random_seed: int = 0
+    json_model_override_args: Optional[str] = None
     log_level: str = "info"
 
     @property
@@ -86,6 +87,8 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
+        if self.json_model_override_args:
+            kw["config_overrides"] = json.loads(self.json_model_override_args)
         return kw
 
 
@@ -112,8 +115,20 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--random-seed", type=int, default=d.random_seed)
+    p.add_argument("--json-model-override-args", default=d.json_model_override_args,
+                   help='JSON object of config.json keys that replace a --preset\'s values, e.g. '
+                        '\'{"n_routed_experts": 8}\' for a Flash-shaped model that fits one GPU')
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     ns = p.parse_args(argv)
+    if ns.json_model_override_args is not None:
+        try:
+            overrides = json.loads(ns.json_model_override_args)
+        except json.JSONDecodeError as e:
+            p.error(f"--json-model-override-args is not valid JSON: {e}")
+        if not isinstance(overrides, dict):
+            p.error("--json-model-override-args must be a JSON object of config keys")
+        if ns.model_path is not None:
+            p.error("--json-model-override-args applies to --preset models, not to a checkpoint")
     return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
 
 

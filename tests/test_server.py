@@ -464,8 +464,12 @@ def test_launch_flags_use_sglang_names():
         "model_path": "/ckpt", "preset": "tiny", "device": "cuda", "dtype": "bfloat16", "random_seed": 0,
         "max_running_requests": 32, "mem_fraction_static": 0.8, "context_length": 4096, "chunked_prefill_size": 1024}
     assert parse_args(["--max-total-tokens", "9000"]).engine_kwargs()["max_total_tokens"] == 9000
+    over = parse_args(["--preset", "flash", "--json-model-override-args", '{"n_routed_experts": 8}'])
+    assert over.engine_kwargs()["config_overrides"] == {"n_routed_experts": 8}
     for bad in (["--mem-fraction-static", "0.8", "--max-total-tokens", "10"], ["--model-path", "x", "--preset", "pro"],
-                ["--preset", "huge"], ["--dtype", "int8"]):
+                ["--preset", "huge"], ["--dtype", "int8"], ["--json-model-override-args", "{bad"],
+                ["--json-model-override-args", "[1]"],
+                ["--model-path", "x", "--json-model-override-args", '{"n_routed_experts": 8}']):
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert isinstance(a, ServerArgs)

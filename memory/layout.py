@@ -150,15 +150,21 @@ def unpack_indexer_page(page_bytes: torch.Tensor, page_size: int) -> torch.Tenso
 
 # ---- pools ----------------------------------------------------------------------------------
 
-def _pool_regions(pool: torch.Tensor, row_bytes: int, head_bytes: int, what: str):
-    """Views ``[num_pages, P, head_bytes]`` and ``[num_pages, P, row_bytes - head_bytes]`` of a
-    pool's two per-page regions; writes through them land in the pool."""
+def pool_page_size(pool: torch.Tensor, row_bytes: int, what: str) -> int:
+    """Rows per page P of a uint8 ``[num_pages, page_bytes]`` pool (a padded tail is allowed)."""
     if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.stride(1) != 1:
         raise ValueError(f"{what} pool must be uint8 [num_pages, page_bytes] with contiguous "
                          f"pages, got {pool.dtype} {tuple(pool.shape)}")
     page_size = pool.shape[1] // row_bytes
     if page_size == 0:
         raise ValueError(f"{what} pool pages of {pool.shape[1]} bytes hold no {row_bytes}-byte row")
+    return page_size
+
+
+def _pool_regions(pool: torch.Tensor, row_bytes: int, head_bytes: int, what: str):
+    """Views ``[num_pages, P, head_bytes]`` and ``[num_pages, P, row_bytes - head_bytes]`` of a
+    pool's two per-page regions; writes through them land in the pool."""
+    page_size = pool_page_size(pool, row_bytes, what)
     split = page_size * head_bytes
     head = pool[:, :split].unflatten(1, (page_size, head_bytes))
     tail = pool[:, split:page_size * row_bytes].unflatten(1, (page_size, row_bytes - head_bytes))

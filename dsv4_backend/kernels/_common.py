@@ -23,14 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-KV_DIM = 512
-KV_NOPE = 448
-KV_ROPE = 64
-KV_PART_BYTES = 576
-KV_SCALE_BYTES = 8
-KV_ROW_BYTES = 584
-IDX_DIM = 128
-IDX_ROW_BYTES = 132
+# The byte layouts are written down once, in memory/layout.py; the kernels read them from there.
+from memory.layout import INDEXER_ROW_BYTES as IDX_ROW_BYTES  # noqa: F401
+from memory.layout import KV_PART_BYTES, KV_ROW_BYTES, KV_SCALE_BYTES, pool_page_size  # noqa: F401
+from memory.quant import INDEXER_DIM as IDX_DIM  # noqa: F401
+from memory.quant import KV_DIM  # noqa: F401
+from memory.quant import KV_NOPE_DIM as KV_NOPE  # noqa: F401
+from memory.quant import KV_ROPE_DIM as KV_ROPE  # noqa: F401
 
 
 def interpreting() -> bool:
@@ -49,13 +48,7 @@ def dot_dtype() -> torch.dtype:
 
 def page_geometry(pool: torch.Tensor, row_bytes: int, what: str) -> tuple[int, int]:
     """(rows per page P, page stride in bytes) of a uint8 ``[num_pages, page_bytes]`` pool."""
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.stride(1) != 1:
-        raise ValueError(f"{what} pool must be uint8 [num_pages, page_bytes], got "
-                         f"{pool.dtype} {tuple(pool.shape)}")
-    page_size = pool.shape[1] // row_bytes
-    if page_size == 0:
-        raise ValueError(f"{what} pool pages of {pool.shape[1]} bytes hold no {row_bytes}-byte row")
-    return page_size, pool.stride(0)
+    return pool_page_size(pool, row_bytes, what), pool.stride(0)
 
 
 def check_device(*tensors: torch.Tensor) -> None:

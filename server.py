@@ -67,6 +67,8 @@ class ServerArgs:
     chunked_prefill_size: Optional[int] = None
     random_seed: int = 0
     json_model_override_args: Optional[str] = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None
     log_level: str = "info"
 
     @property
@@ -89,6 +91,10 @@ class ServerArgs:
                 kw[name] = value
         if self.json_model_override_args:
             kw["config_overrides"] = json.loads(self.json_model_override_args)
+        if self.disable_cuda_graph:
+            kw["cuda_graph"] = False
+        if self.cuda_graph_max_bs is not None:
+            kw["cuda_graph_max_bs"] = self.cuda_graph_max_bs
         if self.model_path is None and self.device != "cpu":
             kw["random_weights_on_device"] = True  # a Flash-shaped preset draws ~30 GB: on the GPU, in seconds
         return kw
@@ -120,6 +126,10 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
     p.add_argument("--json-model-override-args", default=d.json_model_override_args,
                    help='JSON object of config.json keys that replace a --preset\'s values, e.g. '
                         '\'{"n_routed_experts": 8}\' for a Flash-shaped model that fits one GPU')
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="replay no decode step from a CUDA graph (on CUDA they are on by default)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="largest decode batch replayed from a graph (default: --max-running-requests)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     ns = p.parse_args(argv)
     if ns.json_model_override_args is not None:

@@ -216,6 +216,135 @@ class LayerTimer:
         return Breakdown(self._steps, self._step_ms / n, {k: v / n for k, v in self._totals.items()})
 
 
+class KernelBreakdown:
+    """GPU kernel time of decode steps, split by layer type (CUDA).
+
+        with KernelBreakdown(engine) as kb:
+            for _ in range(n):
+                kb.step()
+        kb.breakdown(step_ms)      # -> Breakdown; step_ms: the measured (graph) step
+
+    With decode CUDA graphs the step has no host gaps left to split, and module hooks do not
+    fire in a replay. So the steps run eagerly (graphs off) under ``torch.profiler``, and each
+    kernel is charged to the innermost labelled range that launched it (a block, its attention
+    by kind, its MoE, the CSA selection; outside the blocks: embedding and head). A graph replays
+    the same kernels, so their sum is the GPU work of a graph step; ``step_ms`` minus that sum
+    ("sched_sampling" here) is what the graph does not remove: the host's metadata, the copies
+    into the graph's buffers, sampling and scheduling, and idle gaps. ``kernels()`` lists the
+    costliest kernels by name.
+    """
+
+    LABELS = ("block", "attn_window", "attn_csa", "attn_hca", "moe", "indexer_topk", "forward")
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.runner = engine.runner
+        self.model, self.backend = self.runner.model, self.runner.backend
+        self._handles: list[Any] = []
+        self._patched: list[tuple[Any, str]] = []
+        self._ranges: dict[int, Any] = {}
+        self._totals: dict[str, float] = {}
+        self._by_kernel: dict[str, float] = {}
+        self._steps = 0
+        self._graphs_were: Optional[bool] = None
+
+    def _hooks(self, module: torch.nn.Module, key: str) -> None:
+        def pre(mod: Any, args: Any) -> None:
+            rf = torch.profiler.record_function(key)
+            rf.__enter__()
+            self._ranges[id(mod)] = rf
+
+        def post(mod: Any, args: Any, out: Any) -> None:
+            self._ranges.pop(id(mod)).__exit__(None, None, None)
+
+        self._handles.append(module.register_forward_pre_hook(pre))
+        self._handles.append(module.register_forward_hook(post))
+
+    def _wrap(self, obj: Any, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def labelled(*a: Any, **kw: Any) -> Any:
+            with torch.profiler.record_function(key):
+                return fn(*a, **kw)
+
+        setattr(obj, name, labelled)
+        self._patched.append((obj, name))
+
+    def __enter__(self) -> "KernelBreakdown":
+        graphs = getattr(self.runner, "cuda_graphs", None)
+        if graphs is not None:
+            self._graphs_were, graphs.enabled = graphs.enabled, False
+        kinds = {0: "attn_window", 4: "attn_csa", 128: "attn_hca"}
+        for block in self.model.layers:
+            self._hooks(block, "block")
+            self._hooks(block.attn, kinds[block.attn.ratio])
+            self._hooks(block.ffn, "moe")
+        self._wrap(self.runner, "forward", "forward")
+        for name in ("_select", "_topk"):
+            if hasattr(self.backend, name):
+                self._wrap(self.backend, name, "indexer_topk")
+                break
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        for obj, name in self._patched:
+            delattr(obj, name)
+        self._handles, self._patched = [], []
+        if self._graphs_were is not None:
+            self.runner.cuda_graphs.enabled = self._graphs_were
+
+    def step(self) -> list[Any]:
+        from torch.profiler import ProfilerActivity, profile
+        sync(self.runner.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            outs = self.engine.step()
+            sync(self.runner.device)
+        sums: dict[str, float] = {}
+        for ev in prof.events():
+            kernels = getattr(ev, "kernels", None) or []
+            if not kernels:
+                continue
+            label, p = "other", ev
+            while p is not None:
+                if p.name in self.LABELS:
+                    label = p.name
+                    break
+                p = p.cpu_parent
+            for k in kernels:
+                ms = k.duration / 1e3
+                sums[label] = sums.get(label, 0.0) + ms
+                self._by_kernel[k.name] = self._by_kernel.get(k.name, 0.0) + ms
+        parts = {k: sums.get(k, 0.0) for k in ("attn_window", "attn_hca", "moe")}
+        parts["attn_csa"] = sums.get("attn_csa", 0.0) + sums.get("indexer_topk", 0.0)
+        parts["indexer_topk"] = sums.get("indexer_topk", 0.0)
+        parts["mhc_norms"] = sums.get("block", 0.0)
+        parts["embed_head"] = sums.get("forward", 0.0)
+        parts["metadata"] = sums.get("other", 0.0)   # kernels outside the forward: metadata, sampling
+        for k, v in parts.items():
+            self._totals[k] = self._totals.get(k, 0.0) + v
+        self._steps += 1
+        return outs
+
+    def kernel_ms(self) -> float:
+        """Mean GPU kernel time per profiled step."""
+        keys = ("attn_window", "attn_csa", "attn_hca", "moe", "mhc_norms", "embed_head", "metadata")
+        return sum(self._totals.get(k, 0.0) for k in keys) / max(self._steps, 1)
+
+    def breakdown(self, step_ms: float) -> Breakdown:
+        n = max(self._steps, 1)
+        ms = {k: v / n for k, v in self._totals.items()}
+        ms["sched_sampling"] = step_ms - self.kernel_ms()
+        return Breakdown(self._steps, step_ms, ms)
+
+    def kernels(self, top: int = 15) -> list[tuple[str, float]]:
+        """The ``top`` kernels by mean GPU ms per step: (name, ms)."""
+        n = max(self._steps, 1)
+        rows = sorted(self._by_kernel.items(), key=lambda kv: -kv[1])[:top]
+        return [(name[:80], ms / n) for name, ms in rows]
+
+
 # ---- decode timing ----------------------------------------------------------------------------
 
 @dataclass

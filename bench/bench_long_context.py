@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._bench_common import (  # noqa: E402
-    Breakdown, LayerTimer, admit_synthetic, finish_all, fmt_bytes, fmt_tokens, kv_bytes_held,
+    Breakdown, KernelBreakdown, LayerTimer, admit_synthetic, finish_all, fmt_bytes, fmt_tokens, kv_bytes_held,
     plan_bytes_per_request, sync, timed_decode_steps,
 )
 from dsv4_backend.config import DSV4Config  # noqa: E402
@@ -247,10 +247,19 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
         timing = timed_decode_steps(eng, steps, row.batch)
         row.steps, row.ms_per_step, row.tokens_per_s = steps, timing.ms_per_step, timing.tokens_per_s
         if bd_steps and guard.left > args.guard_margin:
-            with LayerTimer(eng) as lt:
-                for _ in range(bd_steps):
-                    lt.step()
-            row.breakdown = lt.breakdown().to_dict()
+            if getattr(eng.runner, "cuda_graphs", None) is not None:
+                # graph steps: the GPU kernel time of eager steps under the profiler, by layer type
+                with KernelBreakdown(eng) as kb:
+                    for _ in range(bd_steps):
+                        kb.step()
+                row.breakdown = kb.breakdown(row.ms_per_step).to_dict()
+                row.breakdown["kernel_ms"] = kb.kernel_ms()
+                row.breakdown["top_kernels"] = kb.kernels()
+            else:
+                with LayerTimer(eng) as lt:
+                    for _ in range(bd_steps):
+                        lt.step()
+                row.breakdown = lt.breakdown().to_dict()
         row.status = "ok"
     finally:
         finish_all(eng, rids)
@@ -434,9 +443,7 @@ def run(args: argparse.Namespace) -> Report:
                     + (f"{row.ms_per_step:9.2f} ms/step {row.tokens_per_s:10.1f} tok/s"
                        if row.status == "ok" else row.status) + (f"  [{row.note}]" if row.note else ""))
                 if row.breakdown:
-                    b = row.breakdown
-                    say(Breakdown(b["steps"], b["step_ms"], b["ms"]).table(
-                        f"  breakdown, {mode} {fmt_tokens(row.context)} x {row.batch}:"))
+                    say(breakdown_text(row, "  "))
                 bar.update(1)
                 save()
             for prow in mine_prefill:
@@ -477,6 +484,18 @@ def run(args: argparse.Namespace) -> Report:
 
 
 # ---- reporting ----------------------------------------------------------------------------------
+
+def breakdown_text(r: DecodeRow, indent: str = "") -> str:
+    b = r.breakdown
+    title = f"{indent}{r.mode}, {fmt_tokens(r.context)} x {r.batch}"
+    if "kernel_ms" in b:
+        title += (f" (graph step {b['step_ms']:.2f} ms; GPU kernels of an eager step under the profiler "
+                  f"{b['kernel_ms']:.2f} ms; 'sampling + scheduling' = step - kernels)")
+    lines = [Breakdown(b["steps"], b["step_ms"], b["ms"]).table(title + ":")]
+    for name, ms in b.get("top_kernels", [])[:10]:
+        lines.append(f"{indent}    {ms:8.3f} ms  {name}")
+    return "\n".join(lines)
+
 
 def decode_table(rows: list[DecodeRow]) -> str:
     head = ("| mode | context | batch | ms / step | tokens / s | plan bytes / request | held / request | "
@@ -691,9 +710,7 @@ def main(argv: Optional[list[str]] = None) -> Report:
     if bds:
         print("\n## per-layer-type breakdown\n")
         for r in bds:
-            b = r.breakdown
-            print(Breakdown(b["steps"], b["step_ms"], b["ms"]).table(
-                f"{r.mode}, {fmt_tokens(r.context)} x {r.batch}:"))
+            print(breakdown_text(r))
     print("\n## targets\n")
     for line in rep.summary:
         print("- " + line)

@@ -100,10 +100,20 @@ class Rotary:
     def __init__(self, theta: float, scaling: Optional[RopeScaling], rope_dim: int = 64):
         self.rope_dim = rope_dim
         self.inv_freq = yarn_inv_freq(theta, rope_dim, scaling)  # [rope_dim / 2] float32
+        self._inv_on: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """``inv_freq`` on ``device``, copied there once (a copy per call would be a host-to-device
+        transfer in every layer, which a CUDA graph cannot capture)."""
+        if device.type == "cpu":
+            return self.inv_freq
+        if device not in self._inv_on:
+            self._inv_on[device] = self.inv_freq.to(device)
+        return self._inv_on[device]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int -> cos, sin [T, rope_dim / 2] in dtype
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq_on(positions.device)[None, :]
         angles = angles.to(dtype)
         return angles.cos(), angles.sin()
 

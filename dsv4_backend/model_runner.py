@@ -11,6 +11,7 @@ metadata once, runs the model, and returns logits where each request asked for t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -22,11 +23,13 @@ from memory.pools import DSV4KVPools
 
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
 from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
+from .cuda_graph import DecodeGraphs, cuda_graph_default, graphs_supported
 from .config import DSV4Config
 from .model import DSV4Model, hi_dtype
 from .weights import random_weights
 
 LogitsMode = Literal["last", "all", "none"]
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,7 +60,8 @@ class ModelRunner:
 
     def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor], pools: DSV4KVPools,
                  allocator: KVAllocator, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 backend: Optional[str] = None, dense: bool = False):
+                 backend: Optional[str] = None, dense: bool = False, cuda_graph: Optional[bool] = None,
+                 cuda_graph_max_bs: Optional[int] = None):
         self.config, self.pools, self.allocator = config, pools, allocator
         self.device, self.dtype, self.dense = torch.device(device), dtype, dense
         if dense != bool(pools.plan.dense):
@@ -69,6 +73,16 @@ class ModelRunner:
         self.backend_name = backend or default_backend(self.device, dtype)
         self.backend = get_attention_backend(self.backend_name)(config, pools, allocator, dtype=dtype, dense=dense)
         self.last_metadata: Optional[ForwardMetadata] = None
+        self.cuda_graphs: Optional[DecodeGraphs] = None
+        if cuda_graph is None:
+            cuda_graph = cuda_graph_default() and self.device.type == "cuda"
+        if cuda_graph:
+            why_not = graphs_supported(self)
+            if why_not is None:
+                max_bs = cuda_graph_max_bs or pools.plan.max_running_requests
+                self.cuda_graphs = DecodeGraphs(self, max_bs=max_bs)
+            else:
+                logger.info("decode CUDA graphs off: %s", why_not)
 
     @property
     def memory_plan(self):
@@ -84,6 +98,12 @@ class ModelRunner:
             if r.logits not in ("last", "all", "none"):
                 raise ValueError(f"request slot {r.req_slot}: logits must be 'last', 'all' or 'none', "
                                  f"got {r.logits!r}")
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
+            meta, logits = self.cuda_graphs.run(reqs)
+            self.last_metadata = meta
+            # the graph's output buffer is rewritten by the next replay: hand out a copy
+            logits = logits.clone()
+            return [logits[i:i + (r.logits != "none")] for i, r in enumerate(reqs)]
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs],
                              [len(r.input_ids) for r in reqs])
         meta = self.backend.init_forward_metadata(batch)
@@ -110,7 +130,7 @@ class ModelRunner:
               max_context: Optional[int] = None, online_compress: bool | None = None,
               state_dtype: Optional[torch.dtype] = None, dense: bool = False, backend: Optional[str] = None,
               weights: Optional[dict[str, torch.Tensor]] = None, device: str = "cpu",
-              **preset_overrides: Any) -> "ModelRunner":
+              cuda_graph: Optional[bool] = None, **preset_overrides: Any) -> "ModelRunner":
         """Config (or preset name), seeded random weights, a pool plan for ``max_total_tokens``,
         pools, allocator and runner in one call. State dtype: float64 in float64 mode, else the
         env flag's (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``) unless given."""
@@ -125,7 +145,8 @@ class ModelRunner:
                                 window=cfg.sliding_window, dense=dense, device=device)
         if weights is None:
             weights = random_weights(cfg, seed=seed, dtype=dtype, device=device, include_mtp=False)
-        return cls(cfg, weights, pools, allocator, device=device, dtype=dtype, backend=backend, dense=dense)
+        return cls(cfg, weights, pools, allocator, device=device, dtype=dtype, backend=backend, dense=dense,
+                   cuda_graph=cuda_graph)
 
 
 def run_schedule(runner: ModelRunner, steps: list[list[tuple[str, int]]],

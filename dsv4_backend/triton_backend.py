@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import torch
 
-from memory.configurator import COMPRESSED_PAGE, FULL_PAGE
+from memory.configurator import C4_RING, C128_RING, COMPRESSED_PAGE, FULL_PAGE, SWA_PAGE
 
 from .backend import (
     CompressedMeta, ForwardMetadata, TorchDSV4Backend, register_attention_backend,
@@ -63,9 +63,9 @@ class _RingPlan:
     The kernel reads every candidate from one state buffer: ``[ring[gather] ; new (C, Z)]``,
     so ``sources[e, j]`` is an index into that concatenation (-1 = masked candidate)."""
 
-    dest_rows: torch.Tensor   # [E]
+    dest_rows: torch.Tensor   # [E] (< 0: a masked event, static decode only)
     first_pos: torch.Tensor   # [E] RoPE position of each row
-    gather: torch.Tensor      # [G] ring slots the events read
+    gather: Optional[torch.Tensor]  # [G] ring slots the events read; None: sources are ring slots
     sources: torch.Tensor     # int32 [E, K]
     ring_token: torch.Tensor  # [W] new-token index of each ring write
     ring_slot: torch.Tensor   # [W]
@@ -95,8 +95,138 @@ class _StepPlan:
     cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+# ---- static decode steps (CUDA graphs) ------------------------------------------------------
+
+@dataclass
+class StaticDecode:
+    """Fixed-address buffers of a pure-decode step of ``bs`` rows over contexts up to ``ctx``.
+
+    A captured CUDA graph reads only these, so a replay is: :meth:`TritonDSV4Backend.fill_static_decode`
+    copies the step's values in, then the graph runs. Rows past the step's batch repeat row 0
+    with every write masked (SWA slot -1, compressed destination -1, online token count 0)
+    except the ring write, which stores row 0's own value at row 0's slot again."""
+
+    bs: int
+    ctx: int
+    input_ids: torch.Tensor     # int64 [bs]
+    meta: ForwardMetadata       # positions, req_slots, swa_slots, window_slots: static tensors
+    plan: _StepPlan             # the per-layer tables, static tensors
+    batch: int = 0              # rows of the last fill that are real
+
+
+class _StaticDecodeMixin:
+    """StaticDecode construction and filling for :class:`TritonDSV4Backend`."""
+
+    def static_decode(self, bs: int, ctx: int) -> StaticDecode:
+        """Allocate the buffers of a decode step of ``bs`` rows, contexts <= ``ctx`` (a multiple
+        of 256): C4 page tables of ctx / 256 pages, C128 row lists of ctx / 128 rows, and in
+        dense mode a window of ctx slots."""
+        if ctx % FULL_PAGE:
+            raise ValueError(f"ctx must be a multiple of {FULL_PAGE}, got {ctx}")
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        zeros = lambda *shape, dtype=i64: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+        rows = torch.arange(bs, device=dev)
+        width = ctx if self.dense else self.window
+        meta = ForwardMetadata(
+            req_slots=zeros(bs), prefix_lens=zeros(bs), extend_lens=torch.ones(bs, dtype=i64, device=dev),
+            seq_lens=zeros(bs), token_offsets=list(range(bs + 1)), token_req=rows, positions=zeros(bs),
+            full_slots=zeros(bs), swa_slots=zeros(bs), window=width,
+            window_slots=None if self.dense else zeros(bs, width), kv_start=zeros(bs), kv_slots=zeros(bs, 0),
+            dense=self.dense)
+        plan = _StepPlan(zeros(bs, width, dtype=i32))
+        for m in self.ratios:
+            if m == 128 and self.online_compress:
+                plan.online = _OnlinePlan(rows.to(i32), zeros(bs, dtype=i32), rows, zeros(bs), zeros(bs))
+            else:
+                k = 2 * m if m == 4 else m
+                plan.rings[m] = _RingPlan(zeros(bs), zeros(bs), None, zeros(bs, k, dtype=i32), zeros(bs), zeros(bs))
+            if m == 4:
+                plan.c4_len = ctx // 4
+                plan.c4_pages = zeros(bs, ctx // FULL_PAGE, dtype=i32)
+                plan.c4_visible = zeros(bs, dtype=i32)
+            else:
+                plan.c128_rows = zeros(bs, ctx // 128, dtype=i32)
+        return StaticDecode(bs, ctx, zeros(bs), meta, plan)
+
+    def use_static_decode(self, st: StaticDecode) -> None:
+        """Make ``forward`` read ``st``'s tables (for the warm-up and the capture); clears the
+        per-step RoPE cache so a capture records its computation instead of a stale result."""
+        st.plan.cos_sin.clear()
+        self._plan_meta, self._plan = st.meta, st.plan
+
+    @torch.no_grad()
+    def fill_static_decode(self, meta: ForwardMetadata, input_ids: torch.Tensor, st: StaticDecode,
+                           count_tokens: bool = True) -> None:
+        """Copy a decode step (``meta`` from :meth:`TorchDSV4Backend.init_forward_metadata`, one
+        token per request) into ``st``. ``count_tokens=False`` gives every row an online-C128
+        token count of 0: the warm-up before a capture then leaves the online state untouched
+        (every other write of the step is idempotent)."""
+        B, bs, dev = meta.num_tokens, st.bs, self.device
+        if B > bs or len(meta.token_offsets) != B + 1 or max(meta.host.seq_lens) > st.ctx:
+            raise ValueError(f"a decode step of {B} rows, contexts <= {max(meta.host.seq_lens)}, does not fit "
+                             f"a static step of {bs} rows, contexts <= {st.ctx}")
+        i32 = torch.int32
+        ar = torch.arange(bs, device=dev)
+        real = ar < B
+        g = torch.where(real, ar, 0)                    # row of the step each static row copies
+        pos = meta.positions[g]
+        slot = meta.req_slots[g]
+        sm = st.meta
+        st.input_ids.copy_(input_ids[g])
+        sm.positions.copy_(pos)
+        sm.req_slots.copy_(slot)
+        sm.swa_slots.copy_(torch.where(real, meta.swa_slots[g], -1))
+        if self.dense:
+            col = torch.arange(meta.kv_slots.shape[1], device=dev)
+            key_pos = meta.kv_start[g][:, None] + col[None, :]
+            window = torch.where(key_pos <= pos[:, None], meta.kv_slots[g], -1)
+            st.plan.window_slots.fill_(-1)
+            st.plan.window_slots[:, : window.shape[1]].copy_(window)
+        else:
+            window = meta.window_slots[g]
+            sm.window_slots.copy_(window)
+            st.plan.window_slots.copy_(window)
+        for m in self.ratios:
+            cm = meta.compressed[m]
+            rows = cm.rows[g]                                        # [bs, blocks so far]
+            block = pos // m
+            done = real & ((pos + 1) % m == 0)
+            dest = rows[ar, block.clamp(max=rows.shape[1] - 1)] if rows.shape[1] else torch.zeros_like(pos)
+            dest = torch.where(done, dest, -1)
+            if m == 128 and self.online_compress:
+                op = st.plan.online
+                op.token_count.copy_(real.to(i32) if count_tokens else torch.zeros_like(op.token_count))
+                op.dest_rows.copy_(dest)
+                op.first_pos.copy_(block * m)
+            else:
+                rp = st.plan.rings[m]
+                rp.dest_rows.copy_(dest)
+                rp.first_pos.copy_(block * m)
+                rp.ring_token.copy_(g)
+                if m == 4:   # candidates p - 7 .. p hang off their own SWA pages (the window's last 8)
+                    cand = pos[:, None] - 7 + torch.arange(8, device=dev)[None, :]
+                    swa = window[:, self.window - 8:]
+                    rp.sources.copy_(torch.where((cand >= 0) & (swa >= 0), (swa // SWA_PAGE) * C4_RING + cand % C4_RING,
+                                                 -1))
+                    rp.ring_slot.copy_((meta.swa_slots[g] // SWA_PAGE) * C4_RING + pos % C4_RING)
+                else:        # the request's 128 ring rows, in position order once the block is complete
+                    rp.sources.copy_(slot[:, None] * C128_RING + torch.arange(m, device=dev)[None, :])
+                    rp.ring_slot.copy_(slot * C128_RING + pos % C128_RING)
+            visible = cm.num_visible[g]
+            if m == 4:
+                pages = rows[:, ::COMPRESSED_PAGE] // COMPRESSED_PAGE
+                st.plan.c4_pages.zero_()
+                st.plan.c4_pages[:, : pages.shape[1]].copy_(pages)
+                st.plan.c4_visible.copy_(visible)
+            else:
+                nb = torch.arange(rows.shape[1], device=dev)
+                st.plan.c128_rows.fill_(-1)
+                st.plan.c128_rows[:, : rows.shape[1]].copy_(torch.where(nb[None, :] < visible[:, None], rows, -1))
+        st.batch = B
+
+
 @register_attention_backend("triton")
-class TritonDSV4Backend(TorchDSV4Backend):
+class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
     """DSV4 attention through the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``)."""
 
     # fp32 score elements per indexer launch: bounds the [rows, L] buffer at long context
@@ -225,6 +355,17 @@ class TritonDSV4Backend(TorchDSV4Backend):
         K = _kernels()
         rp = ring_plan
         cz = torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)                # [T, 2 * coff * d]
+        if rp.gather is None:
+            # A static decode step (StaticDecode): one event per row, masked by dest_rows < 0,
+            # whose sources are ring slots. A decode token's slot held position p - 8 (C4) or
+            # p - 128 (C128), never a candidate of its block, so the ring is written first and
+            # then read in place.
+            ring[rp.ring_slot] = cz[rp.ring_token]
+            cos, sin = self._cos_sin(plan, m, layer.rope, rp.first_pos)
+            K.compress(pool, K.CompressEvents(rp.dest_rows, rp.sources, cos, sin), ring, compressor.ape,
+                       compressor.norm.weight, compressor.ratio, eps=compressor.norm.eps,
+                       round_bf16=self.round_bf16, hadamard=hadamard)
+            return
         n_events = int(rp.dest_rows.numel())
         if n_events:
             # the candidates, gathered before the ring write below can overwrite their slots

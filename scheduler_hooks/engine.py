@@ -87,6 +87,9 @@ class Engine:
     ``dtype="float64"`` (CPU only) also keeps the compressor state in float64: the exact mode
     of the tests. ``capture_logits=True`` keeps every computed position's raw logits per
     request (``captured_logits(rid)``) for comparisons with the reference.
+    On CUDA (bf16, the Triton backend) pure-decode steps replay CUDA graphs
+    (``dsv4_backend/cuda_graph.py``) up to ``cuda_graph_max_bs`` requests;
+    ``cuda_graph=False`` (or ``DSV4_CUDA_GRAPH=0``) runs every step eagerly.
     """
 
     def __init__(
@@ -108,6 +111,8 @@ class Engine:
         capture_logits: bool = False,
         config_overrides: Optional[dict[str, Any]] = None,
         random_weights_on_device: bool = False,
+        cuda_graph: Optional[bool] = None,
+        cuda_graph_max_bs: Optional[int] = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -138,7 +143,9 @@ class Engine:
         self.allocator = KVAllocator(self.plan, max_context=self.context_length,
                                      window=self.config.sliding_window, dense=dense, device=self.device)
         self.runner = ModelRunner(self.config, weights, self.pools, self.allocator, self.device, self.dtype,
-                                  dense=dense)
+                                  dense=dense, cuda_graph=cuda_graph,
+                                  cuda_graph_max_bs=min(cuda_graph_max_bs or max_running_requests,
+                                                        max_running_requests))
         self.hooks = SchedulerHooks(self.allocator)
         self.scheduler = Scheduler(self.runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,

@@ -41,18 +41,21 @@ class CompressEvents(NamedTuple):
 
 @triton.jit
 def _pool_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stride,
-                 out_ptr, out_stride,
+                 out_ptr, out_stride, dest_ptr,
                  K: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr,
-                 KC: tl.constexpr, BLOCK_D: tl.constexpr):
+                 KC: tl.constexpr, BLOCK_D: tl.constexpr, SKIP: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    live = e >= 0
+    if SKIP:  # a masked event (destination < 0) is never written: its loads are masked off
+        live = tl.load(dest_ptr + e) >= 0
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for k0 in tl.static_range(0, K, KC):
         j = k0 + tl.arange(0, KC)
         src = tl.load(src_ptr + e * src_stride + j).to(tl.int64)
-        valid = src >= 0
+        valid = (src >= 0) & live
         if COFF == 2:
             col = (j >= RATIO).to(tl.int32)[:, None] * D + ch[None, :]
         else:
@@ -69,12 +72,16 @@ def _pool_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stri
         s = s * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p * c, axis=0)
         m = m_new
-    tl.store(out_ptr + e * out_stride + ch, acc / s)
+    tl.store(out_ptr + e * out_stride + ch, acc / tl.where(live, s, 1.0), mask=(ch < D) & live)
 
 
 def compress_pool(state: torch.Tensor, sources: torch.Tensor, ape: torch.Tensor, ratio: int,
-                  d: int) -> torch.Tensor:
-    """Pooled rows fp32 [E, d] (see the module docstring for the candidate layout)."""
+                  d: int, dest_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Pooled rows fp32 [E, d] (see the module docstring for the candidate layout).
+
+    With ``dest_rows`` [E], events whose destination is < 0 are skipped (their rows are left
+    unwritten): a CUDA-graph decode step lists every request as an event and masks the
+    ones that complete no block this step."""
     coff = 2 if ratio == 4 else 1
     if ratio not in (4, 128):
         raise ValueError(f"compress ratio must be 4 or 128, got {ratio}")
@@ -95,7 +102,8 @@ def compress_pool(state: torch.Tensor, sources: torch.Tensor, ape: torch.Tensor,
     kc = 8 if ratio == 4 else 16
     _pool_kernel[(e, d // block_d)](
         state, state.stride(0), sources, sources.stride(0), ape, ape.stride(0), out, out.stride(0),
-        K=k, RATIO=ratio, D=d, COFF=coff, KC=kc, BLOCK_D=block_d, num_warps=4)
+        dest_rows if dest_rows is not None else sources,
+        K=k, RATIO=ratio, D=d, COFF=coff, KC=kc, BLOCK_D=block_d, SKIP=dest_rows is not None, num_warps=4)
     return out
 
 
@@ -110,7 +118,7 @@ def compress(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor, ap
     ``out`` optionally receives the dequantised rows. Returns ``out``.
     """
     d = 128 if hadamard is not None else 512
-    pooled = compress_pool(state, events.sources, ape, ratio, d)
+    pooled = compress_pool(state, events.sources, ape, ratio, d, dest_rows=events.dest_rows)
     return finish_rows(pool, events.dest_rows, pooled, norm_weight, events.cos, events.sin, eps,
                        round_in=round_bf16, round_bf16=round_bf16, hadamard=hadamard, out=out)
 
@@ -130,7 +138,8 @@ def _online_kernel(state_ptr, slot_ptr, start_ptr, count_ptr, cz_ptr, cz_stride,
     cz_row = cz_ptr + start * cz_stride
     pos_at = pos_ptr + start
     out_row = pooled_ptr + start * D
-    for _ in range(0, tl.load(count_ptr + r)):
+    count = tl.load(count_ptr + r)
+    for _ in range(0, count):
         p = tl.load(pos_at) % 128
         fresh = p == 0
         m = tl.where(fresh, float("-inf"), m)
@@ -148,9 +157,12 @@ def _online_kernel(state_ptr, slot_ptr, start_ptr, count_ptr, cz_ptr, cz_stride,
         cz_row += cz_stride
         pos_at += 1
         out_row += D
-    tl.store(st + ch, m)
-    tl.store(st + D + ch, s)
-    tl.store(st + 2 * D + ch, acc)
+    # a request with no token this step (a padded CUDA-graph row) leaves the state alone: its
+    # slot may be a real request's, updated by another program of this launch
+    if count > 0:
+        tl.store(st + ch, m)
+        tl.store(st + D + ch, s)
+        tl.store(st + 2 * D + ch, acc)
 
 
 def online_c128_update(state: torch.Tensor, req_slots: torch.Tensor, token_start: torch.Tensor,

@@ -173,13 +173,18 @@ def topk_rows(scores: torch.Tensor, k: int, *, row_ids: torch.Tensor | None = No
               page_table: torch.Tensor | None = None, page_size: int = 64) -> torch.Tensor:
     """The best ``min(k, visible)`` positions of ``scores [b, L]`` as physical row ids int32
     [b, k], best first, -1 padded; equal scores go to the lower position."""
+    from dsv4_backend.kernels.topk import kernels_wanted, topk_positions
+
     b, L = scores.shape
-    bits = scores.contiguous().view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
-    pos = torch.arange(L, device=scores.device, dtype=torch.int64)
-    key = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - pos)[None, :]
     kk = min(k, L)
-    top = torch.topk(key, kk, dim=1).indices  # [b, kk] positions
+    if kernels_wanted(scores) and b > 0 and kk > 0:
+        top = topk_positions(scores, kk)  # [b, kk] positions, same as the torch.topk below
+    else:
+        bits = scores.contiguous().view(torch.int32)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
+        pos = torch.arange(L, device=scores.device, dtype=torch.int64)
+        key = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - pos)[None, :]
+        top = torch.topk(key, kk, dim=1).indices  # [b, kk] positions
     visible = torch.gather(scores, 1, top) > float("-inf")
     if row_ids is not None:
         rows = torch.gather(row_ids.long(), 1, top)

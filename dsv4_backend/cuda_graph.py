@@ -1,0 +1,167 @@
+"""CUDA graphs for decode steps: capture a pure-decode step once per shape bucket, then replay.
+
+An eager decode step of the Flash-shaped model launches thousands of kernels from Python, and
+on an H200 the step is bound by that host work (docs/PERF.md), not by the GPU. As in SGLang's
+CUDA graph runner, a step in which every request decodes one token is instead replayed from a
+graph captured for its bucket:
+
+- batch: the step's B requests are padded to the next captured batch size (1, 2, 4, 8, 12, 16,
+  24, 32, then steps of 16 up to ``max_bs``); padded rows repeat request 0 with their writes
+  masked (:class:`~dsv4_backend.triton_backend.StaticDecode`);
+- context: the longest sequence is rounded up to a bucket of 4 steps per octave (4K, 5K, 6K,
+  7K, 8K, 10K, ...): it sizes the C4 page tables, the indexer's score list (ctx / 4 rows, the
+  rows past a request's visible count are masked) and the C128 row lists. A bucket costs at
+  most 25% more indexer scan than the exact length, and a request growing from 4K to 1M
+  crosses ~32 of them.
+
+What runs outside the graph: the step's metadata (the torch backend's
+``init_forward_metadata``, built from the scheduler's ints and the page tables), ~30 small
+copies into the static buffers, the replay, and sampling. Mixed steps (any prefill chunk)
+run eagerly. The first step of a new bucket warms up (compiles the Triton kernels) and
+captures; captures share one memory pool, and past ``max_graphs`` the cache is emptied.
+
+Only the Triton backend can be captured (the torch backend loops over requests on the host),
+with a bf16 model (the grouped MoE is sync-free only there) and, for online C128, an fp32
+state. ``DSV4_CUDA_GRAPH=0`` or ``--disable-cuda-graph`` turns graphs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from memory.configurator import FULL_PAGE
+
+from .backend import ForwardBatch, TorchDSV4Backend
+
+logger = logging.getLogger(__name__)
+
+MIN_CONTEXT_BUCKET = 4096
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """Captured batch sizes up to ``max_bs`` (always including it)."""
+    sizes = [b for b in (1, 2, 4, 8, 12, 16, 24, 32) if b < max_bs]
+    sizes += list(range(48, max_bs, 16))
+    return sorted(set(sizes + [max_bs]))
+
+
+def context_bucket(n: int, minimum: int = MIN_CONTEXT_BUCKET) -> int:
+    """The smallest ``k * 2^e`` with k in 4..7 that is >= max(n, minimum), in whole full pages."""
+    n = max(n, minimum, 1)
+    e = max(0, n.bit_length() - 3)
+    k = -(-n // (1 << e))            # 4 <= k <= 8
+    size = k << e
+    return -(-size // FULL_PAGE) * FULL_PAGE
+
+
+def graphs_supported(runner: Any) -> Optional[str]:
+    """None when ``runner`` can replay decode graphs, else why not."""
+    from .triton_backend import TritonDSV4Backend
+    if runner.device.type != "cuda":
+        return "not on CUDA"
+    if not isinstance(runner.backend, TritonDSV4Backend):
+        return f"the {runner.backend_name!r} backend is not capturable (only 'triton' is)"
+    if runner.dtype != torch.bfloat16:
+        return f"{runner.dtype} model (the sync-free grouped MoE needs bfloat16)"
+    online = getattr(runner.pools, "c128_online", None)
+    if online and any(t.dtype != torch.float32 for t in online.values()):
+        return "bf16 online-C128 state (the capturable kernel keeps an fp32 state)"
+    return None
+
+
+def cuda_graph_default() -> bool:
+    return os.environ.get("DSV4_CUDA_GRAPH", "1") != "0"
+
+
+@dataclass
+class _Captured:
+    static: Any                          # StaticDecode
+    graph: Optional[torch.cuda.CUDAGraph]
+    logits: Optional[torch.Tensor]       # [bs, vocab], written by each replay
+
+
+class DecodeGraphs:
+    """Replays pure-decode steps of one :class:`~dsv4_backend.model_runner.ModelRunner`.
+
+    ``capture=False`` runs the same static path eagerly (no graph): how the CPU tests check
+    the static tables against the ordinary step."""
+
+    def __init__(self, runner: Any, max_bs: int, capture: bool = True, max_graphs: int = 24,
+                 min_context: int = MIN_CONTEXT_BUCKET):
+        self.runner, self.capture = runner, capture
+        self.max_bs, self.max_graphs, self.min_context = max_bs, max_graphs, min_context
+        self.buckets = batch_buckets(max_bs)
+        self.enabled = True
+        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._pool = None
+        self.replays = 0
+        self.captures = 0
+
+    def can_run(self, reqs: list) -> bool:
+        return (self.enabled and 0 < len(reqs) <= self.max_bs
+                and all(len(r.input_ids) == 1 for r in reqs))
+
+    def run(self, reqs: list) -> tuple[Any, torch.Tensor]:
+        """One decode step: (the step's metadata, logits [B, vocab])."""
+        runner = self.runner
+        backend = runner.backend
+        batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [1] * len(reqs))
+        # the ordinary layout (no per-layer Triton tables: the static ones replace them)
+        meta = TorchDSV4Backend.init_forward_metadata(backend, batch)
+        ids = torch.tensor([r.input_ids[0] for r in reqs], dtype=torch.int64, device=runner.device)
+        bs = next(b for b in self.buckets if b >= len(reqs))
+        ctx = context_bucket(max(meta.host.seq_lens), self.min_context)
+        entry = self._graphs.get((bs, ctx))
+        if entry is None:
+            entry = self._build(bs, ctx, meta, ids)
+        backend.fill_static_decode(meta, ids, entry.static)
+        if entry.graph is not None:
+            entry.graph.replay()
+            logits = entry.logits
+        else:
+            logits = self._body(entry.static)
+        self.replays += 1
+        return meta, logits[: len(reqs)]
+
+    def _body(self, st: Any) -> torch.Tensor:
+        model, backend = self.runner.model, self.runner.backend
+        backend.use_static_decode(st)
+        X = model(st.input_ids, st.meta.positions, backend, st.meta)
+        return model.logits(X)
+
+    def _build(self, bs: int, ctx: int, meta: Any, ids: torch.Tensor) -> _Captured:
+        backend = self.runner.backend
+        st = backend.static_decode(bs, ctx)
+        if not self.capture:
+            entry = _Captured(st, None, None)
+            self._graphs[bs, ctx] = entry
+            return entry
+        if len(self._graphs) >= self.max_graphs:
+            logger.info("decode graphs: %d cached, dropping them", len(self._graphs))
+            self._graphs.clear()
+            self._pool = None
+        # Warm-up on a side stream (compiles the kernels, sets up cuBLAS), with this step's own
+        # values: every write it makes is the one the replay makes, except the online C128
+        # fold, which a token count of 0 switches off.
+        backend.fill_static_decode(meta, ids, st, count_tokens=False)
+        stream = torch.cuda.Stream(device=self.runner.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body(st)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._body(st)
+        self.captures += 1
+        logger.info("decode graph captured: batch %d, contexts <= %d (%d cached)", bs, ctx, len(self._graphs) + 1)
+        entry = _Captured(st, graph, logits)
+        self._graphs[bs, ctx] = entry
+        return entry

@@ -225,9 +225,12 @@ class KernelBreakdown:
         kb.breakdown(step_ms)      # -> Breakdown; step_ms: the measured (graph) step
 
     With decode CUDA graphs the step has no host gaps left to split, and module hooks do not
-    fire in a replay. So the steps run eagerly (graphs off) under ``torch.profiler``, and each
-    kernel is charged to the innermost labelled range that launched it (a block, its attention
-    by kind, its MoE, the CSA selection; outside the blocks: embedding and head). A graph replays
+    fire in a replay. So the steps run eagerly (graphs off) under ``torch.profiler``, with a
+    device synchronize at every range boundary, and each GPU kernel is charged to the innermost
+    labelled range (a block, its attention by kind, its MoE, the CSA selection; outside the
+    blocks: embedding and head) whose host interval contains the kernel's GPU interval: the
+    synchronizes make every kernel of a range run inside it, Triton's launches included (they
+    are not torch ops, so the profiler links them to no op). A graph replays
     the same kernels, so their sum is the GPU work of a graph step; ``step_ms`` minus that sum
     ("sched_sampling" here) is what the graph does not remove: the host's metadata, the copies
     into the graph's buffers, sampling and scheduling, and idle gaps. ``kernels()`` lists the
@@ -250,11 +253,13 @@ class KernelBreakdown:
 
     def _hooks(self, module: torch.nn.Module, key: str) -> None:
         def pre(mod: Any, args: Any) -> None:
+            torch.cuda.synchronize()
             rf = torch.profiler.record_function(key)
             rf.__enter__()
             self._ranges[id(mod)] = rf
 
         def post(mod: Any, args: Any, out: Any) -> None:
+            torch.cuda.synchronize()
             self._ranges.pop(id(mod)).__exit__(None, None, None)
 
         self._handles.append(module.register_forward_pre_hook(pre))
@@ -264,8 +269,11 @@ class KernelBreakdown:
         fn = getattr(obj, name)
 
         def labelled(*a: Any, **kw: Any) -> Any:
+            torch.cuda.synchronize()
             with torch.profiler.record_function(key):
-                return fn(*a, **kw)
+                out = fn(*a, **kw)
+                torch.cuda.synchronize()
+            return out
 
         setattr(obj, name, labelled)
         self._patched.append((obj, name))
@@ -302,20 +310,20 @@ class KernelBreakdown:
             outs = self.engine.step()
             sync(self.runner.device)
         sums: dict[str, float] = {}
+        ranges, kernels = [], []
         for ev in prof.events():
-            kernels = getattr(ev, "kernels", None) or []
-            if not kernels:
-                continue
-            label, p = "other", ev
-            while p is not None:
-                if p.name in self.LABELS:
-                    label = p.name
-                    break
-                p = p.cpu_parent
-            for k in kernels:
-                ms = k.duration / 1e3
-                sums[label] = sums.get(label, 0.0) + ms
-                self._by_kernel[k.name] = self._by_kernel.get(k.name, 0.0) + ms
+            tr = ev.time_range
+            if ev.device_type.name == "CUDA":          # kernels, copies and memsets
+                if tr.end > tr.start:
+                    kernels.append((ev.name, tr.start, tr.end))
+            elif ev.name in self.LABELS:
+                ranges.append((tr.end - tr.start, tr.start, tr.end, ev.name))
+        ranges.sort()                                   # innermost (shortest) first
+        for name, k0, k1 in kernels:
+            label = next((lab for _, r0, r1, lab in ranges if r0 <= k0 and k1 <= r1), "other")
+            ms = (k1 - k0) / 1e3
+            sums[label] = sums.get(label, 0.0) + ms
+            self._by_kernel[name] = self._by_kernel.get(name, 0.0) + ms
         parts = {k: sums.get(k, 0.0) for k in ("attn_window", "attn_hca", "moe")}
         parts["attn_csa"] = sums.get("attn_csa", 0.0) + sums.get("indexer_topk", 0.0)
         parts["indexer_topk"] = sums.get("indexer_topk", 0.0)

@@ -42,7 +42,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 START = time.time()
 
@@ -82,6 +82,7 @@ class DecodeRow:
     plan_bytes_per_request: int = 0      # what the plan charges one request of this context
     held_bytes_per_request: int = 0      # what the admitted requests hold in the pools / batch
     breakdown: Optional[dict[str, Any]] = None
+    graph: Optional[dict[str, float]] = None  # CUDA-graph steps: host prep and replay GPU ms / step
 
 
 @dataclass
@@ -244,8 +245,16 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
             if affordable < steps:
                 steps = max(2, affordable)
                 row.note = (row.note + "; " if row.note else "") + f"steps cut to {steps} by the time guard"
+        graphs = getattr(eng.runner, "cuda_graphs", None)
+        if graphs is not None:
+            graphs.stats()
+            graphs.reset_stats()
         timing = timed_decode_steps(eng, steps, row.batch)
         row.steps, row.ms_per_step, row.tokens_per_s = steps, timing.ms_per_step, timing.tokens_per_s
+        if graphs is not None:
+            st = graphs.stats()
+            if st["replays"]:
+                row.graph = st
         if bd_steps and guard.left > args.guard_margin:
             if getattr(eng.runner, "cuda_graphs", None) is not None:
                 # graph steps: the GPU kernel time of eager steps under the profiler, by layer type
@@ -265,7 +274,8 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
         finish_all(eng, rids)
 
 
-def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float) -> None:
+def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float,
+                    progress: Optional[Callable[[str], None]] = None) -> None:
     """A real chunked prefill of ``row.context`` random ids through the scheduler, for at most
     ``max_seconds``; records how far it got and the rates."""
     g = torch.Generator().manual_seed(row.context)
@@ -274,7 +284,7 @@ def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float) -> None:
     sched = eng.scheduler
     sched.add(req)
     row.chunk = sched.cfg.chunked_prefill_size
-    done, t_start = 0, time.perf_counter()
+    done, steps, t_start = 0, 0, time.perf_counter()
     try:
         while True:
             sync(eng.device)
@@ -288,6 +298,10 @@ def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float) -> None:
                 row.last_chunk_tokens_per_s = (now - done) / dt
             done = now
             row.tokens_done, row.seconds = done, time.perf_counter() - t_start
+            steps += 1
+            if progress is not None and steps % 16 == 0:
+                progress(f"  prefill {fmt_tokens(row.context)}: {done:,} tokens in {row.seconds:.1f} s "
+                         f"(last chunk {row.last_chunk_tokens_per_s:,.0f} tok/s)")
             if r is None or done >= row.context:
                 row.status = "complete"
                 break
@@ -441,7 +455,9 @@ def run(args: argparse.Namespace) -> Report:
                             torch.cuda.empty_cache()
                 say(f"decode {mode:<10} {fmt_tokens(row.context):>5} x {row.batch:<4} ({row.batch_kind}): "
                     + (f"{row.ms_per_step:9.2f} ms/step {row.tokens_per_s:10.1f} tok/s"
-                       if row.status == "ok" else row.status) + (f"  [{row.note}]" if row.note else ""))
+                       if row.status == "ok" else row.status) + (f"  [{row.note}]" if row.note else "")
+                    + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
+                       f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
                 if row.breakdown:
                     say(breakdown_text(row, "  "))
                 bar.update(1)
@@ -455,7 +471,7 @@ def run(args: argparse.Namespace) -> Report:
                     prow.status = "skipped (time guard)"
                 else:
                     try:
-                        measure_prefill(eng, prow, budget)
+                        measure_prefill(eng, prow, budget, progress=say)
                     except Exception as e:  # noqa: BLE001
                         prow.status, prow.note = ("OOM" if is_oom(e) else "error"), f"{type(e).__name__}: {e}"[:300]
                 say(f"prefill {mode:<10} {fmt_tokens(prow.context):>5}: {prow.status}, {prow.tokens_done:,} tokens "
@@ -498,13 +514,14 @@ def breakdown_text(r: DecodeRow, indent: str = "") -> str:
 
 
 def decode_table(rows: list[DecodeRow]) -> str:
-    head = ("| mode | context | batch | ms / step | tokens / s | plan bytes / request | held / request | "
-            "status |")
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = ("| mode | context | batch | ms / step | tokens / s | graph GPU ms | plan bytes / request | "
+            "held / request | status |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.status == "ok"
+        gpu = f"{r.graph['replay_gpu_ms']:.2f}" if r.graph else "-"
         lines.append(f"| {r.mode} | {fmt_tokens(r.context)} | {r.batch} ({r.batch_kind}) | "
-                     f"{f'{r.ms_per_step:.2f}' if ok else '-'} | {f'{r.tokens_per_s:.1f}' if ok else '-'} | "
+                     f"{f'{r.ms_per_step:.2f}' if ok else '-'} | {f'{r.tokens_per_s:.1f}' if ok else '-'} | {gpu} | "
                      f"{fmt_bytes(r.plan_bytes_per_request) if r.plan_bytes_per_request else '-'} | "
                      f"{fmt_bytes(r.held_bytes_per_request) if r.held_bytes_per_request else '-'} | "
                      f"{r.status}{': ' + r.note if r.note else ''} |")

@@ -8,10 +8,13 @@ and C128 blocks), with the ring C128 path and with online C128:
 - ``static``: decode steps through the static tables without a graph (``capture=False``);
 - ``graph``: the same static steps captured and replayed.
 
-``graph`` must equal ``static`` bit for bit (a replay runs the captured kernels on the
-refilled buffers: any stale buffer or host value frozen into the graph shows up here), and
-both must stay within bf16 noise of ``eager`` (the padded batch and the bucketed tables change
-GEMM shapes and kernel tilings). Also times a decode step of each at batch 3.
+Two eager runs give the run-to-run noise floor (the MoE's CUDA ``index_add_`` accumulates with
+atomics in no fixed order). ``graph`` must match ``static`` (a replay runs the captured kernels
+on the refilled buffers: a stale buffer or a host value frozen into the graph would show), and
+an unpadded graph run (batch 3 captured as 3) must match ``eager``, both at the first decode
+step (identical pools) within twice that floor (at least 1e-2); the padded graph run must pick
+the same argmax at >= 90% of positions (bf16 noise then compounds through the cache). Also
+times a decode step of each at batch 3.
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_graph_check.py --out $OUT
 """
@@ -77,24 +80,36 @@ def main() -> None:
     results, ok = [], True
     for online in (False, True):
         runs = {}
-        for name in ("eager", "static", "graph"):
+        # eager twice: the run-to-run noise floor (CUDA index_add_ in the MoE accumulates with
+        # atomics, in no fixed order); then the static path without and with a graph, padded
+        # (max_bs 4: the batch of 3 runs as 4) and unpadded (max_bs 3)
+        for name, mode, max_bs in (("eager", None, 0), ("eager2", None, 0), ("static", False, 4),
+                                   ("graph", True, 4), ("graph_nopad", True, 3)):
             runner = ModelRunner.build(cfg, dtype=torch.bfloat16, weights=w, backend="triton", device="cuda",
                                        max_total_tokens=4096, max_running_requests=4, online_compress=online,
                                        cuda_graph=False)
-            if name != "eager":
-                runner.cuda_graphs = DecodeGraphs(runner, max_bs=4, capture=name == "graph")
+            if mode is not None:
+                runner.cuda_graphs = DecodeGraphs(runner, max_bs=max_bs, capture=mode)
             logits, ms = play(runner, seqs)
             runs[name] = (logits, ms, runner.cuda_graphs.captures if runner.cuda_graphs else 0)
-        eager, static, graph = (runs[k][0] for k in ("eager", "static", "graph"))
-        exact = all(torch.equal(graph[r], static[r]) for r in LENS)
-        diff = max(float((static[r] - eager[r]).abs().max()) for r in LENS)
-        first = max(float((static[r][1] - eager[r][1]).abs().max()) for r in LENS)
-        agree = sum(int((static[r].argmax(-1) == eager[r].argmax(-1)).sum()) for r in LENS) / \
-            sum(eager[r].shape[0] for r in LENS)
-        row = {"online": online, "graph_equals_static": exact, "max_abs_diff_vs_eager": diff,
-               "first_decode_diff_vs_eager": first, "argmax_agreement_vs_eager": agree,
+
+        def cmp(x: str, y: str) -> dict:
+            a, b = runs[x][0], runs[y][0]
+            return {"max_abs": max(float((a[r] - b[r]).abs().max()) for r in LENS),
+                    "first_decode_max_abs": max(float((a[r][1] - b[r][1]).abs().max()) for r in LENS),
+                    "argmax_agree": sum(int((a[r].argmax(-1) == b[r].argmax(-1)).sum()) for r in LENS)
+                    / sum(a[r].shape[0] for r in LENS)}
+
+        row = {"online": online, "eager_vs_eager": cmp("eager2", "eager"), "static_vs_eager": cmp("static", "eager"),
+               "graph_vs_static": cmp("graph", "static"), "graph_vs_eager": cmp("graph", "eager"),
+               "graph_nopad_vs_eager": cmp("graph_nopad", "eager"),
                "ms_per_step": {k: runs[k][1] for k in runs}, "captures": runs["graph"][2]}
-        passed = exact and agree >= 0.9 and first <= 0.1
+        floor = max(row["eager_vs_eager"]["first_decode_max_abs"], 1e-2)
+        # a replay computes what the static path computes: within the run-to-run noise, and the
+        # graph path within a few times that of the eager one at the first decode step
+        passed = (row["graph_vs_static"]["first_decode_max_abs"] <= 2 * floor
+                  and row["graph_nopad_vs_eager"]["first_decode_max_abs"] <= 2 * floor
+                  and row["graph_vs_eager"]["argmax_agree"] >= 0.9)
         ok &= passed
         row["pass"] = passed
         results.append(row)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -101,13 +102,28 @@ class DecodeGraphs:
         self._pool = None
         self.replays = 0
         self.captures = 0
+        self.reset_stats()
 
     def can_run(self, reqs: list) -> bool:
         return (self.enabled and 0 < len(reqs) <= self.max_bs
                 and all(len(r.input_ids) == 1 for r in reqs))
 
+    def reset_stats(self) -> None:
+        self._prep_s, self._gpu_ms, self._timed = 0.0, 0.0, 0
+        self._pending: list[tuple[Any, Any]] = []
+
+    def stats(self) -> dict[str, float]:
+        """Means over the replays since :meth:`reset_stats`: host preparation (metadata and
+        buffer fills, ms) and the replay's own GPU time (ms, between events around it)."""
+        for a, b in self._pending:
+            self._gpu_ms += a.elapsed_time(b)
+        self._pending = []
+        n = max(self._timed, 1)
+        return {"replays": self._timed, "host_prep_ms": 1e3 * self._prep_s / n, "replay_gpu_ms": self._gpu_ms / n}
+
     def run(self, reqs: list) -> tuple[Any, torch.Tensor]:
         """One decode step: (the step's metadata, logits [B, vocab])."""
+        t0 = time.perf_counter()
         runner = self.runner
         backend = runner.backend
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [1] * len(reqs))
@@ -121,7 +137,13 @@ class DecodeGraphs:
             entry = self._build(bs, ctx, meta, ids)
         backend.fill_static_decode(meta, ids, entry.static)
         if entry.graph is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._prep_s += time.perf_counter() - t0
+            self._timed += 1
+            start.record()
             entry.graph.replay()
+            end.record()
+            self._pending.append((start, end))
             logits = entry.logits
         else:
             logits = self._body(entry.static)

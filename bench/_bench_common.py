@@ -314,7 +314,8 @@ class KernelBreakdown:
         for ev in prof.events():
             tr = ev.time_range
             if ev.device_type.name == "CUDA":          # kernels, copies and memsets
-                if tr.end > tr.start:
+                # (a labelled range shows up on the GPU timeline too, as an annotation: skip it)
+                if tr.end > tr.start and ev.name not in self.LABELS:
                     kernels.append((ev.name, tr.start, tr.end))
             elif ev.name in self.LABELS:
                 ranges.append((tr.end - tr.start, tr.start, tr.end, ev.name))

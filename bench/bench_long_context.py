@@ -505,8 +505,9 @@ def breakdown_text(r: DecodeRow, indent: str = "") -> str:
     b = r.breakdown
     title = f"{indent}{r.mode}, {fmt_tokens(r.context)} x {r.batch}"
     if "kernel_ms" in b:
-        title += (f" (graph step {b['step_ms']:.2f} ms; GPU kernels of an eager step under the profiler "
-                  f"{b['kernel_ms']:.2f} ms; 'sampling + scheduling' = step - kernels)")
+        replay = f"graph replay {r.graph['replay_gpu_ms']:.2f} ms GPU; " if r.graph else ""
+        title += (f" (graph step {b['step_ms']:.2f} ms; {replay}GPU kernels of an eager step under the "
+                  f"profiler {b['kernel_ms']:.2f} ms; 'sampling + scheduling' = step - kernels)")
     lines = [Breakdown(b["steps"], b["step_ms"], b["ms"]).table(title + ":")]
     for name, ms in b.get("top_kernels", [])[:10]:
         lines.append(f"{indent}    {ms:8.3f} ms  {name}")

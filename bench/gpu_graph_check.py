@@ -8,13 +8,14 @@ and C128 blocks), with the ring C128 path and with online C128:
 - ``static``: decode steps through the static tables without a graph (``capture=False``);
 - ``graph``: the same static steps captured and replayed.
 
-Two eager runs give the run-to-run noise floor (the MoE's CUDA ``index_add_`` accumulates with
-atomics in no fixed order). ``graph`` must match ``static`` (a replay runs the captured kernels
-on the refilled buffers: a stale buffer or a host value frozen into the graph would show), and
-an unpadded graph run (batch 3 captured as 3) must match ``eager``, both at the first decode
-step (identical pools) within twice that floor (at least 1e-2); the padded graph run must pick
-the same argmax at >= 90% of positions (bf16 noise then compounds through the cache). Also
-times a decode step of each at batch 3.
+Two eager runs show whether a step is deterministic (it should be: the MoE sums its k choices
+in a fixed order, not with CUDA ``index_add_`` atomics). ``graph`` must equal ``static`` bit for
+bit (a replay runs the captured kernels on the refilled buffers: a stale buffer or a host value
+frozen into the graph would show); an unpadded graph run (batch 3 captured as 3) must match
+``eager`` within 0.1 at the first decode step (identical pools; the bucketed tables change
+kernel tilings: bf16 noise), and the padded graph run pick the same argmax at >= 90% of
+positions (a flipped FP8 or top-k decision then compounds through the cache). Also times a
+decode step of each at batch 3.
 
     PYTHONUNBUFFERED=1 python3 bench/gpu_graph_check.py --out $OUT
 """
@@ -95,7 +96,8 @@ def main() -> None:
 
         def cmp(x: str, y: str) -> dict:
             a, b = runs[x][0], runs[y][0]
-            return {"max_abs": max(float((a[r] - b[r]).abs().max()) for r in LENS),
+            return {"identical": all(torch.equal(a[r], b[r]) for r in LENS),
+                    "max_abs": max(float((a[r] - b[r]).abs().max()) for r in LENS),
                     "first_decode_max_abs": max(float((a[r][1] - b[r][1]).abs().max()) for r in LENS),
                     "argmax_agree": sum(int((a[r].argmax(-1) == b[r].argmax(-1)).sum()) for r in LENS)
                     / sum(a[r].shape[0] for r in LENS)}
@@ -104,11 +106,12 @@ def main() -> None:
                "graph_vs_static": cmp("graph", "static"), "graph_vs_eager": cmp("graph", "eager"),
                "graph_nopad_vs_eager": cmp("graph_nopad", "eager"),
                "ms_per_step": {k: runs[k][1] for k in runs}, "captures": runs["graph"][2]}
-        floor = max(row["eager_vs_eager"]["first_decode_max_abs"], 1e-2)
-        # a replay computes what the static path computes: within the run-to-run noise, and the
-        # graph path within a few times that of the eager one at the first decode step
-        passed = (row["graph_vs_static"]["first_decode_max_abs"] <= 2 * floor
-                  and row["graph_nopad_vs_eager"]["first_decode_max_abs"] <= 2 * floor
+        # a replay computes exactly what the static path computes (same kernels, same shapes; the
+        # MoE sums in a fixed order); unpadded graph steps differ from eager ones only by the
+        # bucketed tables' tilings (bf16 noise at the first decode step); padded ones may flip
+        # an FP8 or top-k decision later, which the cache carries
+        passed = (row["graph_vs_static"]["identical"]
+                  and row["graph_nopad_vs_eager"]["first_decode_max_abs"] <= 0.1
                   and row["graph_vs_eager"]["argmax_agree"] >= 0.9)
         ok &= passed
         row["pass"] = passed

@@ -373,7 +373,12 @@ class MoE(nn.Module):
         g, u = gu[:, :inter].to(hi), gu[:, inter:].to(hi)
         h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * w.reshape(-1)[order].to(hi)[:, None]
         y = torch._grouped_mm(h.to(x.dtype), self._w2.transpose(-2, -1), offs=ends)  # [T*k, D]
-        return out.index_add_(0, token, y)
+        # back to (token, choice) order and a sum over the k choices: a fixed summation order,
+        # where index_add_ on CUDA accumulates with atomics in whatever order they land (the
+        # same step would then give different bits from run to run)
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel(), device=order.device)
+        return out.add_(y[unsort].view(T, k, -1).sum(dim=1))
 
 
 # torch._grouped_mm on CUDA, bfloat16, routed experts stacked (see MoE.stack_experts);

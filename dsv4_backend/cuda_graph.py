@@ -79,6 +79,11 @@ def cuda_graph_default() -> bool:
     return os.environ.get("DSV4_CUDA_GRAPH", "1") != "0"
 
 
+class GraphUnavailable(RuntimeError):
+    """A capture failed; graphs are now off and the caller runs the step eagerly. (The failed
+    warm-up's writes are the step's own, and the online-C128 fold was off in it.)"""
+
+
 @dataclass
 class _Captured:
     static: Any                          # StaticDecode
@@ -134,7 +139,14 @@ class DecodeGraphs:
         ctx = context_bucket(max(meta.host.seq_lens), self.min_context)
         entry = self._graphs.get((bs, ctx))
         if entry is None:
-            entry = self._build(bs, ctx, meta, ids)
+            try:
+                entry = self._build(bs, ctx, meta, ids)
+            except Exception as e:  # noqa: BLE001 (an op that cannot be captured: fall back, loudly)
+                self.enabled = False
+                self._graphs.clear()
+                logger.warning("decode CUDA graphs disabled: capturing batch %d, contexts <= %d failed "
+                               "(%s: %s); every step now runs eagerly", bs, ctx, type(e).__name__, e)
+                raise GraphUnavailable(str(e)) from e
         backend.fill_static_decode(meta, ids, entry.static)
         if entry.graph is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

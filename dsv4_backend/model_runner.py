@@ -23,7 +23,7 @@ from memory.pools import DSV4KVPools
 
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
 from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
-from .cuda_graph import DecodeGraphs, cuda_graph_default, graphs_supported
+from .cuda_graph import DecodeGraphs, GraphUnavailable, cuda_graph_default, graphs_supported
 from .config import DSV4Config
 from .model import DSV4Model, hi_dtype
 from .weights import random_weights
@@ -99,11 +99,15 @@ class ModelRunner:
                 raise ValueError(f"request slot {r.req_slot}: logits must be 'last', 'all' or 'none', "
                                  f"got {r.logits!r}")
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
-            meta, logits = self.cuda_graphs.run(reqs)
-            self.last_metadata = meta
-            # the graph's output buffer is rewritten by the next replay: hand out a copy
-            logits = logits.clone()
-            return [logits[i:i + (r.logits != "none")] for i, r in enumerate(reqs)]
+            try:
+                meta, logits = self.cuda_graphs.run(reqs)
+            except GraphUnavailable:
+                pass     # logged; this step and the next run eagerly
+            else:
+                self.last_metadata = meta
+                # the graph's output buffer is rewritten by the next replay: hand out a copy
+                logits = logits.clone()
+                return [logits[i:i + (r.logits != "none")] for i, r in enumerate(reqs)]
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs],
                              [len(r.input_ids) for r in reqs])
         meta = self.backend.init_forward_metadata(batch)

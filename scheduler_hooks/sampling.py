@@ -56,7 +56,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams,
                     prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
     """Penalised copy of one row of logits. logits: [V]."""
     rp, fp, pp = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
-    if rp == 1.0 and ((fp == 0.0 and pp == 0.0) or not output_ids):
+    if not penalised(params, output_ids):
         return logits
     logits = logits.clone()
     V = logits.shape[-1]
@@ -92,6 +92,12 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return out / out.sum()
 
 
+def penalised(params: SamplingParams, output_ids: list[int]) -> bool:
+    """Whether :func:`apply_penalties` changes the logits (the condition it returns early on)."""
+    rp, fp, pp = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+    return not (rp == 1.0 and ((fp == 0.0 and pp == 0.0) or not output_ids))
+
+
 def sample_row(logits: torch.Tensor, inp: SampleInput) -> int:
     """One token for one request. logits: [V] raw."""
     logits = apply_penalties(logits, inp.params, inp.prompt_ids, inp.output_ids)
@@ -119,7 +125,18 @@ def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
 def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
     """One token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
     assert logits.shape[0] == len(inputs), (logits.shape, len(inputs))
-    tokens = [sample_row(logits[i], inp) for i, inp in enumerate(inputs)]
+    # greedy rows without penalties: one argmax over the batch and one device read, instead of
+    # one each (a read is a device sync on the GPU); argmax keeps the first maximum either way
+    plain = [i for i, inp in enumerate(inputs) if inp.params.greedy and not penalised(inp.params, inp.output_ids)]
+    tokens: list[int] = [0] * len(inputs)
+    if plain:
+        rows = logits if len(plain) == len(inputs) else logits[plain]
+        for i, t in zip(plain, torch.argmax(rows, dim=-1).tolist()):
+            tokens[i] = t
+    done = set(plain)
+    for i, inp in enumerate(inputs):
+        if i not in done:
+            tokens[i] = sample_row(logits[i], inp)
     logprobs: list[Optional[float]] = [None] * len(inputs)
     tops: list[Optional[list[TokenLogprob]]] = [None] * len(inputs)
     want = [i for i, inp in enumerate(inputs) if inp.return_logprob]

@@ -46,12 +46,12 @@ def _prompt(n, seed):
     return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(weights, static: bool, dense=False, online=False, max_bs=4):
+def _run(weights, static: bool, dense=False, online=False, max_bs=4, capture=False):
     runner = ModelRunner.build(CFG, dtype=torch.float32, weights=weights, backend="triton", dense=dense,
                                max_total_tokens=2048, max_running_requests=4, online_compress=online,
                                cuda_graph=False)
     if static:
-        runner.cuda_graphs = DecodeGraphs(runner, max_bs=max_bs, capture=False, min_context=512)
+        runner.cuda_graphs = DecodeGraphs(runner, max_bs=max_bs, capture=capture, min_context=512)
     alloc = runner.allocator
     lens = {"a": 125, "b": 21, "c": 5}
     seqs = {rid: _prompt(n + 9, i) for i, (rid, n) in enumerate(lens.items())}
@@ -76,7 +76,7 @@ def _run(weights, static: bool, dense=False, online=False, max_bs=4):
             out[rid].append(lg)
         for rid in lens:
             alloc.evict_swa(rid)
-    if static:
+    if static and not capture:
         assert runner.cuda_graphs.replays == 5
     return runner, {rid: torch.cat(v) for rid, v in out.items()}
 
@@ -132,3 +132,16 @@ def test_static_decode_equals_ordinary_steps(weights, dense, online):
         diff = float((got[rid] - ref[rid]).abs().max()) / float(ref[rid].abs().max())
         assert diff <= 1e-3, f"request {rid}: logits differ by {diff} (relative to the largest)"
     _compare_pools(eager, static, exact=False)
+
+
+def test_failed_capture_falls_back_to_eager_steps(weights, caplog):
+    """A capture that fails (here: no CUDA at all) turns graphs off with a warning and the step
+    runs eagerly: the same logits as a runner that never had graphs."""
+    eager, ref = _run(weights, static=False)
+    with caplog.at_level("WARNING", logger="dsv4_backend.cuda_graph"):
+        runner, got = _run(weights, static=True, capture=True)
+    assert not runner.cuda_graphs.enabled and runner.cuda_graphs.replays == 0
+    assert "decode CUDA graphs disabled" in caplog.text
+    for rid in ref:
+        assert torch.equal(got[rid], ref[rid])
+

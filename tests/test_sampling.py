@@ -92,6 +92,30 @@ def test_greedy_is_argmax_of_penalised_logits():
     assert tok != top or logits[top] < 0
 
 
+def test_batched_greedy_equals_row_by_row():
+    """The batched argmax of plain greedy rows picks what each row's own argmax picks (first
+    maximum on ties), and rows with penalties or temperature keep their own path."""
+    V, B = 40, 9
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randint(-3, 4, (B, V), generator=g).double()    # many exact ties
+    params = [SamplingParams(temperature=0.0)] * 5 + [SamplingParams(temperature=0.0, repetition_penalty=1.5),
+                                                      SamplingParams(temperature=0.0, presence_penalty=0.5),
+                                                      SamplingParams(temperature=0.8, seed=3),
+                                                      SamplingParams(temperature=0.0)]
+    outs = [[1, 2], [], [5], [], [0, 0, 0], [4], [9, 9], [], [3]]
+    ins = [SampleInput(p, [2, 3], o, torch.Generator().manual_seed(i)) for i, (p, o) in enumerate(zip(params, outs))]
+    got = sample(logits, ins).token_ids
+    for i in (0, 1, 2, 3, 4, 8):
+        row = logits[i].tolist()
+        assert got[i] == row.index(max(row))                          # the first maximum
+    for i in (5, 6):
+        pen = _penalised(logits[i].tolist(), [2, 3], outs[i], params[i].repetition_penalty,
+                         params[i].frequency_penalty, params[i].presence_penalty)
+        assert got[i] == pen.index(max(pen))
+    solo = sample(logits[7:8], [SampleInput(params[7], [2, 3], [], torch.Generator().manual_seed(7))]).token_ids[0]
+    assert got[7] == solo
+
+
 def test_seeded_sampling_ignores_batch_composition():
     V = 64
     row = _rand_logits(V, 21)

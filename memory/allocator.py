@@ -129,6 +129,11 @@ class KVAllocator:
     ``req_to_token``: int64 [max_running_requests, max_context];
     ``full_to_swa``: int64 [max_full_tokens + 1] (last entry: the dummy full slot).
     ``dense=True`` (or a dense plan) never evicts: the SWA pool then holds every token.
+
+    Table writes are queued on the host and applied together, in order, when a table is next
+    read (both accessors flush): a decode step's ``extend`` of B requests then costs one upload
+    and one scatter per table instead of 2 B of each, each upload a blocking host-to-device copy
+    on a GPU. The page bookkeeping itself is immediate.
     """
 
     def __init__(self, plan: PoolPlan, max_context: int, window: int = 128, dense: bool = False,
@@ -143,15 +148,44 @@ class KVAllocator:
         self.full = PagedAllocator(plan.max_full_tokens // plan.full_page)
         self.swa = PagedAllocator(plan.num_swa_pages)
         self.req_pool = ReqToTokenPool(plan.max_running_requests, max_context, device)
-        self.full_to_swa = torch.full((plan.max_full_tokens + 1,), -1, dtype=torch.int64, device=device)
-        self.full_to_swa[-1] = plan.num_swa_pages * SWA_PAGE  # dummy full slot -> dummy SWA page
+        self._full_to_swa = torch.full((plan.max_full_tokens + 1,), -1, dtype=torch.int64, device=device)
+        self._full_to_swa[-1] = plan.num_swa_pages * SWA_PAGE  # dummy full slot -> dummy SWA page
         self._reqs: dict[Hashable, _Request] = {}
+        # queued writes per table: (flat indices, values) host tensors, in the order made
+        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"req_to_token": [], "full_to_swa": []}
 
     # ---- accessors -------------------------------------------------------------------
 
     @property
     def req_to_token(self) -> torch.Tensor:
+        self.flush()
         return self.req_pool.req_to_token
+
+    @property
+    def full_to_swa(self) -> torch.Tensor:
+        self.flush()
+        return self._full_to_swa
+
+    def flush(self) -> None:
+        """Apply the queued table writes: per table one upload and one scatter; where an entry
+        was written more than once, the last write wins, as if they had been made one by one."""
+        for name, table in (("req_to_token", self.req_pool.req_to_token), ("full_to_swa", self._full_to_swa)):
+            queued = self._pending[name]
+            if not queued:
+                continue
+            idx = torch.cat([i for i, _ in queued])
+            val = torch.cat([v for _, v in queued])
+            queued.clear()
+            uniq, inv = torch.unique(idx, return_inverse=True)
+            if uniq.numel() < idx.numel():
+                order = torch.arange(idx.numel())
+                last = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce_(0, inv, order, "amax")
+                idx, val = uniq, val[last]
+            both = torch.stack([idx, val]).to(table.device)
+            table.view(-1)[both[0]] = both[1]
+
+    def _queue(self, name: str, idx: torch.Tensor, val: torch.Tensor) -> None:
+        self._pending[name].append((idx.to(torch.int64), val.to(torch.int64)))
 
     @property
     def max_context(self) -> int:
@@ -222,11 +256,11 @@ class KVAllocator:
 
         pos = torch.arange(req.seq_len, new_len)
         full_slots = self._full_slots(req, pos)
-        self.req_to_token[req.slot, req.seq_len:new_len] = full_slots.to(self.req_to_token.device)
+        self._queue("req_to_token", req.slot * self.max_context + pos, full_slots)
         k0 = req.seq_len // SWA_PAGE
         swa_table = torch.tensor([req.swa_pages[k] for k in range(k0, (new_len - 1) // SWA_PAGE + 1)])
         swa_slots = swa_table[pos // SWA_PAGE - k0] * SWA_PAGE + pos % SWA_PAGE
-        self.full_to_swa[full_slots.to(self.full_to_swa.device)] = swa_slots.to(self.full_to_swa.device)
+        self._queue("full_to_swa", full_slots, swa_slots)
         req.seq_len = new_len
         return res
 
@@ -244,16 +278,18 @@ class KVAllocator:
         if not gone:
             return 0
         self.swa.free([req.swa_pages.pop(k) for k in gone])
-        for k in gone:
-            slots = self.req_to_token[req.slot, k * SWA_PAGE:(k + 1) * SWA_PAGE]
-            self.full_to_swa[slots.to(self.full_to_swa.device)] = -1
+        for k in gone:   # the page's full slots, from the request's own pages (no table read)
+            slots = self._full_slots(req, torch.arange(k * SWA_PAGE, (k + 1) * SWA_PAGE))
+            self._queue("full_to_swa", slots, torch.full_like(slots, -1))
         return len(gone)
 
     def free(self, rid: Hashable) -> None:
         """Release everything ``rid`` holds (finish, abort or retraction)."""
         req = self._req(rid)
-        for page in req.full_pages:
-            self.full_to_swa[page * self.full_page:(page + 1) * self.full_page] = -1
+        if req.full_pages:
+            pages = torch.tensor(req.full_pages, dtype=torch.int64)
+            slots = (pages[:, None] * self.full_page + torch.arange(self.full_page)[None, :]).reshape(-1)
+            self._queue("full_to_swa", slots, torch.full_like(slots, -1))
         self.full.free(req.full_pages)
         self.swa.free(list(req.swa_pages.values()))
         self.req_pool.free(req.slot)

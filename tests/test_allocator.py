@@ -5,6 +5,8 @@ Python arithmetic (full slot = page * 256 + p % 256, SWA slot = page * 128 + p %
 window rule is written independently: after n tokens the next token sees positions >= n - 127.
 """
 
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -320,3 +322,34 @@ def test_random_lifecycles_never_double_own_or_leak(data, requests, extra_pages,
     a.check_integrity()
     assert (a.full.num_free, a.swa.num_free, a.req_pool.slots.num_free) == initial
     assert (a.full_to_swa[:-1] == -1).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_queued_table_writes_equal_one_by_one_writes(seed):
+    """Table writes are queued until a table is read. Many operations with no read in between
+    (extends, evictions, frees, then a new request reusing the freed pages: the same entries
+    written several times) must leave the tables exactly as writing after every operation does."""
+    rng = random.Random(seed)
+    eager, lazy = (make(tokens=256 * 6, requests=3, max_context=2048) for _ in range(2))
+    next_id = 0
+    for _ in range(60):
+        live = eager.live_requests
+        op = rng.choice(["admit", "extend", "decode", "decode", "evict", "free"]) if live else "admit"
+        if op == "admit":
+            rid, next_id = next_id, next_id + 1
+            assert (eager.admit(rid) is None) == (lazy.admit(rid) is None)
+        else:
+            rid = rng.choice(live)
+            if op in ("extend", "decode"):
+                new_len = eager.seq_len(rid) + (1 if op == "decode" else rng.randint(1, 300))
+                assert eager.extend(rid, new_len) == lazy.extend(rid, new_len)
+            elif op == "evict":
+                assert eager.evict_swa(rid) == lazy.evict_swa(rid)
+            else:
+                eager.free(rid)
+                lazy.free(rid)
+        eager.flush()
+    assert any(lazy._pending.values())                    # the lazy one really queued
+    assert torch.equal(lazy.full_to_swa, eager.full_to_swa)
+    assert torch.equal(lazy.req_to_token, eager.req_to_token)
+    lazy.check_integrity()

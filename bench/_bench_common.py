@@ -108,41 +108,33 @@ class Breakdown:
         return "\n".join(lines)
 
 
-class LayerTimer:
-    """Time one engine step at a time, split by layer type.
-
-        with LayerTimer(engine) as lt:
-            for _ in range(n):
-                lt.step()           # engine.step(), timed
-        lt.breakdown()              # -> Breakdown (means over the timed steps)
-
-    CPU: wall time around each module. CUDA: events recorded at each hook, read after a
-    synchronize at the end of the step (so the numbers are the GPU timeline's; gaps where the
-    GPU waits for the CPU count towards the module running at the time).
-    """
+class _LabelledRanges:
+    """Labels the parts of an engine step: each block, its attention (by kind) and its MoE
+    (module hooks), the runner's forward, the backend's metadata and the CSA selection (wrapped
+    methods). Subclasses say what opening and closing a range does; ``with`` installs and
+    removes the instrumentation."""
 
     def __init__(self, engine: Any):
         self.engine = engine
         runner = engine.runner
         self.runner, self.model, self.backend = runner, runner.model, runner.backend
         self.device = runner.device
-        self.clock = _Clock(self.device)
         self._handles: list[Any] = []
         self._patched: list[tuple[Any, str]] = []
         self._open: dict[int, Any] = {}
-        self._intervals: list[tuple[str, Any, Any]] = []
-        self._totals: dict[str, float] = {}
-        self._steps = 0
-        self._step_ms = 0.0
 
-    # ---- instrumentation ----------------------------------------------------------------
+    def _enter_range(self, key: str) -> Any:
+        raise NotImplementedError
+
+    def _exit_range(self, key: str, token: Any) -> None:
+        raise NotImplementedError
 
     def _module_hooks(self, module: torch.nn.Module, key: str) -> None:
         def pre(mod: Any, args: Any) -> None:
-            self._open[id(mod)] = self.clock.mark()
+            self._open[id(mod)] = self._enter_range(key)
 
         def post(mod: Any, args: Any, out: Any) -> None:
-            self._intervals.append((key, self._open.pop(id(mod)), self.clock.mark()))
+            self._exit_range(key, self._open.pop(id(mod)))
 
         self._handles.append(module.register_forward_pre_hook(pre))
         self._handles.append(module.register_forward_hook(post))
@@ -152,17 +144,17 @@ class LayerTimer:
         if fn is None:
             return
 
-        def timed(*a: Any, **kw: Any) -> Any:
-            start = self.clock.mark()
+        def labelled(*a: Any, **kw: Any) -> Any:
+            token = self._enter_range(key)
             try:
                 return fn(*a, **kw)
             finally:
-                self._intervals.append((key, start, self.clock.mark()))
+                self._exit_range(key, token)
 
-        setattr(obj, name, timed)          # an instance attribute shadows the class's method
+        setattr(obj, name, labelled)       # an instance attribute shadows the class's method
         self._patched.append((obj, name))
 
-    def __enter__(self) -> "LayerTimer":
+    def __enter__(self):
         kinds = {0: "attn_window", 4: "attn_csa", 128: "attn_hca"}
         for block in self.model.layers:
             self._module_hooks(block, "block")
@@ -183,6 +175,34 @@ class LayerTimer:
         for obj, name in self._patched:
             delattr(obj, name)
         self._handles, self._patched = [], []
+
+
+class LayerTimer(_LabelledRanges):
+    """Time one engine step at a time, split by layer type.
+
+        with LayerTimer(engine) as lt:
+            for _ in range(n):
+                lt.step()           # engine.step(), timed
+        lt.breakdown()              # -> Breakdown (means over the timed steps)
+
+    CPU: wall time around each module. CUDA: events recorded at each hook, read after a
+    synchronize at the end of the step (so the numbers are the GPU timeline's; gaps where the
+    GPU waits for the CPU count towards the module running at the time).
+    """
+
+    def __init__(self, engine: Any):
+        super().__init__(engine)
+        self.clock = _Clock(self.device)
+        self._intervals: list[tuple[str, Any, Any]] = []
+        self._totals: dict[str, float] = {}
+        self._steps = 0
+        self._step_ms = 0.0
+
+    def _enter_range(self, key: str) -> Any:
+        return self.clock.mark()
+
+    def _exit_range(self, key: str, token: Any) -> None:
+        self._intervals.append((key, token, self.clock.mark()))
 
     # ---- measuring ----------------------------------------------------------------------
 
@@ -216,7 +236,7 @@ class LayerTimer:
         return Breakdown(self._steps, self._step_ms / n, {k: v / n for k, v in self._totals.items()})
 
 
-class KernelBreakdown:
+class KernelBreakdown(_LabelledRanges):
     """GPU kernel time of decode steps, split by layer type (CUDA).
 
         with KernelBreakdown(engine) as kb:
@@ -237,69 +257,33 @@ class KernelBreakdown:
     costliest kernels by name.
     """
 
-    LABELS = ("block", "attn_window", "attn_csa", "attn_hca", "moe", "indexer_topk", "forward")
+    LABELS = ("block", "attn_window", "attn_csa", "attn_hca", "moe", "indexer_topk", "forward", "metadata")
 
     def __init__(self, engine: Any):
-        self.engine = engine
-        self.runner = engine.runner
-        self.model, self.backend = self.runner.model, self.runner.backend
-        self._handles: list[Any] = []
-        self._patched: list[tuple[Any, str]] = []
-        self._ranges: dict[int, Any] = {}
+        super().__init__(engine)
         self._totals: dict[str, float] = {}
         self._by_kernel: dict[str, float] = {}
         self._steps = 0
         self._graphs_were: Optional[bool] = None
 
-    def _hooks(self, module: torch.nn.Module, key: str) -> None:
-        def pre(mod: Any, args: Any) -> None:
-            torch.cuda.synchronize()
-            rf = torch.profiler.record_function(key)
-            rf.__enter__()
-            self._ranges[id(mod)] = rf
+    def _enter_range(self, key: str) -> Any:
+        sync(self.device)
+        rf = torch.profiler.record_function(key)
+        rf.__enter__()
+        return rf
 
-        def post(mod: Any, args: Any, out: Any) -> None:
-            torch.cuda.synchronize()
-            self._ranges.pop(id(mod)).__exit__(None, None, None)
-
-        self._handles.append(module.register_forward_pre_hook(pre))
-        self._handles.append(module.register_forward_hook(post))
-
-    def _wrap(self, obj: Any, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def labelled(*a: Any, **kw: Any) -> Any:
-            torch.cuda.synchronize()
-            with torch.profiler.record_function(key):
-                out = fn(*a, **kw)
-                torch.cuda.synchronize()
-            return out
-
-        setattr(obj, name, labelled)
-        self._patched.append((obj, name))
+    def _exit_range(self, key: str, token: Any) -> None:
+        sync(self.device)
+        token.__exit__(None, None, None)
 
     def __enter__(self) -> "KernelBreakdown":
         graphs = getattr(self.runner, "cuda_graphs", None)
         if graphs is not None:
             self._graphs_were, graphs.enabled = graphs.enabled, False
-        kinds = {0: "attn_window", 4: "attn_csa", 128: "attn_hca"}
-        for block in self.model.layers:
-            self._hooks(block, "block")
-            self._hooks(block.attn, kinds[block.attn.ratio])
-            self._hooks(block.ffn, "moe")
-        self._wrap(self.runner, "forward", "forward")
-        for name in ("_select", "_topk"):
-            if hasattr(self.backend, name):
-                self._wrap(self.backend, name, "indexer_topk")
-                break
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        for obj, name in self._patched:
-            delattr(obj, name)
-        self._handles, self._patched = [], []
+        super().__exit__(*exc)
         if self._graphs_were is not None:
             self.runner.cuda_graphs.enabled = self._graphs_were
 
@@ -330,7 +314,7 @@ class KernelBreakdown:
         parts["indexer_topk"] = sums.get("indexer_topk", 0.0)
         parts["mhc_norms"] = sums.get("block", 0.0)
         parts["embed_head"] = sums.get("forward", 0.0)
-        parts["metadata"] = sums.get("other", 0.0)   # kernels outside the forward: metadata, sampling
+        parts["metadata"] = sums.get("metadata", 0.0) + sums.get("other", 0.0)  # + sampling's
         for k, v in parts.items():
             self._totals[k] = self._totals.get(k, 0.0) + v
         self._steps += 1

@@ -152,6 +152,30 @@ def test_layer_timer_splits_the_step_and_removes_itself():
     eng.shutdown()
 
 
+def test_kernel_breakdown_runs_and_cleans_up():
+    """KernelBreakdown (the graph steps' breakdown) on the CPU: the profiled steps run and return
+    their tokens, no GPU kernel is found (so every part is 0 and the whole step is "outside the
+    kernels"), and the hooks, wrappers and the graphs flag are restored. Its GPU figures are in
+    docs/PERF.md."""
+    from bench._bench_common import KernelBreakdown
+    from dsv4_backend.cuda_graph import DecodeGraphs
+
+    eng = make_engine()
+    eng.add_synthetic_request(600, greedy(4))
+    eng.step()
+    eng.runner.cuda_graphs = DecodeGraphs(eng.runner, max_bs=2, capture=False)   # switched off inside
+    with KernelBreakdown(eng) as kb:
+        assert eng.runner.cuda_graphs.enabled is False
+        assert len(kb.step()) == 1
+    bd = kb.breakdown(12.5)
+    assert kb.kernel_ms() == 0.0 and bd.ms["sched_sampling"] == 12.5 and bd.steps == 1
+    assert eng.runner.cuda_graphs.enabled is True
+    eng.runner.cuda_graphs = None
+    assert "forward" not in vars(eng.runner) and "init_forward_metadata" not in vars(eng.runner.backend)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in eng.runner.model.modules())
+    eng.shutdown()
+
+
 def test_bench_offline_end_to_end(tmp_path):
     out = tmp_path / "off.json"
     res = bench_offline.main(["--contexts", "300", "--batches", "2", "--steps", "2", "--breakdown-steps", "1",

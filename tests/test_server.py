@@ -466,6 +466,9 @@ def test_launch_flags_use_sglang_names():
     assert parse_args(["--max-total-tokens", "9000"]).engine_kwargs()["max_total_tokens"] == 9000
     over = parse_args(["--preset", "flash", "--json-model-override-args", '{"n_routed_experts": 8}'])
     assert over.engine_kwargs()["config_overrides"] == {"n_routed_experts": 8}
+    graphs = parse_args(["--device", "cuda", "--disable-cuda-graph", "--cuda-graph-max-bs", "8"]).engine_kwargs()
+    assert graphs["cuda_graph"] is False and graphs["cuda_graph_max_bs"] == 8
+    assert "cuda_graph" not in parse_args(["--device", "cuda"]).engine_kwargs()   # the engine's default: on
     for bad in (["--mem-fraction-static", "0.8", "--max-total-tokens", "10"], ["--model-path", "x", "--preset", "pro"],
                 ["--preset", "huge"], ["--dtype", "int8"], ["--json-model-override-args", "{bad"],
                 ["--json-model-override-args", "[1]"],

@@ -117,18 +117,30 @@ class DecodeGraphs:
         self._prep_s, self._gpu_ms, self._timed = 0.0, 0.0, 0
         self._pending: list[tuple[Any, Any]] = []
 
+    def _collect(self) -> None:
+        """Fold the finished replays' event pairs into the totals (a served engine never asks
+        for stats, so they must not pile up)."""
+        still = []
+        for a, b in self._pending:
+            if b.query():
+                self._gpu_ms += a.elapsed_time(b)
+            else:
+                still.append((a, b))
+        self._pending = still
+
     def stats(self) -> dict[str, float]:
         """Means over the replays since :meth:`reset_stats`: host preparation (metadata and
         buffer fills, ms) and the replay's own GPU time (ms, between events around it)."""
-        for a, b in self._pending:
-            self._gpu_ms += a.elapsed_time(b)
-        self._pending = []
+        for _, b in self._pending:
+            b.synchronize()
+        self._collect()
         n = max(self._timed, 1)
         return {"replays": self._timed, "host_prep_ms": 1e3 * self._prep_s / n, "replay_gpu_ms": self._gpu_ms / n}
 
     def run(self, reqs: list) -> tuple[Any, torch.Tensor]:
         """One decode step: (the step's metadata, logits [B, vocab])."""
         t0 = time.perf_counter()
+        self._collect()
         runner = self.runner
         backend = runner.backend
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [1] * len(reqs))

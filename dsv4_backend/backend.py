@@ -193,7 +193,10 @@ class AttentionBackend(ABC):
     """The small interface every DSV4 attention backend implements."""
 
     @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:
+    def init_forward_metadata(self, batch: ForwardBatch, events: bool = True) -> ForwardMetadata:
+        """The step's metadata. ``events=False`` leaves out the compression events, ring writes
+        and online segments (``CompressedMeta`` then has only ``rows`` and ``num_visible``): a
+        static decode step derives its own (``TritonDSV4Backend.fill_static_decode``)."""
         """Everything per step that does not depend on a layer (built once per step)."""
 
     @abstractmethod
@@ -367,7 +370,10 @@ class TorchDSV4Backend(AttentionBackend):
 
     # ---- metadata ------------------------------------------------------------------------
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> ForwardMetadata:
+    def init_forward_metadata(self, batch: ForwardBatch, events: bool = True) -> ForwardMetadata:
+        """The step's metadata. ``events=False`` leaves out the compression events, ring writes
+        and online segments (``CompressedMeta`` then has only ``rows`` and ``num_visible``): a
+        static decode step derives its own (``TritonDSV4Backend.fill_static_decode``)."""
         # Everything whose size is the step's (tokens, events, ring writes) is laid out on the host
         # from the batch's ints and moved in one copy; everything read from the tables (full and
         # SWA slots, compressed rows) is gathered on the tables' device, so no context-length row
@@ -376,7 +382,7 @@ class TorchDSV4Backend(AttentionBackend):
         dev = tables.req_to_token.device
         step = _StepHost.build(batch, self.window, self.dense)
         host = {"req": step.per_req, "token_req": step.token_req, "positions": step.positions}
-        for m in self.ratios:
+        for m in self.ratios if events else ():
             online = m == 128 and self.online_compress
             host.update(_segments_host(m, step) if online else _events_host(m, step))
         d = _upload(host, dev)
@@ -400,7 +406,10 @@ class TorchDSV4Backend(AttentionBackend):
             window_slots=window_slots, kv_start=start, kv_slots=kv_slots, dense=self.dense, host=lists,
         )
         for m in self.ratios:
-            meta.compressed[m] = self._compressed_meta(m, d, meta)
+            if events:
+                meta.compressed[m] = self._compressed_meta(m, d, meta)
+            else:
+                meta.compressed[m] = CompressedMeta(m, *self._block_rows(m, meta), None, None)
         return _to_device(meta, self.device)
 
     def _kv_slots(self, lists: "StepLists", slots: torch.Tensor, seq: torch.Tensor,
@@ -424,8 +433,9 @@ class TorchDSV4Backend(AttentionBackend):
                                        "SWA slot (evicted, or the allocator was not extended before the forward)")
         return torch.where(valid, ks, -1)
 
-    def _compressed_meta(self, m: int, d: dict, meta: ForwardMetadata) -> CompressedMeta:
-        """One ratio's tables from the uploaded host layout ``d`` and the device tables."""
+    def _block_rows(self, m: int, meta: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ratio m's row of every complete block of each request, [R, max blocks] (-1 padded),
+        and the rows visible to each query, [T]."""
         nbw = max(meta.host.seq_lens) // m
         # full slot of each block's first position: a strided view of the table, rows copied
         full = self.tables.req_to_token[:, : nbw * m: m].index_select(0, meta.req_slots).to(torch.int64)
@@ -434,7 +444,12 @@ class TorchDSV4Backend(AttentionBackend):
         if any(s // m < nbw for s in meta.host.seq_lens):
             blocks = torch.arange(nbw, device=rows.device)
             rows.masked_fill_(blocks[None, :] >= (meta.seq_lens // m)[:, None], -1)       # [R, nbw]
-        num_visible = (meta.positions + 1) // m
+        return rows, (meta.positions + 1) // m
+
+    def _compressed_meta(self, m: int, d: dict, meta: ForwardMetadata) -> CompressedMeta:
+        """One ratio's tables from the uploaded host layout ``d`` and the device tables."""
+        rows, num_visible = self._block_rows(m, meta)
+        nbw = rows.shape[1]
         if (m, "seg_req") in d:
             seg_req, seg_block = d[m, "seg_req"], d[m, "seg_block"]
             done = d[m, "seg_done"] != 0

@@ -144,8 +144,9 @@ class DecodeGraphs:
         runner = self.runner
         backend = runner.backend
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [1] * len(reqs))
-        # the ordinary layout (no per-layer Triton tables: the static ones replace them)
-        meta = TorchDSV4Backend.init_forward_metadata(backend, batch)
+        # the ordinary layout, without the events (the static tables derive their own) and
+        # without the per-layer Triton tables (the static ones replace them)
+        meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False)
         ids = torch.tensor([r.input_ids[0] for r in reqs], dtype=torch.int64, device=runner.device)
         bs = next(b for b in self.buckets if b >= len(reqs))
         ctx = context_bucket(max(meta.host.seq_lens), self.min_context)

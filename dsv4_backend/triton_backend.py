@@ -95,6 +95,27 @@ class _StepPlan:
     cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+# ---- per-step tables shared by ordinary and static steps ------------------------------------
+
+def _dense_window(meta: ForwardMetadata, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Dense mode's key list of query rows whose requests are ``meta``'s ``rows``, at positions
+    ``pos``: every previous position's SWA slot, -1 padded."""
+    col = torch.arange(meta.kv_slots.shape[1], device=pos.device)
+    key_pos = meta.kv_start[rows][:, None] + col[None, :]
+    return torch.where(key_pos <= pos[:, None], meta.kv_slots[rows], -1)
+
+
+def _c4_pages(rows: torch.Tensor) -> torch.Tensor:
+    """Indexer page table from C4 block rows [R, blocks]: a 256-token full page is one 64-row page."""
+    return rows[:, ::COMPRESSED_PAGE] // COMPRESSED_PAGE
+
+
+def _visible_rows(rows: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Block rows [N, blocks] with the entries past each row's ``visible`` count set to -1."""
+    nb = torch.arange(rows.shape[1], device=rows.device)
+    return torch.where(nb[None, :] < visible[:, None], rows, -1)
+
+
 # ---- static decode steps (CUDA graphs) ------------------------------------------------------
 
 @dataclass
@@ -109,9 +130,8 @@ class StaticDecode:
     bs: int
     ctx: int
     input_ids: torch.Tensor     # int64 [bs]
-    meta: ForwardMetadata       # positions, req_slots, swa_slots, window_slots: static tensors
+    meta: ForwardMetadata       # positions, req_slots, swa_slots: static tensors
     plan: _StepPlan             # the per-layer tables, static tensors
-    batch: int = 0              # rows of the last fill that are real
 
 
 class _StaticDecodeMixin:
@@ -127,13 +147,13 @@ class _StaticDecodeMixin:
         zeros = lambda *shape, dtype=i64: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
         rows = torch.arange(bs, device=dev)
         width = ctx if self.dense else self.window
+        plan = _StepPlan(zeros(bs, width, dtype=i32))
         meta = ForwardMetadata(
             req_slots=zeros(bs), prefix_lens=zeros(bs), extend_lens=torch.ones(bs, dtype=i64, device=dev),
             seq_lens=zeros(bs), token_offsets=list(range(bs + 1)), token_req=rows, positions=zeros(bs),
             full_slots=zeros(bs), swa_slots=zeros(bs), window=width,
-            window_slots=None if self.dense else zeros(bs, width), kv_start=zeros(bs), kv_slots=zeros(bs, 0),
-            dense=self.dense)
-        plan = _StepPlan(zeros(bs, width, dtype=i32))
+            window_slots=None if self.dense else plan.window_slots,   # one buffer: the plan's
+            kv_start=zeros(bs), kv_slots=zeros(bs, 0), dense=self.dense)
         for m in self.ratios:
             if m == 128 and self.online_compress:
                 plan.online = _OnlinePlan(rows.to(i32), zeros(bs, dtype=i32), rows, zeros(bs), zeros(bs))
@@ -177,14 +197,11 @@ class _StaticDecodeMixin:
         sm.req_slots.copy_(slot)
         sm.swa_slots.copy_(torch.where(real, meta.swa_slots[g], -1))
         if self.dense:
-            col = torch.arange(meta.kv_slots.shape[1], device=dev)
-            key_pos = meta.kv_start[g][:, None] + col[None, :]
-            window = torch.where(key_pos <= pos[:, None], meta.kv_slots[g], -1)
+            window = _dense_window(meta, g, pos)
             st.plan.window_slots.fill_(-1)
             st.plan.window_slots[:, : window.shape[1]].copy_(window)
         else:
             window = meta.window_slots[g]
-            sm.window_slots.copy_(window)
             st.plan.window_slots.copy_(window)
         for m in self.ratios:
             cm = meta.compressed[m]
@@ -214,15 +231,13 @@ class _StaticDecodeMixin:
                     rp.ring_slot.copy_(slot * C128_RING + pos % C128_RING)
             visible = cm.num_visible[g]
             if m == 4:
-                pages = rows[:, ::COMPRESSED_PAGE] // COMPRESSED_PAGE
+                pages = _c4_pages(rows)
                 st.plan.c4_pages.zero_()
                 st.plan.c4_pages[:, : pages.shape[1]].copy_(pages)
                 st.plan.c4_visible.copy_(visible)
             else:
-                nb = torch.arange(rows.shape[1], device=dev)
                 st.plan.c128_rows.fill_(-1)
-                st.plan.c128_rows[:, : rows.shape[1]].copy_(torch.where(nb[None, :] < visible[:, None], rows, -1))
-        st.batch = B
+                st.plan.c128_rows[:, : rows.shape[1]].copy_(_visible_rows(rows, visible))
 
 
 @register_attention_backend("triton")
@@ -260,9 +275,7 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         if meta.window_slots is not None:
             window = meta.window_slots.to(i32).contiguous()
         else:  # dense: every previous position of the request
-            col = torch.arange(meta.kv_slots.shape[1], device=pos.device)
-            key_pos = meta.kv_start[treq][:, None] + col[None, :]
-            window = torch.where(key_pos <= pos[:, None], meta.kv_slots[treq], -1).to(i32).contiguous()
+            window = _dense_window(meta, treq, pos).to(i32).contiguous()
         plan = _StepPlan(window)
         for m, cm in meta.compressed.items():
             if cm.online is not None:
@@ -272,13 +285,10 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
             visible = cm.num_visible
             if m == 4:
                 plan.c4_len = int(cm.rows.shape[1])
-                pages = cm.rows[:, ::COMPRESSED_PAGE] // COMPRESSED_PAGE      # [R, pages]
-                plan.c4_pages = pages[treq].to(i32).contiguous()
+                plan.c4_pages = _c4_pages(cm.rows)[treq].to(i32).contiguous()
                 plan.c4_visible = visible.to(i32).contiguous()
             else:
-                nb = torch.arange(cm.rows.shape[1], device=pos.device)
-                rows = cm.rows[treq]
-                plan.c128_rows = torch.where(nb[None, :] < visible[:, None], rows, -1).to(i32).contiguous()
+                plan.c128_rows = _visible_rows(cm.rows[treq], visible).to(i32).contiguous()
         self._plan_meta, self._plan = meta, plan
         return plan
 
@@ -355,26 +365,23 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         K = _kernels()
         rp = ring_plan
         cz = torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)                # [T, 2 * coff * d]
+        n_events = int(rp.dest_rows.numel())
         if rp.gather is None:
             # A static decode step (StaticDecode): one event per row, masked by dest_rows < 0,
             # whose sources are ring slots. A decode token's slot held position p - 8 (C4) or
             # p - 128 (C128), never a candidate of its block, so the ring is written first and
             # then read in place.
             ring[rp.ring_slot] = cz[rp.ring_token]
-            cos, sin = self._cos_sin(plan, m, layer.rope, rp.first_pos)
-            K.compress(pool, K.CompressEvents(rp.dest_rows, rp.sources, cos, sin), ring, compressor.ape,
-                       compressor.norm.weight, compressor.ratio, eps=compressor.norm.eps,
-                       round_bf16=self.round_bf16, hadamard=hadamard)
-            return
-        n_events = int(rp.dest_rows.numel())
-        if n_events:
-            # the candidates, gathered before the ring write below can overwrite their slots
-            buf = torch.cat([ring[rp.gather], cz])
-        if rp.ring_token.numel() == cz.shape[0]:
-            # ring_token is increasing, so writing every token means it is 0..T-1 (each decode step)
-            ring[rp.ring_slot] = cz
-        elif rp.ring_token.numel():
-            ring[rp.ring_slot] = cz[rp.ring_token]
+            buf = ring
+        else:
+            if n_events:
+                # the candidates, gathered before the ring write below can overwrite their slots
+                buf = torch.cat([ring[rp.gather], cz])
+            if rp.ring_token.numel() == cz.shape[0]:
+                # ring_token is increasing, so writing every token means it is 0..T-1 (each decode step)
+                ring[rp.ring_slot] = cz
+            elif rp.ring_token.numel():
+                ring[rp.ring_slot] = cz[rp.ring_token]
         if n_events:
             cos, sin = self._cos_sin(plan, m, layer.rope, rp.first_pos)
             K.compress(pool, K.CompressEvents(rp.dest_rows, rp.sources, cos, sin), buf, compressor.ape,

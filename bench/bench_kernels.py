@@ -323,10 +323,11 @@ def time_kv_store(n_tokens, ceil: Ceilings, device=None) -> Result:
 # ---- the sweep -----------------------------------------------------------------------------
 
 _C = DecodeAttentionConfig
-DECODE_CONFIGS = (  # (block_h, block_n, num_warps, num_stages, scale_3d, dv)
-    _C(64, 32, 8, 1, False, 512), _C(64, 32, 8, 2, False, 512), _C(64, 64, 8, 1, False, 512),
-    _C(64, 16, 8, 1, False, 512), _C(64, 32, 8, 1, True, 512), _C(64, 32, 8, 1, False, 256),
-    _C(64, 64, 8, 1, False, 256), _C(64, 32, 4, 1, False, 256), _C(64, 16, 4, 1, False, 256))
+DECODE_CONFIGS = (  # (block_h, block_n, num_warps, num_stages, scales, halves)
+    _C(64, 64, 8, 1, "word", True), _C(64, 64, 8, 1, "word", False), _C(64, 64, 8, 1, "element", False),
+    _C(64, 32, 8, 1, "word", True), _C(64, 64, 8, 2, "word", False), _C(64, 64, 8, 2, "word", True),
+    _C(64, 64, 16, 1, "word", True), _C(64, 32, 8, 2, "word", False))
+
 
 def pick_decode_config(ceil: Ceilings, log=print) -> tuple[DecodeAttentionConfig, list[Result]]:
     """Time a few launch configurations on Flash CSA at batch 128; keep the fastest."""

@@ -238,9 +238,10 @@ def _kv_pool(pages, page_rows, g):
     return pool.to(DEV)
 
 
-@pytest.mark.parametrize("h,k,num_splits,scale_3d,dv", [
-    (8, 48, 1, True, 512), (16, 130, 3, False, 256), (20, 70, None, True, 256), (16, 40, 2, False, 512)])
-def test_sparse_decode(h, k, num_splits, scale_3d, dv):
+@pytest.mark.parametrize("h,k,num_splits,scales,halves", [
+    (8, 48, 1, "tile", False), (16, 130, 3, "word", True), (20, 70, None, "element", True),
+    (16, 40, 2, "word", False), (16, 40, 1, "tile", True)])
+def test_sparse_decode(h, k, num_splits, scales, halves):
     g = _gen(40 + h)
     b, w_len = 3, 128
     swa = _kv_pool(4, 128, g)
@@ -255,7 +256,7 @@ def test_sparse_decode(h, k, num_splits, scale_3d, dv):
     scale = 512 ** -0.5
     qd = q.to(DEV).to(torch.bfloat16 if DEV == "cuda" else torch.float32)
     out = torch.full((b, h, 512), float("nan"), device=DEV, dtype=qd.dtype)
-    cfg = DecodeAttentionConfig(block_n=32, scale_3d=scale_3d, dv=dv)
+    cfg = DecodeAttentionConfig(block_n=32, scales=scales, halves=halves)
     got = sparse_decode(qd, swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), scale,
                         num_splits=num_splits, config=cfg, out=out)
     ref = R.sparse_decode_ref(qd.float(), swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), scale)

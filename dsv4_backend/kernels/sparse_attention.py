@@ -35,11 +35,14 @@ LN2 = 0.6931471805599453
 
 class DecodeAttentionConfig(NamedTuple):
     block_h: int = 64  # heads per program (the M of both products; at least 16)
-    block_n: int = 64  # keys per tile (64: fastest measured on the H200, see docs/kernels.md)
+    block_n: int = 64  # keys per tile
     num_warps: int = 8
     num_stages: int = 1
-    scale_3d: bool = False  # key tiles read as [BLOCK_N, 8, 64] (see _load_rows)
-    dv: int = 512  # output columns per program: 256 halves the accumulator, recomputes Q K^T
+    scales: str = "word"  # how a tile's scale bytes are read: "word", "tile" or "element"
+    halves: bool = True  # dequantise and multiply a key tile as two 256-dim halves
+
+
+SCALE_MODES = {"element": 0, "tile": 1, "word": 2}
 
 
 class DecodeAttentionOutput(NamedTuple):
@@ -48,21 +51,44 @@ class DecodeAttentionOutput(NamedTuple):
 
 
 @triton.jit
-def _load_rows(pool_ptr, slot, valid, P, page_stride, d0, W: tl.constexpr, BLOCK_N: tl.constexpr,
-               SCALE_3D: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Dims d0 .. d0 + W - 1 of the rows at ``slot`` (int64 [BLOCK_N]), dequantised, as
+def _word(p, valid):
+    """Four bytes at ``p`` (little-endian) as int32, from byte loads (the interpreter cannot
+    load through a re-typed pointer)."""
+    b0 = tl.load(p, mask=valid, other=0).to(tl.int32)
+    b1 = tl.load(p + 1, mask=valid, other=0).to(tl.int32)
+    b2 = tl.load(p + 2, mask=valid, other=0).to(tl.int32)
+    b3 = tl.load(p + 3, mask=valid, other=0).to(tl.int32)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _scale_word(pool_ptr, group, valid, HI: tl.constexpr, NATIVE: tl.constexpr):
+    """Scale bytes 0-3 (HI false) or 4-7 (HI true) of each row as one int32; 0 where not valid."""
+    p = pool_ptr + group + 4 * HI
+    if NATIVE:
+        return tl.load(p.to(tl.pointer_type(tl.int32)), mask=valid, other=0)
+    else:
+        return _word(p, valid)
+
+
+@triton.jit
+def _load_rows(pool_ptr, slot, valid, P, page_stride, D0: tl.constexpr, W: tl.constexpr,
+               BLOCK_N: tl.constexpr, SCALES: tl.constexpr, NATIVE: tl.constexpr,
+               DOT_DTYPE: tl.constexpr):
+    """Dims D0 .. D0 + W - 1 of the rows at ``slot`` (int64 [BLOCK_N]), dequantised, as
     DOT_DTYPE [BLOCK_N, W]; zeros where not ``valid``.
 
-    SCALE_3D reads the row as [BLOCK_N, W / 64, 64] tiles with one scale byte per tile, then
-    reshapes; otherwise a scale byte is gathered for every element (fewer layout changes, more
-    load instructions)."""
+    The nope codes are scaled by their tile's power of two, read one of three ways (SCALES):
+    2 ("word"): the row's scale bytes as int32 words, one load per row, each element's byte
+    picked by a shift; 1 ("tile"): [BLOCK_N, W / 64, 64] tiles with a scale per tile, then
+    reshaped; 0 ("element"): a scale byte gathered for every element."""
     s = tl.maximum(slot, 0)
     page = s // P
     r = s % P
     part = page * page_stride + r * 576
     group = page * page_stride + P * 576 + r * 8
-    if SCALE_3D:
-        t = d0 // 64 + tl.arange(0, W // 64)
+    if SCALES == 1:
+        t = D0 // 64 + tl.arange(0, W // 64)
         c = tl.arange(0, 64)
         is_nope = (t < 7)[None, :, None]
         v3 = valid[:, None, None]
@@ -78,40 +104,39 @@ def _load_rows(pool_ptr, slot, valid, P, page_stride, d0, W: tl.constexpr, BLOCK
         else:
             rope = bf16_from_bytes(tl.load(rope_byte, mask=rmask, other=0),
                                    tl.load(rope_byte + 1, mask=rmask, other=0))
-        x = tl.reshape(tl.where(is_nope, nope, rope).to(DOT_DTYPE), (BLOCK_N, W))
+        x = tl.reshape(tl.where(is_nope, nope, rope), (BLOCK_N, W))
     else:
-        d = d0 + tl.arange(0, W)
+        d = D0 + tl.arange(0, W)
         is_nope = d < 448
         nmask = valid[:, None] & is_nope[None, :]
         codes = tl.load(pool_ptr + part[:, None] + d[None, :], mask=nmask, other=0)
-        sexp = tl.load(pool_ptr + group[:, None] + (d // 64)[None, :], mask=nmask, other=127)
-        nope = e4m3_decode(codes, NATIVE) * exp2_int(sexp.to(tl.int32) - 127)
-        rmask = valid[:, None] & (d >= 448)[None, :]
-        rope_byte = pool_ptr + part[:, None] + (448 + 2 * (d - 448))[None, :]
-        if NATIVE:
-            rope = tl.load(rope_byte.to(tl.pointer_type(tl.bfloat16)), mask=rmask, other=0.0).to(tl.float32)
+        if SCALES == 2:
+            shift = ((d // 64) % 4) * 8
+            if D0 + W <= 256:
+                word = _scale_word(pool_ptr, group, valid, False, NATIVE)[:, None]
+            elif D0 >= 256:
+                word = _scale_word(pool_ptr, group, valid, True, NATIVE)[:, None]
+            else:
+                word = tl.where((d < 256)[None, :],
+                                _scale_word(pool_ptr, group, valid, False, NATIVE)[:, None],
+                                _scale_word(pool_ptr, group, valid, True, NATIVE)[:, None])
+            # byte = exponent + 127, so byte << 23 is the power of two's fp32 bits
+            scale = (((word >> shift[None, :]) & 255) << 23).to(tl.float32, bitcast=True)
         else:
-            rope = bf16_from_bytes(tl.load(rope_byte, mask=rmask, other=0),
-                                   tl.load(rope_byte + 1, mask=rmask, other=0))
-        x = tl.where(is_nope[None, :], nope, rope).to(DOT_DTYPE)
-    return x
-
-
-@triton.jit
-def _load_kv_tile(pool_ptr, idx_ptr, j0, nk, P, page_stride, dv0, BLOCK_N: tl.constexpr,
-                  DV: tl.constexpr, SCALE_3D: tl.constexpr, NATIVE: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):
-    """Key tile [BLOCK_N, 512], value tile [BLOCK_N, DV] (dims dv0 ..) and validity for list
-    entries j0 .. j0 + BLOCK_N - 1 (valid: entry < nk and slot >= 0)."""
-    jn = j0 + tl.arange(0, BLOCK_N)
-    slot = tl.load(idx_ptr + jn, mask=jn < nk, other=-1).to(tl.int64)
-    valid = slot >= 0
-    k = _load_rows(pool_ptr, slot, valid, P, page_stride, 0, 512, BLOCK_N, SCALE_3D, NATIVE, DOT_DTYPE)
-    if DV == 512:
-        v = k
-    else:  # a second, L1-resident read of this program's value columns
-        v = _load_rows(pool_ptr, slot, valid, P, page_stride, dv0, DV, BLOCK_N, SCALE_3D, NATIVE, DOT_DTYPE)
-    return k, v, valid
+            sexp = tl.load(pool_ptr + group[:, None] + (d // 64)[None, :], mask=nmask, other=127)
+            scale = exp2_int(sexp.to(tl.int32) - 127)
+        x = e4m3_decode(codes, NATIVE) * scale
+        if D0 + W > 448:  # the tile holds rope dims: bf16 pairs after the 448 codes
+            rmask = valid[:, None] & (d >= 448)[None, :]
+            if NATIVE:  # bf16 element 224 + i of the part is rope dim 448 + i: contiguous in d
+                rope_at = (pool_ptr + part).to(tl.pointer_type(tl.bfloat16))[:, None] + (d - 224)[None, :]
+                rope = tl.load(rope_at, mask=rmask, other=0.0).to(tl.float32)
+            else:
+                rope_byte = pool_ptr + part[:, None] + (448 + 2 * (d - 448))[None, :]
+                rope = bf16_from_bytes(tl.load(rope_byte, mask=rmask, other=0),
+                                       tl.load(rope_byte + 1, mask=rmask, other=0))
+            x = tl.where(is_nope[None, :], x, rope)
+    return x.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -122,17 +147,24 @@ def _sparse_decode_kernel(
         sink_ptr, scale_log2, num_heads,
         out_ptr, out_sb, out_sh, lse_ptr,
         po_ptr, plse_ptr, num_splits, tiles_per_split,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr,
-        SCALE_3D: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr,
+        SCALES: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    sp = tl.program_id(2) // (512 // DV)
-    dv0 = (tl.program_id(2) % (512 // DV)) * DV  # this program's output columns
+    sp = tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
-    d = tl.arange(0, 512)
-    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0.0)
-    q = q.to(DOT_DTYPE)
+    q_row = q_ptr + b * q_sb + heads[:, None] * q_sh
+    if HALVES:  # two [BLOCK_H, 256] halves of q and of the accumulator
+        dh = tl.arange(0, 256)
+        q_lo = tl.load(q_row + dh[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        q_hi = tl.load(q_row + 256 + dh[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        acc_lo = tl.zeros([BLOCK_H, 256], tl.float32)
+        acc_hi = tl.zeros([BLOCK_H, 256], tl.float32)
+    else:
+        d = tl.arange(0, 512)
+        q = tl.load(q_row + d[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        acc = tl.zeros([BLOCK_H, 512], tl.float32)
 
     n_win_tiles = tl.cdiv(n_win, BLOCK_N)
     n_tiles = n_win_tiles + tl.cdiv(n_ext, BLOCK_N)
@@ -141,41 +173,61 @@ def _sparse_decode_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DV], tl.float32)
     for t in range(t_begin, t_end):
+        # window tiles first, then the extra rows: pick the list and its pool, load once
         if t < n_win_tiles:
-            k, v, valid = _load_kv_tile(swa_ptr, win_ptr + b * win_sb, t * BLOCK_N, n_win, swa_P,
-                                        swa_ps, dv0, BLOCK_N, DV, SCALE_3D, NATIVE, DOT_DTYPE)
+            pool, P, page_stride = swa_ptr, swa_P, swa_ps
+            idx, j0, nk = win_ptr + b * win_sb, t * BLOCK_N, n_win
         else:
-            k, v, valid = _load_kv_tile(ext_ptr, ext_idx_ptr + b * ext_sb, (t - n_win_tiles) * BLOCK_N,
-                                        n_ext, ext_P, ext_ps, dv0, BLOCK_N, DV, SCALE_3D, NATIVE,
-                                        DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_H, BLOCK_N], log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
+            pool, P, page_stride = ext_ptr, ext_P, ext_ps
+            idx, j0, nk = ext_idx_ptr + b * ext_sb, (t - n_win_tiles) * BLOCK_N, n_ext
+        jn = j0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx + jn, mask=jn < nk, other=-1).to(tl.int64)
+        valid = slot >= 0
+        if HALVES:
+            k_lo = _load_rows(pool, slot, valid, P, page_stride, 0, 256, BLOCK_N, SCALES, NATIVE, DOT_DTYPE)
+            k_hi = _load_rows(pool, slot, valid, P, page_stride, 256, 256, BLOCK_N, SCALES, NATIVE, DOT_DTYPE)
+            s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+        else:
+            k = _load_rows(pool, slot, valid, P, page_stride, 0, 512, BLOCK_N, SCALES, NATIVE, DOT_DTYPE)
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v)
+        p = p.to(DOT_DTYPE)
+        if HALVES:
+            acc_lo = tl.dot(p, k_lo, acc_lo * alpha[:, None])
+            acc_hi = tl.dot(p, k_hi, acc_hi * alpha[:, None])
+        else:
+            acc = tl.dot(p, k, acc * alpha[:, None])
         m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))  # log2 of sum 2^s
-    dcol = dv0 + tl.arange(0, DV)
     if SPLIT:
         row = (b * num_splits + sp) * num_heads + heads
-        tl.store(po_ptr + row[:, None] * 512 + dcol[None, :], acc / l_safe[:, None], mask=hmask[:, None])
+        o_row = po_ptr + row[:, None] * 512
+        if HALVES:
+            tl.store(o_row + dh[None, :], acc_lo / l_safe[:, None], mask=hmask[:, None])
+            tl.store(o_row + 256 + dh[None, :], acc_hi / l_safe[:, None], mask=hmask[:, None])
+        else:
+            tl.store(o_row + d[None, :], acc / l_safe[:, None], mask=hmask[:, None])
         tl.store(plse_ptr + row, lse2, mask=hmask)
     else:
         sink2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
         top = tl.maximum(lse2, sink2)
         total = top + tl.log2(tl.exp2(lse2 - top) + tl.exp2(sink2 - top))
-        o = acc * tl.exp2(m_i - total)[:, None]
-        o = tl.where(empty[:, None], 0.0, o)
-        tl.store(out_ptr + b * out_sb + heads[:, None] * out_sh + dcol[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        w = tl.where(empty, 0.0, tl.exp2(m_i - total))[:, None]
+        o_row = out_ptr + b * out_sb + heads[:, None] * out_sh
+        if HALVES:
+            tl.store(o_row + dh[None, :], (acc_lo * w).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            tl.store(o_row + 256 + dh[None, :], (acc_hi * w).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        else:
+            tl.store(o_row + d[None, :], (acc * w).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
         lse = tl.where(empty, float("inf"), lse2 * 0.6931471805599453)
         tl.store(lse_ptr + b * num_heads + heads, lse, mask=hmask)
 
@@ -208,11 +260,24 @@ def _merge_kernel(po_ptr, plse_ptr, sink_ptr, out_ptr, out_sb, out_sh, lse_ptr, 
 
 
 def default_num_splits(programs: int, n_tiles: int, num_sms: int) -> int:
-    """Split the key list only when the (request, head block) programs leave SMs idle: the
-    partial outputs cost a write and a read of [splits, h, 512] fp32 per request."""
-    if 2 * programs >= num_sms:
+    """Splits of the key list that finish soonest, counting in key tiles per SM.
+
+    A launch of ``programs * splits`` programs runs in waves of ``num_sms`` (one resident
+    program per SM: the accumulator fills the register file); each wave costs the tiles of one
+    split. Splitting pays when programs leave SMs idle, but it adds the merge launch (taken as
+    one tile) and a write and a read of every split's [h, 512] fp32 partial output (taken as a
+    tile per partial per SM); and the count matters: 160 programs on 132 SMs take two full
+    waves, 128 take one."""
+    if n_tiles <= 1:
         return 1
-    return max(1, min(triton.cdiv(num_sms, programs), n_tiles // 4))
+    best, best_cost = 1, float(n_tiles * triton.cdiv(programs, num_sms))
+    for splits in range(2, n_tiles // 2 + 1):  # at least two tiles per split
+        per = triton.cdiv(n_tiles, splits)
+        used = triton.cdiv(n_tiles, per)
+        cost = per * triton.cdiv(programs * used, num_sms) + 1.0 + programs * used / num_sms
+        if cost < best_cost:
+            best, best_cost = used, cost
+    return best
 
 
 def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.Tensor,
@@ -251,10 +316,12 @@ def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.T
     n_tiles = triton.cdiv(n_win, config.block_n) + triton.cdiv(n_ext, config.block_n)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        num_splits = default_num_splits(b * head_blocks * (512 // config.dv), n_tiles, sms)
+        num_splits = default_num_splits(b * head_blocks, n_tiles, sms)
     num_splits = max(1, min(num_splits, max(n_tiles, 1)))
     tiles_per_split = triton.cdiv(max(n_tiles, 1), num_splits)
     num_splits = triton.cdiv(max(n_tiles, 1), tiles_per_split)
+    if config.scales not in SCALE_MODES:
+        raise ValueError(f"config.scales must be one of {sorted(SCALE_MODES)}, got {config.scales!r}")
 
     if out is None:
         out = torch.empty(b, h, 512, dtype=torch.bfloat16 if q.is_cuda else q.dtype, device=q.device)
@@ -266,17 +333,15 @@ def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.T
     else:
         po, plse = lse, lse
     dt = tl.float32 if dot_dtype() == torch.float32 else tl.bfloat16
-    if config.dv not in (256, 512):
-        raise ValueError(f"config.dv must be 256 or 512, got {config.dv}")
-    _sparse_decode_kernel[(b, head_blocks, num_splits * (512 // config.dv))](
+    _sparse_decode_kernel[(b, head_blocks, num_splits)](
         q, q.stride(0), q.stride(1),
         swa_pool, swa_P, swa_ps, window_slots, window_slots.stride(0), n_win,
         extra_pool, ext_P, ext_ps, extra_rows, extra_rows.stride(0), n_ext,
         attn_sink, softmax_scale * LOG2E, h,
         out, out.stride(0), out.stride(1), lse,
         po, plse, num_splits, tiles_per_split,
-        BLOCK_H=block_h, BLOCK_N=config.block_n, DV=config.dv, SPLIT=split, SCALE_3D=config.scale_3d,
-        NATIVE=native(), DOT_DTYPE=dt,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, SPLIT=split, HALVES=config.halves,
+        SCALES=SCALE_MODES[config.scales], NATIVE=native(), DOT_DTYPE=dt,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split:
         _merge_kernel[(b, h)](po, plse, attn_sink, out, out.stride(0), out.stride(1), lse, h,

@@ -75,8 +75,9 @@ def main() -> None:
         rs = [r for r in results if (r.case, r.batch, r.context) == c]
         if rs:
             b = min(rs, key=lambda r: r.us)
-            print(f"  {c}: {b.us:.1f} us cold {b.extra['cold_us']:.1f} "
-                  f"{b.extra.get('x_flashmla', float('nan')):.2f}x FlashMLA cfg={tuple(b.extra['config'])}")
+            print(f"  {c}: graph {b.us:.1f} us, cold replay {b.extra['cold_replay_us']:.1f}, cold eager "
+                  f"{b.extra['cold_us']:.1f}; {b.extra.get('x_flashmla', float('nan')):.2f}x FlashMLA "
+                  f"(eager {b.extra.get('x_flashmla_eager', float('nan')):.2f}x) cfg={tuple(b.extra['config'])}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe_decode.json").write_text(json.dumps(

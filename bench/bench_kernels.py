@@ -40,7 +40,9 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from dsv4_backend.kernels.compressor import CompressEvents, compress  # noqa: E402
-from dsv4_backend.kernels.indexer import IndexerConfig, indexer_scores, topk_rows  # noqa: E402
+from dsv4_backend.kernels.indexer import (  # noqa: E402
+    IndexerConfig, indexer_scores, indexer_scores_rows, row_blocks, topk_rows,
+)
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.reference import hadamard_matrix  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
@@ -116,6 +118,17 @@ def bench(fn) -> tuple[float, float]:
     graph = do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
     cold = do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
     return graph, cold
+
+
+def cold_replay_us(fn) -> float:
+    """Median microseconds of one call replayed from a CUDA graph after an L2 flush: the
+    kernels' cold time without the Python launch cost that ``bench``'s cold figure includes."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
 
 
 def timed(r: "Result", times: tuple[float, float], ceil: "Ceilings") -> "Result":
@@ -202,10 +215,12 @@ def time_decode(case, batch, ctx, ceil: Ceilings, config=DecodeAttentionConfig()
     nbytes = batch * (h * 512 * 2 * 2 + rows * KV_ROW)
     flops = batch * 2 * h * rows * 1024
     r = timed(Result("sparse_decode", case, batch, ctx, 0.0, nbytes, flops), times, ceil)
+    r.extra["cold_replay_us"] = cold_replay_us(run)
     ref = FLASHMLA_US.get((case, batch))
     if ref is not None and ctx == (1 << 20 if "hca" in case else ctx):
-        r.extra["flashmla_us"] = ref  # cold L2, one call: compare with cold_us
-        r.extra["x_flashmla"] = r.extra["cold_us"] / ref
+        r.extra["flashmla_us"] = ref  # cold L2, one call
+        r.extra["x_flashmla"] = r.extra["cold_replay_us"] / ref  # kernels only
+        r.extra["x_flashmla_eager"] = r.extra["cold_us"] / ref  # with our Python launch
     r.extra["config"] = list(config)
     return r
 
@@ -252,12 +267,48 @@ def time_indexer(batch, ctx, ceil: Ceilings, q_fp8=False, topk=None, inputs=None
     return out
 
 
+def indexer_rows_inputs(rows, ctx, device=None):
+    """One request's ``rows`` query rows (a prefill slice) over a ``ctx``-token context: its
+    C4 list of ctx / 4 rows in shuffled pages, causal visible counts ending at the last row."""
+    device = device or DEV
+    L = ctx // 4
+    pages = triton.cdiv(L, 64)
+    pool = random_indexer_pool(pages * 64, 64, device)
+    table = torch.randperm(pages, device=device, dtype=torch.int64).to(torch.int32)[None].expand(rows, pages)
+    q = (torch.randn(rows, 64, 128, device=device) * 64).clamp(-448, 448)
+    q = (q.to(torch.float8_e4m3fn).to(torch.float32) * 2.0 ** -6).to(torch.bfloat16)
+    w = torch.randn(rows, 64, device=device)
+    nvis = (L - rows + 1 + torch.arange(rows, device=device)).clamp_min(0).to(torch.int32)
+    blocks = row_blocks(torch.zeros(rows, dtype=torch.int64, device=device), 4)
+    return dict(pool=pool, table=table.contiguous(), q=q, w=w, nvis=nvis, blocks=blocks, L=L)
+
+
+def time_indexer_rows(rows, ctx, ceil: Ceilings, q_fp8=False) -> list[Result]:
+    """The prefill-shaped kernel on ``rows`` rows of one request, and the request-shaped kernel
+    on the same rows (each row its own "request"): compute-bound vs bandwidth-bound."""
+    x = indexer_rows_inputs(rows, ctx)
+    L = x["L"]
+    flops = rows * L * 2 * 64 * 128
+    t_rows = bench(lambda: indexer_scores_rows(x["q"], x["w"], x["pool"], x["table"], x["nvis"], x["blocks"],
+                                               max_len=L, q_fp8=q_fp8))
+    t_req = bench(lambda: indexer_scores(x["q"], x["w"], x["pool"], page_table=x["table"], num_visible=x["nvis"],
+                                         q_fp8=q_fp8))
+    tag = "_fp8" if q_fp8 else ""
+    out = []
+    for name, t, nbytes in ((f"indexer_rows{tag}", t_rows, triton.cdiv(rows, 4) * L * IDX_ROW),
+                            (f"indexer_per_row{tag}", t_req, rows * L * IDX_ROW)):
+        out.append(timed(Result(name, f"{rows} rows", 1, ctx, 0.0, nbytes, flops), t, ceil))
+    out[0].extra["x_vs_per_row"] = out[1].us / out[0].us
+    return out
+
+
 def pick_indexer_config(ceil: Ceilings, q_fp8: bool, log=print) -> tuple[IndexerConfig, list[Result]]:
     """Time a few launch configurations at batch 32, 1M context; keep the fastest."""
     x = indexer_inputs(32, 1 << 20)
     tried = []
     C = IndexerConfig
-    for cfg in (C(64, 4, 2), C(64, 4, 3), C(128, 4, 3), C(128, 8, 3), C(128, 8, 4), C(256, 8, 3)):
+    for cfg in (C(64, 4, 3), C(64, 4, 2), C(64, 4, 4), C(64, 8, 3), C(64, 4, 3, 1024), C(64, 4, 3, 16384),
+                C(64, 4, 2, None, False)):
         try:
             r = time_indexer(32, 1 << 20, ceil, q_fp8, inputs=x, config=cfg)[0]
             tried.append(r)
@@ -270,7 +321,23 @@ def pick_indexer_config(ceil: Ceilings, q_fp8: bool, log=print) -> tuple[Indexer
 
 # ---- compressor and KV store ---------------------------------------------------------------
 
-def time_compress(ratio, indexer, batch, ceil: Ceilings, device=None) -> Result:
+from typing import NamedTuple  # noqa: E402
+
+from dsv4_backend.kernels.compressor import CompressConfig, FusedCompressConfig  # noqa: E402
+from dsv4_backend.kernels.kv_store import FinishConfig  # noqa: E402
+
+
+class CompressorConfigs(NamedTuple):
+    """Launch shapes for the compressor / KV-store timings (the picks of one GPU run)."""
+    fused: FusedCompressConfig = FusedCompressConfig()  # C4 attention rows
+    fused_indexer: FusedCompressConfig = FusedCompressConfig()  # C4 indexer rows
+    pool: CompressConfig = CompressConfig()  # C128 pooling kernel
+    finish: FinishConfig = FinishConfig()  # KV store and the C128 finish
+
+
+def time_compress(ratio, indexer, batch, ceil: Ceilings, device=None, config=None,
+                  fused_config=None, finish_config=None, fuse=None) -> Result:
+    """One compress() call per event set; ``fuse`` None: compress()'s choice (fused for C4)."""
     device = device or DEV
     d = 128 if indexer else 512
     coff = 2 if ratio == 4 else 1
@@ -287,20 +354,27 @@ def time_compress(ratio, indexer, batch, ceil: Ceilings, device=None) -> Result:
     sets = [CompressEvents(torch.arange(batch, device=device) + i * batch,
                            torch.randperm(slots, device=device)[:batch * k].view(batch, k),
                            cos, sin) for i in range(rot)]
+    fused = ratio == 4 if fuse is None else fuse
     it = [0]
 
     def run():
         ev = sets[it[0] % rot]
         it[0] += 1
-        compress(pool, ev, state, ape, w, ratio, hadamard=had)
+        compress(pool, ev, state, ape, w, ratio, hadamard=had, config=config, fused_config=fused_config,
+                 finish_config=finish_config, fuse=fuse)
 
     times = bench(run)
     nbytes = batch * (k * 2 * d * 4 + row_bytes + 32 * 8) + ape.numel() * 4
     name = f"compress_c{ratio}" + ("_indexer" if indexer else "")
-    return timed(Result(name, f"d={d}", batch, 0, 0.0, nbytes, 0.0), times, ceil)
+    if fused:
+        cfg = list(fused_config or FusedCompressConfig())
+    else:
+        cfg = list(config or CompressConfig()) + list(finish_config or FinishConfig())
+    case = f"d={d}" + ("" if fused or ratio != 4 else ",2k")  # 2k: pool + finish launches
+    return timed(Result(name, case, batch, 0, 0.0, nbytes, 0.0, extra={"config": cfg}), times, ceil)
 
 
-def time_kv_store(n_tokens, ceil: Ceilings, device=None) -> Result:
+def time_kv_store(n_tokens, ceil: Ceilings, device=None, config=None) -> Result:
     device = device or DEV
     rot = n_sets(n_tokens * (1024 + KV_ROW), most=16)
     pool = torch.zeros(triton.cdiv(n_tokens * rot, 128), 128 * KV_ROW, dtype=torch.uint8, device=device)
@@ -313,20 +387,77 @@ def time_kv_store(n_tokens, ceil: Ceilings, device=None) -> Result:
     def run():
         i = it[0] % rot
         it[0] += 1
-        kv_store(pool, slots[i], kv[i], w, cos, sin)
+        kv_store(pool, slots[i], kv[i], w, cos, sin, config=config)
 
     times = bench(run)
     nbytes = n_tokens * (512 * 2 + KV_ROW + 32 * 8 + 8)
-    return timed(Result("kv_store", "bf16 in", n_tokens, 0, 0.0, nbytes, 0.0), times, ceil)
+    return timed(Result("kv_store", "bf16 in", n_tokens, 0, 0.0, nbytes, 0.0,
+                        extra={"config": list(config or FinishConfig())}), times, ceil)
+
+
+def _fastest(configs, time_one, label, log):
+    """Time each config (skipping ones that fail to compile); (fastest config, results)."""
+    tried = []
+    for cfg in configs:
+        try:
+            r = time_one(cfg)
+            r.extra["pick"] = label
+            tried.append((cfg, r))
+            log(f"  {label} config {tuple(cfg)}: {r.us:.1f} us ({r.pct_copy_bw:.0f}% of copy)")
+        except Exception as e:  # e.g. out of registers / shared memory
+            log(f"  {label} config {tuple(cfg)}: failed: {type(e).__name__}: {str(e)[:200]}")
+        torch.cuda.empty_cache()
+    if not tried:
+        return configs[0], []
+    best = min(tried, key=lambda t: t[1].us)
+    return best[0], [r for _, r in tried]
+
+
+def pick_fused_config(ceil: Ceilings, indexer: bool, log=print):
+    """Fused C4 kernel at 2048 events (one 8192-token prefill chunk)."""
+    F = FusedCompressConfig
+    configs = (F(1, 8), F(4, 8), F(8, 8), F(2, 4)) if indexer else (F(1, 4), F(1, 8), F(2, 8), F(2, 4))
+    return _fastest(configs,
+                    lambda c: time_compress(4, indexer, 2048, ceil, fused_config=c),
+                    "fused c4" + (" indexer" if indexer else ""), log)
+
+
+def pick_compress_config(ceil: Ceilings, log=print):
+    """C128 pooling kernel at 512 events (one 64K-token prefill chunk), default finish."""
+    C = CompressConfig
+    return _fastest((C(128, 16, 4, 0), C(128, 16, 4, 1), C(128, 16, 4, 3), C(128, 16, 8, 3),
+                     C(64, 16, 2, 3), C(128, 8, 4, 4)),
+                    lambda c: time_compress(128, False, 512, ceil, config=c), "c128 pool", log)
+
+
+def pick_finish_config(ceil: Ceilings, log=print):
+    """Finish / store kernel at 65536 rows (KV store of a 64K-token prefill)."""
+    F = FinishConfig
+    return _fastest((F(4, 4), F(2, 2), F(8, 4), F(16, 8), F(4, 4, 3, 4), F(2, 2, 3, 8)),
+                    lambda c: time_kv_store(65536, ceil, config=c), "finish", log)
+
+
+def pick_compressor_configs(ceil: Ceilings, results: list, log=print) -> CompressorConfigs:
+    """All four picks (about 23 timings, mostly compile time); their timings go to results."""
+    picks = []
+    for pick in (lambda: pick_fused_config(ceil, False, log), lambda: pick_fused_config(ceil, True, log),
+                 lambda: pick_compress_config(ceil, log), lambda: pick_finish_config(ceil, log)):
+        cfg, tried = pick()
+        results.extend(tried)
+        picks.append(cfg)
+    cfgs = CompressorConfigs(*picks)
+    log(f"compressor / KV-store configs: {cfgs}")
+    return cfgs
 
 
 # ---- the sweep -----------------------------------------------------------------------------
 
 _C = DecodeAttentionConfig
-DECODE_CONFIGS = (  # (block_h, block_n, num_warps, num_stages, scales, halves)
-    _C(64, 64, 8, 1, "word", True), _C(64, 64, 8, 1, "word", False), _C(64, 64, 8, 1, "element", False),
-    _C(64, 32, 8, 1, "word", True), _C(64, 64, 8, 2, "word", False), _C(64, 64, 8, 2, "word", True),
-    _C(64, 64, 16, 1, "word", True), _C(64, 32, 8, 2, "word", False))
+DECODE_CONFIGS = (  # (block_h, block_n, num_warps, num_stages, scales, halves, lazy_rescale)
+    _C(64, 64, 8, 1, "word", True, False), _C(64, 64, 8, 1, "word", True, True),
+    _C(64, 64, 8, 2, "word", False, False), _C(64, 64, 8, 2, "word", False, True),
+    _C(64, 64, 8, 1, "word", False, False), _C(64, 32, 8, 1, "word", True, False),
+    _C(64, 128, 8, 1, "word", True, False), _C(64, 64, 8, 1, "element", False, False))
 
 
 def pick_decode_config(ceil: Ceilings, log=print) -> tuple[DecodeAttentionConfig, list[Result]]:
@@ -379,12 +510,19 @@ def sweep(ceil: Ceilings, quick=False, log=print, deadline=None) -> list[Result]
         for b in ([1, 8, 32] if quick else [1, 8, 32, 128]):
             guard(time_indexer, b, ctx, ceil, False, 512 if b <= 32 else None, config=icfg)
             guard(time_indexer, b, ctx, ceil, True, config=icfg8)
-    for b in ([1, 128] if quick else [1, 8, 32, 128]):
-        guard(time_compress, 4, False, b, ceil)
-        guard(time_compress, 4, True, b, ceil)
-        guard(time_compress, 128, False, b, ceil)
-    for n in ([128, 8192] if quick else [1, 128, 8192, 65536]):
-        guard(time_kv_store, n, ceil)
+    for ctx, rows in ((1 << 17, 2048), (1 << 20, 256)):  # one INDEXER_SCORE_BUDGET slice of rows
+        guard(time_indexer_rows, rows, ctx, ceil, False)
+        guard(time_indexer_rows, rows, ctx, ceil, True)
+    cc = pick_compressor_configs(ceil, results, log)
+    for b in ([1, 128, 2048] if quick else [1, 8, 32, 128, 2048]):  # 2048 events: an 8192-token chunk
+        guard(time_compress, 4, False, b, ceil, fused_config=cc.fused)
+        guard(time_compress, 4, True, b, ceil, fused_config=cc.fused_indexer)
+    for b in (128, 2048):  # the two-kernel C4 path, for comparison with the fused one
+        guard(time_compress, 4, False, b, ceil, finish_config=cc.finish, fuse=False)
+    for b in ([1, 128, 512] if quick else [1, 8, 32, 64, 128, 512]):
+        guard(time_compress, 128, False, b, ceil, config=cc.pool, finish_config=cc.finish)
+    for n in ([128, 8192, 65536] if quick else [1, 128, 8192, 65536]):
+        guard(time_kv_store, n, ceil, config=cc.finish)
     return results
 
 
@@ -394,8 +532,13 @@ HEADER = (f"{'kernel':<20} {'case':<10} {'batch':>6} {'ctx':>6} {'graph us':>9} 
 
 def row(r: Result) -> str:
     note = ""
+    if "cold_replay_us" in r.extra:
+        note = f"replay {r.extra['cold_replay_us']:.1f} "
     if "x_flashmla" in r.extra:
-        note = f"cold {r.extra['x_flashmla']:.2f}x FlashMLA ({r.extra['flashmla_us']} us)"
+        note += (f"{r.extra['x_flashmla']:.2f}x FlashMLA ({r.extra['flashmla_us']} us; eager "
+                 f"{r.extra['x_flashmla_eager']:.2f}x)")
+    if "x_vs_per_row" in r.extra:
+        note += f"{r.extra['x_vs_per_row']:.2f}x the per-row kernel "
     if "config" in r.extra:
         note += f" cfg={tuple(r.extra['config'])}"
     ctx = f"{r.context // 1024}K" if r.context else "-"

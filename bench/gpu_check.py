@@ -32,7 +32,7 @@ for p in (ROOT, ROOT / "bench"):
 import bench_kernels as bk  # noqa: E402
 from dsv4_backend.kernels import reference as R  # noqa: E402
 from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update  # noqa: E402
-from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
+from dsv4_backend.kernels.indexer import indexer_scores_rows, indexer_topk  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
 
@@ -135,6 +135,25 @@ def check_indexer(batch, ctx, k, q_fp8):
     return run
 
 
+def check_indexer_rows(rows, ctx, q_fp8):
+    """The prefill-shaped kernel: ``rows`` query rows of one request (blocks of 4), causal
+    visible counts ending at the context's last C4 row, against the reference."""
+    def run(name):
+        x = bk.indexer_rows_inputs(rows, ctx)
+        L, T = x["L"], rows
+        pos = torch.arange(L, device=DEV)
+        row_ids = x["table"].long().gather(1, (pos // 64)[None].expand(T, L)) * 64 + pos % 64
+        row_ids = row_ids.masked_fill(pos[None] >= x["nvis"].long()[:, None], -1)
+        got = indexer_scores_rows(x["q"], x["w"], x["pool"], x["table"], x["nvis"], x["blocks"],
+                                  max_len=L, q_fp8=q_fp8)
+        ref = R.indexer_scores_ref(x["q"].float(), x["w"], x["pool"], row_ids)
+        fin = torch.isfinite(ref)
+        same_inf = bool(torch.equal(torch.isinf(got), torch.isinf(ref)))
+        sc = compare(got[fin], ref[fin], 1e-3, 1e-3 if q_fp8 else 1e-5, 1 - 1e-9)
+        record(name, sc["ok"] and same_inf, scores=sc, rows=T, keys=L)
+    return run
+
+
 def check_compress(ratio, indexer, events):
     def run(name):
         d = 128 if indexer else 512
@@ -224,6 +243,8 @@ def correctness(quick: bool) -> None:
     check("decode pro_hca h128 1M (8192 rows) b2", check_decode("pro_hca", 2, 1 << 20))
     check("indexer 1M b2 top512 bf16", check_indexer(2, 1 << 20, 512, False))
     check("indexer 1M b2 top1024 fp8", check_indexer(2, 1 << 20, 1024, True))
+    check("indexer prefill rows 1M x 8 bf16", check_indexer_rows(8, 1 << 20, False))
+    check("indexer prefill rows 128K x 30 fp8", check_indexer_rows(30, 1 << 17, True))
     if not quick:
         check("indexer 128K b8 top16 bf16", check_indexer(8, 1 << 17, 16, False))
         check("decode pro_hca h128 128K b16", check_decode("pro_hca", 16, 1 << 17))

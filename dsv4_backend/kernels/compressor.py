@@ -7,11 +7,20 @@ for m = 4 (coff = 2, K = 8) candidates 0..3 are the previous block's tokens and 
 [0:d] (the b-half) of C, Z and ape, candidates 4..7 this block's tokens with channels [d:2d]
 (the a-half); -1 masks a candidate (the first block has no previous one). For m = 128
 (coff = 1, K = 128) every candidate uses all channels. Pooling is a per-channel softmax over
-the candidates (fp32), then ``kv_store.finish_rows`` normalises, rotates at the block's first
-position, (Hadamard-rotates for the indexer,) quantises and writes.
+the candidates (fp32), then the row is normalised, rotated at the block's first position,
+(Hadamard-rotated for the indexer,) quantised and written.
 
-Launches: the pooling kernel, one program per (event, block of channels), an online softmax
-over chunks of candidates; then the finish kernel, one program per event.
+Launches:
+- m = 4 (attention and indexer rows): one fused kernel, ``FusedCompressConfig.events`` events
+  per program (one per program for small batches); each event's 8 candidates are pooled over
+  all d channels at once and the row is finished in registers (no fp32 intermediate in
+  memory, one launch per compression): the decode steps that complete blocks are
+  launch-latency bound, so one launch fewer counts;
+- m = 128: ``_pool_kernel``, one program per (event, ``CompressConfig.block_d`` channels), an
+  online softmax over chunks of ``kc`` candidates -> fp32 [E, d]; then ``kv_store.finish_rows``.
+  128 candidates x 512 channels is too much serial work for one program per event.
+Both paths run the same chunk update (``_pool_step``) and the same finish helpers
+(``kv_store.finish_attention_rows`` / ``finish_indexer_row``).
 
 Online C128 (``SGLANG_OPT_USE_ONLINE_COMPRESS``): ``online_c128_update`` folds each new
 token into its request's running (max, sum, acc) state ``[slots, 3, d]`` fp32 (restarting at
@@ -27,8 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device
-from dsv4_backend.kernels.kv_store import finish_rows
+from dsv4_backend.kernels._common import check_device, native
+from dsv4_backend.kernels.kv_store import (
+    FinishConfig, finish_attention_rows, finish_indexer_row, finish_rows, load_hadamard,
+    load_norm_weight, pool_args, sm_count,
+)
 
 
 class CompressEvents(NamedTuple):
@@ -39,11 +51,66 @@ class CompressEvents(NamedTuple):
     sin: torch.Tensor  # fp32 [E, 32]
 
 
+class CompressConfig(NamedTuple):
+    """Launch shape of the pooling kernel (the two-kernel path: C128)."""
+    block_d: int = 128  # channels per program
+    kc: int = 16  # candidates per online-softmax chunk (C4 uses its 8 in one chunk)
+    num_warps: int = 4
+    num_stages: int = 0  # 0: the chunk loop is unrolled; >= 1: a pipelined loop of that depth
+
+
+class FusedCompressConfig(NamedTuple):
+    """Launch shape of the fused C4 kernel."""
+    # events per program (one after another: amortises the per-program loads of ape, the norm
+    # weight and the 64 KB Hadamard matrix); taken only when there are at least events x SMs
+    # events, so small (decode) batches keep one event per program
+    events: int = 1
+    num_warps: int = 4
+
+
+POOL_DEFAULT = CompressConfig()
+FUSED_DEFAULT = FusedCompressConfig(1, 4)  # attention rows, d = 512
+FUSED_INDEXER_DEFAULT = FusedCompressConfig(1, 8)  # indexer rows (4 warps: 168 registers)
+
+
+@triton.jit
+def _pool_step(m, s, acc, c, z):
+    """One chunk of the online softmax over candidates (axis 0 of c and z, fp32 [KC, ...];
+    z is -inf at masked candidates). Returns the new (max, sum, acc)."""
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(z - tl.expand_dims(m_safe, 0))
+    alpha = tl.exp(m - m_safe)
+    s = s * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha + tl.sum(p * c, axis=0)
+    return m_new, s, acc
+
+
+@triton.jit
+def _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr, src_stride,
+                ape_ptr, ape_stride, RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr,
+                KC: tl.constexpr):
+    j = k0 + tl.arange(0, KC)
+    src = tl.load(src_ptr + e * src_stride + j).to(tl.int64)
+    valid = (src >= 0) & live
+    if COFF == 2:
+        col = (j >= RATIO).to(tl.int32)[:, None] * D + ch[None, :]
+    else:
+        col = tl.zeros([KC], tl.int32)[:, None] + ch[None, :]
+    row = state_ptr + tl.maximum(src, 0)[:, None] * state_stride
+    c = tl.load(row + col, mask=valid[:, None], other=0.0).to(tl.float32)
+    z = tl.load(row + COFF * D + col, mask=valid[:, None], other=0.0).to(tl.float32)
+    z += tl.load(ape_ptr + (j % RATIO)[:, None] * ape_stride + col).to(tl.float32)
+    z = tl.where(valid[:, None], z, float("-inf"))
+    return _pool_step(m, s, acc, c, z)
+
+
 @triton.jit
 def _pool_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stride,
                  out_ptr, out_stride, dest_ptr,
                  K: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr,
-                 KC: tl.constexpr, BLOCK_D: tl.constexpr, SKIP: tl.constexpr):
+                 KC: tl.constexpr, BLOCK_D: tl.constexpr, SKIP: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = e >= 0
@@ -52,40 +119,23 @@ def _pool_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stri
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for k0 in tl.static_range(0, K, KC):
-        j = k0 + tl.arange(0, KC)
-        src = tl.load(src_ptr + e * src_stride + j).to(tl.int64)
-        valid = (src >= 0) & live
-        if COFF == 2:
-            col = (j >= RATIO).to(tl.int32)[:, None] * D + ch[None, :]
-        else:
-            col = tl.zeros([KC], tl.int32)[:, None] + ch[None, :]
-        row = state_ptr + tl.maximum(src, 0)[:, None] * state_stride
-        c = tl.load(row + col, mask=valid[:, None], other=0.0).to(tl.float32)
-        z = tl.load(row + COFF * D + col, mask=valid[:, None], other=0.0).to(tl.float32)
-        z += tl.load(ape_ptr + (j % RATIO)[:, None] * ape_stride + col).to(tl.float32)
-        z = tl.where(valid[:, None], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(z - m_safe[None, :])
-        alpha = tl.exp(m - m_safe)
-        s = s * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p * c, axis=0)
-        m = m_new
+    if NUM_STAGES == 0:
+        for k0 in tl.static_range(0, K, KC):
+            m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
+                                    src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
+    else:
+        for k0 in tl.range(0, K, KC, num_stages=NUM_STAGES):
+            m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
+                                    src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
     tl.store(out_ptr + e * out_stride + ch, acc / tl.where(live, s, 1.0), mask=(ch < D) & live)
 
 
-def compress_pool(state: torch.Tensor, sources: torch.Tensor, ape: torch.Tensor, ratio: int,
-                  d: int, dest_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Pooled rows fp32 [E, d] (see the module docstring for the candidate layout).
-
-    With ``dest_rows`` [E], events whose destination is < 0 are skipped (their rows are left
-    unwritten): a CUDA-graph decode step lists every request as an event and masks the
-    ones that complete no block this step."""
-    coff = 2 if ratio == 4 else 1
+def _check_pool_args(state, sources, ape, ratio, d) -> int:
+    """Validates the pooling inputs; returns K."""
     if ratio not in (4, 128):
         raise ValueError(f"compress ratio must be 4 or 128, got {ratio}")
-    e, k = sources.shape
+    coff = 2 if ratio == 4 else 1
+    k = sources.shape[1]
     if k != coff * ratio:
         raise ValueError(f"ratio {ratio} takes {coff * ratio} candidates per event, got {k}")
     if state.dim() != 2 or state.shape[1] != 2 * coff * d or state.stride(1) != 1:
@@ -93,34 +143,167 @@ def compress_pool(state: torch.Tensor, sources: torch.Tensor, ape: torch.Tensor,
     if ape.shape != (ratio, coff * d):
         raise ValueError(f"ape must be [{ratio}, {coff * d}], got {tuple(ape.shape)}")
     check_device(state, sources, ape)
+    return k
+
+
+def compress_pool(state: torch.Tensor, sources: torch.Tensor, ape: torch.Tensor, ratio: int,
+                  d: int, dest_rows: torch.Tensor | None = None,
+                  config: CompressConfig | None = None) -> torch.Tensor:
+    """Pooled rows fp32 [E, d] (see the module docstring for the candidate layout).
+
+    With ``dest_rows`` [E], events whose destination is < 0 are skipped (their rows are left
+    unwritten): a CUDA-graph decode step lists every request as an event and masks the
+    ones that complete no block this step. ``config``: launch shape (default POOL_DEFAULT)."""
+    k = _check_pool_args(state, sources, ape, ratio, d)
+    coff = 2 if ratio == 4 else 1
+    e = sources.shape[0]
+    cfg = config or POOL_DEFAULT
     out = torch.empty(e, d, dtype=torch.float32, device=state.device)
     if e == 0:
         return out
+    if d % cfg.block_d or k % min(cfg.kc, k):
+        raise ValueError(f"config {cfg}: block_d must divide d = {d} and kc must divide K = {k}")
     sources = sources.to(torch.int32).contiguous()
     ape = ape.float().contiguous()
-    block_d = 128
-    kc = 8 if ratio == 4 else 16
-    _pool_kernel[(e, d // block_d)](
+    _pool_kernel[(e, d // cfg.block_d)](
         state, state.stride(0), sources, sources.stride(0), ape, ape.stride(0), out, out.stride(0),
         dest_rows if dest_rows is not None else sources,
-        K=k, RATIO=ratio, D=d, COFF=coff, KC=kc, BLOCK_D=block_d, SKIP=dest_rows is not None, num_warps=4)
+        K=k, RATIO=ratio, D=d, COFF=coff, KC=min(cfg.kc, k), BLOCK_D=cfg.block_d,
+        SKIP=dest_rows is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    return out
+
+
+# ---- fused C4: pool + finish, one launch ----------------------------------------------------
+
+@triton.jit
+def _fused_c4_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stride,
+                     w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, E,
+                     pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride, eps,
+                     D: tl.constexpr, NT: tl.constexpr, EVENTS: tl.constexpr,
+                     ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr, WRITE_OUT: tl.constexpr,
+                     NATIVE: tl.constexpr):
+    # channels in the layout the finish helpers take: nope tiles flattened [NT * 64] (the tail tile
+    # masked off), rope even / odd [32]; candidates on axis 0
+    j = tl.arange(0, 8)
+    i = tl.arange(0, 32)
+    chn = tl.arange(0, NT * 64)
+    cmask = (chn < D - 64)[None, :]
+    half = (j >= 4).to(tl.int32)[:, None] * D  # previous block: [0:d], this block: [d:2d]
+    col_n = half + chn[None, :]
+    col_e = half + (D - 64 + 2 * i)[None, :]
+    col_o = col_e + 1
+    # per-program set-up, shared by its events: ape rows, the norm weight, the Hadamard matrix
+    ape_row = ape_ptr + (j % 4)[:, None] * ape_stride
+    ape_n = tl.load(ape_row + col_n, mask=cmask, other=0.0).to(tl.float32)
+    ape_e = tl.load(ape_row + col_e).to(tl.float32)
+    ape_o = tl.load(ape_row + col_o).to(tl.float32)
+    wn, we, wo = load_norm_weight(w_ptr, D, NT)
+    h_nope, h_even, h_odd = load_hadamard(had_ptr, INDEXER)
+    first = tl.program_id(0).to(tl.int64) * EVENTS
+    for ee in tl.static_range(EVENTS):
+        e = first + ee
+        dest = tl.load(dest_ptr + e, mask=e < E, other=-1).to(tl.int64)
+        live = dest >= 0
+        src = tl.load(src_ptr + e * src_stride + j, mask=live, other=-1).to(tl.int64)
+        valid = (src >= 0)[:, None]
+        row = state_ptr + tl.maximum(src, 0)[:, None] * state_stride
+        x = _pool_c4(row, col_n, valid & cmask, valid, ape_n, 2 * D, NT * 64)
+        xe = _pool_c4(row, col_e, valid, valid, ape_e, 2 * D, 32)
+        xo = _pool_c4(row, col_o, valid, valid, ape_o, 2 * D, 32)
+        x = tl.where(chn < D - 64, x, 0.0)
+        cos = tl.load(cos_ptr + e * cs_stride + i, mask=live, other=0.0)
+        sin = tl.load(sin_ptr + e * cs_stride + i, mask=live, other=0.0)
+        if INDEXER:
+            finish_indexer_row(tl.reshape(x, [NT, 64]), xe, xo, wn, we, wo, cos, sin, dest, live,
+                               pool_ptr, P, page_stride, h_nope, h_even, h_odd,
+                               out_ptr + e * out_stride, eps, ROUND_BF16, ROUND_BF16, WRITE_OUT, NATIVE)
+        else:  # the finish kernel's [rows, 8, 64] form with one row
+            one = tl.zeros([1], tl.int64)
+            finish_attention_rows(tl.reshape(x, [1, NT, 64]), tl.expand_dims(xe, 0),
+                                  tl.expand_dims(xo, 0), wn, we, wo, tl.expand_dims(cos, 0),
+                                  tl.expand_dims(sin, 0), one + dest, (one + dest) >= 0, pool_ptr,
+                                  P, page_stride, out_ptr + e * out_stride + one, eps,
+                                  ROUND_BF16, ROUND_BF16, WRITE_OUT, NATIVE)
+
+
+@triton.jit
+def _pool_c4(row, col, mask, valid, ape, Z_OFF: tl.constexpr, N: tl.constexpr):
+    """Softmax pooling of one event's 8 candidates at channels ``col`` [8, N] -> fp32 [N]: the
+    pooling kernel's single chunk (same operations, same order)."""
+    c = tl.load(row + col, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(row + Z_OFF + col, mask=mask, other=0.0).to(tl.float32)
+    z += ape
+    z = tl.where(valid, z, float("-inf"))
+    m = tl.full([N], float("-inf"), tl.float32)
+    s = tl.zeros([N], tl.float32)
+    acc = tl.zeros([N], tl.float32)
+    m, s, acc = _pool_step(m, s, acc, c, z)
+    return acc / s
+
+
+def compress_c4_fused(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor,
+                      ape: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6,
+                      round_bf16: bool = True, hadamard: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None,
+                      config: FusedCompressConfig | None = None) -> torch.Tensor | None:
+    """``compress`` for ratio 4 in one launch (same arguments). The same operations in the same
+    order as the two-kernel path, so the same bytes (bit for bit under the interpreter; on a GPU
+    the compiler's reduction trees follow each kernel's layout and may round differently)."""
+    indexer = hadamard is not None
+    d = 128 if indexer else 512
+    _check_pool_args(state, events.sources, ape, 4, d)
+    e = events.sources.shape[0]
+    if events.dest_rows.shape != (e,) or events.cos.shape != (e, 32) or events.sin.shape != (e, 32):
+        raise ValueError(f"dest_rows [E] and cos/sin [E, 32] expected for E={e}; got "
+                         f"{tuple(events.dest_rows.shape)}, {tuple(events.cos.shape)}, "
+                         f"{tuple(events.sin.shape)}")
+    if norm_weight.shape != (d,):
+        raise ValueError(f"norm_weight must be [{d}], got {tuple(norm_weight.shape)}")
+    check_device(pool, events.dest_rows, state, norm_weight, events.cos, events.sin)
+    P, page_stride, had = pool_args(pool, hadamard, norm_weight)
+    cfg = config or (FUSED_INDEXER_DEFAULT if indexer else FUSED_DEFAULT)
+    if e == 0:
+        return out
+    sources = events.sources.to(torch.int32).contiguous()
+    ape = ape.float().contiguous()
+    out_arg = out if out is not None else state
+    per_program = cfg.events if e >= cfg.events * sm_count(state.device) else 1
+    _fused_c4_kernel[(triton.cdiv(e, per_program),)](
+        state, state.stride(0), sources, sources.stride(0), ape, ape.stride(0),
+        norm_weight.contiguous(), events.cos.float().contiguous(), events.sin.float().contiguous(), 32,
+        events.dest_rows.contiguous(), e, pool, P, page_stride, had, out_arg, out_arg.stride(0), eps,
+        D=d, NT=8 if d == 512 else 2, EVENTS=per_program, ROUND_BF16=round_bf16, INDEXER=indexer,
+        WRITE_OUT=out is not None, NATIVE=native(), num_warps=cfg.num_warps)
     return out
 
 
 def compress(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor, ape: torch.Tensor,
              norm_weight: torch.Tensor, ratio: int, eps: float = 1e-6, round_bf16: bool = True,
-             hadamard: torch.Tensor | None = None, out: torch.Tensor | None = None):
+             hadamard: torch.Tensor | None = None, out: torch.Tensor | None = None,
+             config: CompressConfig | None = None, finish_config: FinishConfig | None = None,
+             fused_config: FusedCompressConfig | None = None, fuse: bool | None = None):
     """Pool, normalise, rotate, quantise and write one compressed row per event.
 
     pool: the C4 / C128 attention pool (uint8 [pages, 64 * 584]) or, with ``hadamard`` given
     ([128, 128] fp32, scaled Sylvester), the indexer pool (uint8 [pages, 64 * 132]);
     state: the ring ``[slots, 2 * coff * d]``; ape: fp32 [m, coff * d]; norm_weight: [d].
     ``out`` optionally receives the dequantised rows. Returns ``out``.
+    ``fuse``: one fused launch (default: for ratio 4) or pool + finish (``config`` and
+    ``finish_config`` set their launch shapes; ``fused_config`` the fused one's).
     """
+    if fuse is None:
+        fuse = ratio == 4
+    if fuse:
+        if ratio != 4:
+            raise ValueError(f"the fused compressor handles ratio 4 only, got {ratio}")
+        return compress_c4_fused(pool, events, state, ape, norm_weight, eps, round_bf16, hadamard,
+                                 out, config=fused_config)
     d = 128 if hadamard is not None else 512
-    pooled = compress_pool(state, events.sources, ape, ratio, d, dest_rows=events.dest_rows)
+    pooled = compress_pool(state, events.sources, ape, ratio, d, dest_rows=events.dest_rows,
+                           config=config)
     return finish_rows(pool, events.dest_rows, pooled, norm_weight, events.cos, events.sin, eps,
-                       round_in=round_bf16, round_bf16=round_bf16, hadamard=hadamard, out=out)
+                       round_in=round_bf16, round_bf16=round_bf16, hadamard=hadamard, out=out,
+                       config=finish_config)
 
 
 # ---- online C128 ---------------------------------------------------------------------------

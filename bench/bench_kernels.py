@@ -40,9 +40,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from dsv4_backend.kernels.compressor import CompressEvents, compress  # noqa: E402
-from dsv4_backend.kernels.indexer import (  # noqa: E402
-    IndexerConfig, indexer_scores, indexer_scores_rows, row_blocks, topk_rows,
-)
+from dsv4_backend.kernels.indexer import IndexerConfig, indexer_scores, topk_rows  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.reference import hadamard_matrix  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
@@ -267,7 +265,7 @@ def time_indexer(batch, ctx, ceil: Ceilings, q_fp8=False, topk=None, inputs=None
     return out
 
 
-def indexer_rows_inputs(rows, ctx, device=None):
+def prefill_indexer_inputs(rows, ctx, device=None):
     """One request's ``rows`` query rows (a prefill slice) over a ``ctx``-token context: its
     C4 list of ctx / 4 rows in shuffled pages, causal visible counts ending at the last row."""
     device = device or DEV
@@ -279,27 +277,19 @@ def indexer_rows_inputs(rows, ctx, device=None):
     q = (q.to(torch.float8_e4m3fn).to(torch.float32) * 2.0 ** -6).to(torch.bfloat16)
     w = torch.randn(rows, 64, device=device)
     nvis = (L - rows + 1 + torch.arange(rows, device=device)).clamp_min(0).to(torch.int32)
-    blocks = row_blocks(torch.zeros(rows, dtype=torch.int64, device=device), 4)
-    return dict(pool=pool, table=table.contiguous(), q=q, w=w, nvis=nvis, blocks=blocks, L=L)
+    return dict(pool=pool, table=table.contiguous(), q=q, w=w, nvis=nvis, L=L)
 
 
-def time_indexer_rows(rows, ctx, ceil: Ceilings, q_fp8=False) -> list[Result]:
-    """The prefill-shaped kernel on ``rows`` rows of one request, and the request-shaped kernel
-    on the same rows (each row its own "request"): compute-bound vs bandwidth-bound."""
-    x = indexer_rows_inputs(rows, ctx)
+def time_prefill_indexer(rows, ctx, ceil: Ceilings, q_fp8=False, config=IndexerConfig()) -> Result:
+    """The indexer on ``rows`` query rows of one request (one INDEXER_SCORE_BUDGET slice of a
+    prefill chunk): the rows read the same pages, so beyond one row the pages come from L2 and
+    the kernel is bound by the tensor cores (FLOPs = rows x L x 2 x 64 x 128)."""
+    x = prefill_indexer_inputs(rows, ctx)
     L = x["L"]
-    flops = rows * L * 2 * 64 * 128
-    t_rows = bench(lambda: indexer_scores_rows(x["q"], x["w"], x["pool"], x["table"], x["nvis"], x["blocks"],
-                                               max_len=L, q_fp8=q_fp8))
-    t_req = bench(lambda: indexer_scores(x["q"], x["w"], x["pool"], page_table=x["table"], num_visible=x["nvis"],
-                                         q_fp8=q_fp8))
-    tag = "_fp8" if q_fp8 else ""
-    out = []
-    for name, t, nbytes in ((f"indexer_rows{tag}", t_rows, triton.cdiv(rows, 4) * L * IDX_ROW),
-                            (f"indexer_per_row{tag}", t_req, rows * L * IDX_ROW)):
-        out.append(timed(Result(name, f"{rows} rows", 1, ctx, 0.0, nbytes, flops), t, ceil))
-    out[0].extra["x_vs_per_row"] = out[1].us / out[0].us
-    return out
+    t = bench(lambda: indexer_scores(x["q"], x["w"], x["pool"], page_table=x["table"], num_visible=x["nvis"],
+                                     q_fp8=q_fp8, config=config))
+    name = "indexer_prefill" + ("_fp8" if q_fp8 else "")
+    return timed(Result(name, f"{rows} rows", 1, ctx, 0.0, rows * L * IDX_ROW, rows * L * 2 * 64 * 128), t, ceil)
 
 
 def pick_indexer_config(ceil: Ceilings, q_fp8: bool, log=print) -> tuple[IndexerConfig, list[Result]]:
@@ -453,11 +443,9 @@ def pick_compressor_configs(ceil: Ceilings, results: list, log=print) -> Compres
 # ---- the sweep -----------------------------------------------------------------------------
 
 _C = DecodeAttentionConfig
-DECODE_CONFIGS = (  # (block_h, block_n, num_warps, num_stages, scales, halves, lazy_rescale)
-    _C(64, 64, 8, 1, "word", True, False), _C(64, 64, 8, 1, "word", True, True),
-    _C(64, 64, 8, 2, "word", False, False), _C(64, 64, 8, 2, "word", False, True),
-    _C(64, 64, 8, 1, "word", False, False), _C(64, 32, 8, 1, "word", True, False),
-    _C(64, 128, 8, 1, "word", True, False), _C(64, 64, 8, 1, "element", False, False))
+DECODE_CONFIGS = (  # (block_h, block_n, num_warps, num_stages, scales, halves)
+    _C(64, 64, 8, 1, "word", True), _C(64, 64, 8, 2, "word", False), _C(64, 64, 8, 1, "word", False),
+    _C(64, 128, 8, 1, "word", True), _C(64, 32, 8, 1, "word", True), _C(64, 64, 8, 1, "element", False))
 
 
 def pick_decode_config(ceil: Ceilings, log=print) -> tuple[DecodeAttentionConfig, list[Result]]:
@@ -511,8 +499,8 @@ def sweep(ceil: Ceilings, quick=False, log=print, deadline=None) -> list[Result]
             guard(time_indexer, b, ctx, ceil, False, 512 if b <= 32 else None, config=icfg)
             guard(time_indexer, b, ctx, ceil, True, config=icfg8)
     for ctx, rows in ((1 << 17, 2048), (1 << 20, 256)):  # one INDEXER_SCORE_BUDGET slice of rows
-        guard(time_indexer_rows, rows, ctx, ceil, False)
-        guard(time_indexer_rows, rows, ctx, ceil, True)
+        guard(time_prefill_indexer, rows, ctx, ceil, False, config=icfg)
+        guard(time_prefill_indexer, rows, ctx, ceil, True, config=icfg8)
     cc = pick_compressor_configs(ceil, results, log)
     for b in ([1, 128, 2048] if quick else [1, 8, 32, 128, 2048]):  # 2048 events: an 8192-token chunk
         guard(time_compress, 4, False, b, ceil, fused_config=cc.fused)
@@ -537,8 +525,6 @@ def row(r: Result) -> str:
     if "x_flashmla" in r.extra:
         note += (f"{r.extra['x_flashmla']:.2f}x FlashMLA ({r.extra['flashmla_us']} us; eager "
                  f"{r.extra['x_flashmla_eager']:.2f}x)")
-    if "x_vs_per_row" in r.extra:
-        note += f"{r.extra['x_vs_per_row']:.2f}x the per-row kernel "
     if "config" in r.extra:
         note += f" cfg={tuple(r.extra['config'])}"
     ctx = f"{r.context // 1024}K" if r.context else "-"

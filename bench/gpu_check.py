@@ -32,7 +32,7 @@ for p in (ROOT, ROOT / "bench"):
 import bench_kernels as bk  # noqa: E402
 from dsv4_backend.kernels import reference as R  # noqa: E402
 from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update  # noqa: E402
-from dsv4_backend.kernels.indexer import indexer_scores_rows, indexer_topk  # noqa: E402
+from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
 
@@ -122,9 +122,20 @@ def check_indexer(batch, ctx, k, q_fp8):
         ref = R.indexer_scores_ref(x["q"].float(), x["w"], x["pool"], row_ids)
         fin = torch.isfinite(ref)
         same_inf = bool(torch.equal(torch.isinf(got.scores), torch.isinf(ref)))
-        # bf16 products of e4m3 values are exact, fp32 sums: ~1e-6; FP8 tensor cores accumulate
-        # with fewer bits (~1e-4 relative)
-        sc = compare(got.scores[fin], ref[fin], 1e-3, 1e-3 if q_fp8 else 1e-5, 1 - 1e-9)
+        # bf16 products of e4m3 values are exact, fp32 sums: ~1e-6 relative
+        sc = compare(got.scores[fin], ref[fin], 1e-3, 1e-5, 1 - 1e-9)
+        if q_fp8:
+            # FP8 tensor cores sum a 128-deep product keeping ~14 mantissa bits of the running
+            # sum (DeepGEMM's K = 128 indexer logits do the same), so the error is bounded by the
+            # magnitudes summed, not by the score: 2^-10 x sum_h |w_h| (|q_h| . |K|) x scale
+            # (4x over 2^-12); a misread scale or row would be off by the score itself
+            pool_abs = x["pool"].clone()
+            pool_abs[:, :64 * 128] &= 0x7F  # e4m3 sign bits off; the fp32 scales are positive
+            bound = R.indexer_scores_ref(x["q"].float().abs(), x["w"].abs(), pool_abs, row_ids)
+            err = (got.scores[fin].double() - ref[fin].double()).abs()
+            worst = float((err / (2.0 ** -10 * bound[fin].double() + 1e-6)).max())
+            sc = dict(sc, ok=bool(torch.isfinite(got.scores[fin]).all()) and worst <= 1.0 and sc["cos"] >= 1 - 1e-7,
+                      worst_err_over_bound=round(worst, 4))
         # the selection is exact on the kernel's own scores, and near-exact on the reference's
         own = R.topk_ref(got.scores, row_ids, k)
         sel_exact = bool(torch.equal(got.rows, own.rows.to(got.rows.device)))
@@ -132,25 +143,6 @@ def check_indexer(batch, ctx, k, q_fp8):
         overlap = (torch.isin(got.rows[0], refk.rows[0])).float().mean().item()
         record(name, sc["ok"] and same_inf and sel_exact and overlap > 0.99, scores=sc,
                selection_exact=sel_exact, overlap_vs_ref=round(overlap, 4), rows=L)
-    return run
-
-
-def check_indexer_rows(rows, ctx, q_fp8):
-    """The prefill-shaped kernel: ``rows`` query rows of one request (blocks of 4), causal
-    visible counts ending at the context's last C4 row, against the reference."""
-    def run(name):
-        x = bk.indexer_rows_inputs(rows, ctx)
-        L, T = x["L"], rows
-        pos = torch.arange(L, device=DEV)
-        row_ids = x["table"].long().gather(1, (pos // 64)[None].expand(T, L)) * 64 + pos % 64
-        row_ids = row_ids.masked_fill(pos[None] >= x["nvis"].long()[:, None], -1)
-        got = indexer_scores_rows(x["q"], x["w"], x["pool"], x["table"], x["nvis"], x["blocks"],
-                                  max_len=L, q_fp8=q_fp8)
-        ref = R.indexer_scores_ref(x["q"].float(), x["w"], x["pool"], row_ids)
-        fin = torch.isfinite(ref)
-        same_inf = bool(torch.equal(torch.isinf(got), torch.isinf(ref)))
-        sc = compare(got[fin], ref[fin], 1e-3, 1e-3 if q_fp8 else 1e-5, 1 - 1e-9)
-        record(name, sc["ok"] and same_inf, scores=sc, rows=T, keys=L)
     return run
 
 
@@ -243,8 +235,6 @@ def correctness(quick: bool) -> None:
     check("decode pro_hca h128 1M (8192 rows) b2", check_decode("pro_hca", 2, 1 << 20))
     check("indexer 1M b2 top512 bf16", check_indexer(2, 1 << 20, 512, False))
     check("indexer 1M b2 top1024 fp8", check_indexer(2, 1 << 20, 1024, True))
-    check("indexer prefill rows 1M x 8 bf16", check_indexer_rows(8, 1 << 20, False))
-    check("indexer prefill rows 128K x 30 fp8", check_indexer_rows(30, 1 << 17, True))
     if not quick:
         check("indexer 128K b8 top16 bf16", check_indexer(8, 1 << 17, 16, False))
         check("decode pro_hca h128 128K b16", check_decode("pro_hca", 16, 1 << 17))

@@ -36,8 +36,6 @@ kernel keeps fp32 state) falls back to the torch update for that step.
 
 from __future__ import annotations
 
-import bisect
-
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -92,7 +90,6 @@ class _StepPlan:
     c4_pages: Optional[torch.Tensor] = None    # int32 [T, pages] indexer pages of each query's request
     c4_visible: Optional[torch.Tensor] = None  # int32 [T]
     c4_len: int = 0                            # longest request's C4 row count this step
-    c4_blocks: Any = None                      # RowBlocks of prefill rows (None: one row per request)
     c128_rows: Optional[torch.Tensor] = None   # int32 [T, nb] visible C128 rows, -1 padded
     # fp32 RoPE (cos, sin) of the rows finished this step, per (ratio, rope frequencies)
     cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -249,7 +246,6 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
 
     # fp32 score elements per indexer launch: bounds the [rows, L] buffer at long context
     INDEXER_SCORE_BUDGET = 1 << 26
-    INDEXER_ROWS_PER_BLOCK = 4  # prefill rows sharing each indexer page read
 
     def __init__(self, cfg: DSV4Config, pools: Any, tables: Any, dtype: torch.dtype = torch.float32,
                  dense: bool = False):
@@ -291,9 +287,6 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                 plan.c4_len = int(cm.rows.shape[1])
                 plan.c4_pages = _c4_pages(cm.rows)[treq].to(i32).contiguous()
                 plan.c4_visible = visible.to(i32).contiguous()
-                if treq.shape[0] > cm.rows.shape[0] and plan.c4_len > 0:  # some request has several rows
-                    plan.c4_blocks = _kernels().row_blocks(treq, self.INDEXER_ROWS_PER_BLOCK,
-                                                           self._score_rows(plan.c4_len))
             else:
                 plan.c128_rows = _visible_rows(cm.rows[treq], visible).to(i32).contiguous()
         self._plan_meta, self._plan = meta, plan
@@ -426,24 +419,11 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         if L == 0:
             return torch.full((T, k), -1, dtype=torch.int32, device=iq.device)
         pool = self.pools.c4_indexer[layer_id]
-        step = self._score_rows(L)
-        blocks = plan.c4_blocks
+        step = max(1, self.INDEXER_SCORE_BUDGET // L)
         parts = []
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            pages, visible = plan.c4_pages[t0:t1], plan.c4_visible[t0:t1]
-            if blocks is None:  # one row per request (decode): the request-shaped kernel
-                parts.append(K.indexer_topk(iq[t0:t1].contiguous(), w[t0:t1], pool, k, page_table=pages,
-                                            num_visible=visible, max_len=L).rows)
-                continue
-            # prefill rows: blocks of rows of one request share each page read
-            b0, b1 = bisect.bisect_left(blocks.host_start, t0), bisect.bisect_left(blocks.host_start, t1)
-            sub = K.RowBlocks(blocks.start[b0:b1] - t0, blocks.length[b0:b1], blocks.host_start[b0:b1])
-            scores = K.indexer_scores_rows(iq[t0:t1], w[t0:t1], pool, pages, visible, sub, max_len=L,
-                                           bq=self.INDEXER_ROWS_PER_BLOCK)
-            parts.append(K.topk_rows(scores, k, page_table=pages, page_size=COMPRESSED_PAGE))
+            parts.append(K.indexer_topk(iq[t0:t1].contiguous(), w[t0:t1], pool, k,
+                                        page_table=plan.c4_pages[t0:t1], num_visible=plan.c4_visible[t0:t1],
+                                        max_len=L).rows)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _score_rows(self, L: int) -> int:
-        """Query rows scored per indexer call: bounds the fp32 score buffer [rows, L]."""
-        return max(1, self.INDEXER_SCORE_BUDGET // max(L, 1))

@@ -23,7 +23,7 @@ from dsv4_backend.kernels._common import (  # noqa: E402
     bf16_bits, e4m3_decode, e4m3_encode, interpreting, native, pow2_scale_exp, round_bf16,
 )
 from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update  # noqa: E402
-from dsv4_backend.kernels.indexer import IndexerConfig, indexer_scores_rows, indexer_topk, row_blocks  # noqa: E402
+from dsv4_backend.kernels.indexer import IndexerConfig, indexer_topk  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
 from memory.layout import write_indexer_rows, write_kv_rows  # noqa: E402
@@ -233,36 +233,6 @@ def test_indexer_topk(mode):
     assert chosen.index(3 * p + 5) < chosen.index(3 * p + 10) < chosen.index(3 * p + 40)
 
 
-@pytest.mark.parametrize("bq,cut_every", [(4, None), (2, 6)])
-def test_indexer_rows_prefill_shape(bq, cut_every):
-    """The prefill-shaped kernel (a block of query rows of one request per program) gives the
-    reference's scores for every row: three requests of 7, 1 and 5 rows with causal visible
-    counts, a row that sees nothing, blocks cut at request boundaries (and every 6 rows)."""
-    g = _gen(36 + bq)
-    h, p = 8, 64
-    pool = torch.zeros(10, p * 132, dtype=torch.uint8)
-    write_indexer_rows(pool, torch.arange(10 * p), torch.randn(10 * p, 128, generator=g))
-    tables = [torch.randperm(10, generator=g)[:4] for _ in range(3)]
-    counts = [7, 1, 5]
-    treq = torch.cat([torch.full((n,), r) for r, n in enumerate(counts)])
-    T, L = treq.shape[0], 4 * p
-    table = torch.stack([tables[r] for r in treq.tolist()])
-    nvis = torch.tensor([190, 191, 200, 201, 255, 256, 256, 0, 3, 64, 65, 130, 131])
-    q = indexer_fake_quant(torch.randn(T, h, 128, generator=g))
-    w = torch.randn(T, h, generator=g)
-    blocks = row_blocks(treq.to(DEV), bq, cut_every)
-    assert int(blocks.length.sum()) == T and int(blocks.length.max()) <= bq
-    got = indexer_scores_rows(q.to(DEV), w.to(DEV), pool.to(DEV), table.to(DEV), nvis.to(DEV), blocks,
-                              max_len=L, bq=bq)
-    pos = torch.arange(L)
-    row_ids = (table.gather(1, (pos // p)[None].expand(T, L)) * p + pos % p).masked_fill(
-        pos[None] >= nvis[:, None], -1)
-    ref = R.indexer_scores_ref(q, w, pool, row_ids)
-    assert torch.equal(torch.isinf(got.cpu()), torch.isinf(ref))
-    fin = torch.isfinite(ref)
-    _assert_close(got.cpu()[fin], ref[fin], 1e-4, 1e-5, 1 - 1e-6, "scores")
-
-
 # ---- 4. sparse decode attention -----------------------------------------------------------
 
 def _kv_pool(pages, page_rows, g):
@@ -272,10 +242,10 @@ def _kv_pool(pages, page_rows, g):
     return pool.to(DEV)
 
 
-@pytest.mark.parametrize("h,k,num_splits,scales,halves,lazy", [
-    (8, 48, 1, "tile", False, False), (16, 130, 3, "word", True, False), (20, 70, None, "element", True, True),
-    (16, 40, 2, "word", False, True), (16, 40, 1, "tile", True, False), (16, 200, 1, "word", True, True)])
-def test_sparse_decode(h, k, num_splits, scales, halves, lazy):
+@pytest.mark.parametrize("h,k,num_splits,scales,halves", [
+    (8, 48, 1, "tile", False), (16, 130, 3, "word", True), (20, 70, None, "element", True),
+    (16, 40, 2, "word", False), (16, 40, 1, "tile", True)])
+def test_sparse_decode(h, k, num_splits, scales, halves):
     g = _gen(40 + h)
     b, w_len = 3, 128
     swa = _kv_pool(4, 128, g)
@@ -290,7 +260,7 @@ def test_sparse_decode(h, k, num_splits, scales, halves, lazy):
     scale = 512 ** -0.5
     qd = q.to(DEV).to(torch.bfloat16 if DEV == "cuda" else torch.float32)
     out = torch.full((b, h, 512), float("nan"), device=DEV, dtype=qd.dtype)
-    cfg = DecodeAttentionConfig(block_n=32, scales=scales, halves=halves, lazy_rescale=lazy)
+    cfg = DecodeAttentionConfig(block_n=32, scales=scales, halves=halves)
     got = sparse_decode(qd, swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), scale,
                         num_splits=num_splits, config=cfg, out=out)
     ref = R.sparse_decode_ref(qd.float(), swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), scale)

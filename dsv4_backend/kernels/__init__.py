@@ -15,8 +15,7 @@ _EXPORTS = {
     "compress": "compressor", "compress_pool": "compressor", "CompressEvents": "compressor",
     "online_c128_update": "compressor",
     "indexer_scores": "indexer", "indexer_topk": "indexer", "topk_rows": "indexer",
-    "IndexerConfig": "indexer", "IndexerTopK": "indexer", "indexer_scores_rows": "indexer",
-    "row_blocks": "indexer", "RowBlocks": "indexer",
+    "IndexerConfig": "indexer", "IndexerTopK": "indexer",
     "sparse_decode": "sparse_attention", "DecodeAttentionConfig": "sparse_attention",
     "DecodeAttentionOutput": "sparse_attention",
 }

@@ -35,7 +35,7 @@ class IndexerConfig(NamedTuple):
     block_n: int = 64  # rows per tensor-core product (one page when 64)
     num_warps: int = 4
     num_stages: int = 2
-    chunk: int | None = None  # rows per program; None: enough programs to fill the GPU 4x
+    chunk: int | None = None  # rows per program; None: about 16 programs per SM (at most 4096 rows)
     tma: bool = True  # page-table lists: one bulk tensor copy per page (needs block_n == P)
 
 
@@ -106,14 +106,14 @@ def _indexer_scores_kernel(
 @triton.jit
 def _indexer_paged_kernel(
         q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr,
-        codes, pool_ptr, page_stride, table_ptr, table_sb, nvis_ptr, L,
+        codes, scales, table_ptr, table_sb, nvis_ptr, L,
         score_ptr, score_sb, pages_per_prog,
         H: tl.constexpr, BLOCK_H: tl.constexpr, P: tl.constexpr, PAGE_ROWS_2D: tl.constexpr,
-        Q_FP8: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One program per (request, run of ``pages_per_prog`` table entries); a page's P rows are one
-    tensor-memory-accelerator copy of [P, 128] codes (``codes``: the pool seen as
-    [pages * PAGE_ROWS_2D, 128] e4m3) straight into shared memory, pipelined NUM_STAGES deep;
-    the P fp32 scales that follow the codes in the page are an ordinary load."""
+        Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One program per (request, run of ``pages_per_prog`` table entries). A page is two
+    tensor-memory-accelerator copies straight into shared memory, pipelined NUM_STAGES deep:
+    its [P, 128] codes (``codes``: the pool seen as [pages * PAGE_ROWS_2D, 128] e4m3) and the P
+    fp32 scales that follow them (``scales``: the pool seen as fp32 [pages, 33 P])."""
     b = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * pages_per_prog
     hh = tl.arange(0, BLOCK_H)
@@ -135,12 +135,8 @@ def _indexer_paged_kernel(
     for g in tl.range(g0, g_vis, num_stages=NUM_STAGES):
         page = tl.load(table + g).to(tl.int32)
         tile = codes.load([page * PAGE_ROWS_2D, 0])  # [P, 128] e4m3
-        scale_at = pool_ptr + page.to(tl.int64) * page_stride + P * 128
-        if NATIVE:
-            kscale = tl.load(scale_at.to(tl.pointer_type(tl.float32)) + r)
-        else:
-            kscale = _word_f32(scale_at + 4 * r)
-        if Q_FP8:
+        kscale = tl.reshape(scales.load([page, P * 32]), (P,))
+        if Q_FP8:  # Hopper accumulates the 128-deep FP8 product with ~14 mantissa bits
             logits = tl.dot(tile, tl.trans(q))  # [P, BLOCK_H]
         else:
             logits = tl.dot(tile.to(DOT_DTYPE), tl.trans(q))
@@ -150,73 +146,6 @@ def _indexer_paged_kernel(
     for g in range(tl.maximum(g_vis, g0), g_end):  # list positions past the visible pages
         jn = g * P + r
         tl.store(score_ptr + b * score_sb + jn, tl.full([P], float("-inf"), tl.float32), mask=jn < L)
-
-
-@triton.jit
-def _indexer_rows_kernel(
-        q_ptr, q_st, w_ptr, w_st, qs_ptr,
-        codes, pool_ptr, page_stride, table_ptr, table_st, nvis_ptr, L,
-        bstart_ptr, blen_ptr, score_ptr, score_st, pages_per_prog,
-        H: tl.constexpr, BQ: tl.constexpr, P: tl.constexpr, PAGE_ROWS_2D: tl.constexpr,
-        Q_FP8: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Prefill shape: one program per (block of up to BQ query rows of one request, run of
-    pages). The block's BQ x H heads are the N of one product K [P, 128] x Q^T [128, BQ * H], so
-    each page is read once per block instead of once per row; the head sum reduces the
-    accumulator's columns in groups of H."""
-    blk = tl.program_id(0)
-    g0 = tl.program_id(1) * pages_per_prog
-    r0 = tl.load(bstart_ptr + blk).to(tl.int64)
-    nr = tl.load(blen_ptr + blk)
-    m = tl.arange(0, BQ * H)
-    live = (m // H) < nr
-    qrow = r0 + m // H
-    d = tl.arange(0, 128)
-    w = tl.load(w_ptr + qrow * w_st + m % H, mask=live, other=0.0).to(tl.float32)
-    q_at = q_ptr + qrow[:, None] * q_st + ((m % H) * 128)[:, None] + d[None, :]
-    if Q_FP8:
-        q = tl.load(q_at, mask=live[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-        w = w * tl.load(qs_ptr + qrow * H + m % H, mask=live, other=0.0)
-    else:
-        q = tl.load(q_at, mask=live[:, None], other=0.0).to(DOT_DTYPE)
-    i = tl.arange(0, BQ)
-    rows = r0 + i
-    vis = tl.minimum(tl.load(nvis_ptr + rows, mask=i < nr, other=0), L)  # [BQ]
-    g_end = tl.minimum(g0 + pages_per_prog, tl.cdiv(L, P))
-    g_vis = tl.minimum(g_end, tl.cdiv(tl.max(vis, axis=0), P))
-    r = tl.arange(0, P)
-    table = table_ptr + r0 * table_st
-    out = score_ptr + rows[None, :] * score_st
-    for g in tl.range(g0, g_vis, num_stages=NUM_STAGES):
-        page = tl.load(table + g).to(tl.int32)
-        tile = codes.load([page * PAGE_ROWS_2D, 0])  # [P, 128] e4m3
-        scale_at = pool_ptr + page.to(tl.int64) * page_stride + P * 128
-        if NATIVE:
-            kscale = tl.load(scale_at.to(tl.pointer_type(tl.float32)) + r)
-        else:
-            kscale = _word_f32(scale_at + 4 * r)
-        if Q_FP8:
-            logits = tl.dot(tile, tl.trans(q))  # [P, BQ * H]
-        else:
-            logits = tl.dot(tile.to(DOT_DTYPE), tl.trans(q))
-        x = tl.reshape(tl.maximum(logits, 0.0) * w[None, :], (P, BQ, H))
-        s = tl.sum(x, axis=2) * kscale[:, None]  # [P, BQ]
-        jn = g * P + r
-        s = tl.where(jn[:, None] < vis[None, :], s, float("-inf"))
-        tl.store(out + jn[:, None], s, mask=(jn < L)[:, None] & (i < nr)[None, :])
-    for g in range(tl.maximum(g_vis, g0), g_end):
-        jn = g * P + r
-        tl.store(out + jn[:, None], tl.full([P, BQ], float("-inf"), tl.float32),
-                 mask=(jn < L)[:, None] & (i < nr)[None, :])
-
-
-@triton.jit
-def _word_f32(p):
-    """fp32 from 4 little-endian bytes at each of ``p`` (the interpreter's path)."""
-    b0 = tl.load(p).to(tl.int32)
-    b1 = tl.load(p + 1).to(tl.int32)
-    b2 = tl.load(p + 2).to(tl.int32)
-    b3 = tl.load(p + 3).to(tl.int32)
-    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
 
 
 def _tma_ok(pool: torch.Tensor, P: int, block_n: int) -> bool:
@@ -281,17 +210,18 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
     chunk = config.chunk
     if chunk is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        chunk = min(4096, max(4 * block_n, triton.cdiv(b * L, 4 * sms)))
+        chunk = min(4096, max(4 * block_n, triton.cdiv(b * L, 16 * sms)))
     chunk = triton.cdiv(chunk, block_n) * block_n
     H_block = max(16, triton.next_power_of_2(H))
     if use_table and config.tma and _tma_ok(pool, P, block_n):
         codes = TensorDescriptor.from_tensor(pool.view(torch.float8_e4m3fn).view(-1, 128), [P, 128])
+        scales = TensorDescriptor.from_tensor(pool.view(torch.float32), [1, P])
         _indexer_paged_kernel[(b, triton.cdiv(L, chunk))](
             qv, qv.stride(0), qv.stride(1), weights, weights.stride(0), qs,
-            codes, pool, page_stride, ids, ids.stride(0), nvis, L,
+            codes, scales, ids, ids.stride(0), nvis, L,
             scores, scores.stride(0), chunk // P,
             H=H, BLOCK_H=H_block, P=P, PAGE_ROWS_2D=page_stride // 128, Q_FP8=q_fp8,
-            NATIVE=native(), DOT_DTYPE=dt, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+            DOT_DTYPE=dt, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
         return scores
     _indexer_scores_kernel[(b, triton.cdiv(L, chunk))](
         qv, qv.stride(0), qv.stride(1), weights, weights.stride(0), qs,
@@ -300,83 +230,6 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
         H=H, BLOCK_H=H_block, BLOCK_N=block_n,
         USE_TABLE=use_table, Q_FP8=q_fp8, NATIVE=native(), DOT_DTYPE=dt,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    return scores
-
-
-class RowBlocks(NamedTuple):
-    """Query rows grouped for the prefill-shaped kernel: consecutive rows of one request."""
-    start: torch.Tensor  # int32 [NB] first row of each block
-    length: torch.Tensor  # int32 [NB] rows in the block (1 .. BQ)
-    host_start: list[int]  # the same starts on the host, to slice by row range
-
-
-def row_blocks(token_req: torch.Tensor, bq: int, cut_every: int | None = None) -> RowBlocks:
-    """Blocks of at most ``bq`` consecutive rows of the same request (rows of a request are
-    contiguous), also cut at every multiple of ``cut_every`` rows so that a caller scoring the
-    rows in slices [t0, t0 + cut_every) finds whole blocks in each. One device->host copy."""
-    T = token_req.shape[0]
-    idx = torch.arange(T, device=token_req.device)
-    new_req = torch.ones(T, dtype=torch.bool, device=token_req.device)
-    new_req[1:] = token_req[1:] != token_req[:-1]
-    first = torch.cummax(torch.where(new_req, idx, 0), 0).values  # each row's request start
-    cut = new_req | ((idx - first) % bq == 0)
-    if cut_every:
-        cut |= idx % cut_every == 0
-    starts = idx[cut]
-    bounds = torch.cat([idx[new_req | ((idx % cut_every == 0) if cut_every else new_req)],
-                        idx.new_tensor([T])])
-    nxt = bounds[torch.searchsorted(bounds, starts, right=True)]
-    length = torch.minimum(nxt - starts, torch.full_like(starts, bq))
-    return RowBlocks(starts.to(torch.int32), length.to(torch.int32), starts.tolist())
-
-
-def indexer_scores_rows(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor,
-                        page_table: torch.Tensor, num_visible: torch.Tensor, blocks: RowBlocks,
-                        max_len: int, q_fp8: bool = False, bq: int = 4, num_warps: int = 8,
-                        num_stages: int = 3, pages_per_prog: int | None = None) -> torch.Tensor:
-    """Scores fp32 [T, max_len] of many query rows that share requests (a prefill chunk).
-
-    q [T, H, 128], weights [T, H], page_table [T, pages] (each row's request's indexer pages:
-    equal within a block), num_visible [T] (each row's own causal count); ``blocks`` from
-    :func:`row_blocks` with the same ``bq``. Same numbers as :func:`indexer_scores`."""
-    T, H, dim = q.shape
-    if dim != 128 or weights.shape != (T, H) or page_table.shape[0] != T or num_visible.shape != (T,):
-        raise ValueError(f"q [T, H, 128], weights [T, H], page_table [T, pages], num_visible [T] "
-                         f"expected; got {tuple(q.shape)}, {tuple(weights.shape)}, "
-                         f"{tuple(page_table.shape)}, {tuple(num_visible.shape)}")
-    if H & (H - 1):
-        raise ValueError(f"the prefill indexer kernel needs a power-of-two head count, got {H}")
-    P, page_stride = page_geometry(pool, IDX_ROW_BYTES, "indexer")
-    if not _tma_ok(pool, P, P):
-        raise ValueError("the prefill indexer kernel needs a dense, 16-byte aligned pool whose "
-                         "pages are whole 128-byte rows")
-    check_device(q, weights, pool, page_table, num_visible)
-    L = max_len
-    scores = torch.empty(T, max(L, 1), dtype=torch.float32, device=q.device)[:, :L]
-    nb = blocks.start.shape[0]
-    if L == 0 or nb == 0:
-        return scores
-    weights = weights.float().contiguous()
-    if q_fp8:
-        if not native():
-            raise RuntimeError("the FP8 tensor-core path needs a GPU")
-        qv, qs = _fp8_heads(q)
-    else:
-        qv, qs = q.to(dot_dtype()).contiguous(), weights
-    table = page_table.to(torch.int32).contiguous()
-    nvis = num_visible.to(torch.int32).contiguous()
-    n_pages = triton.cdiv(L, P)
-    if pages_per_prog is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        pages_per_prog = max(1, min(n_pages, triton.cdiv(nb * n_pages, 4 * sms)))
-    codes = TensorDescriptor.from_tensor(pool.view(torch.float8_e4m3fn).view(-1, 128), [P, 128])
-    dt = tl.float32 if dot_dtype() == torch.float32 else tl.bfloat16
-    _indexer_rows_kernel[(nb, triton.cdiv(n_pages, pages_per_prog))](
-        qv, qv.stride(0), weights, weights.stride(0), qs,
-        codes, pool, page_stride, table, table.stride(0), nvis, L,
-        blocks.start, blocks.length, scores, scores.stride(0), pages_per_prog,
-        H=H, BQ=bq, P=P, PAGE_ROWS_2D=page_stride // 128, Q_FP8=q_fp8, NATIVE=native(), DOT_DTYPE=dt,
-        NUM_STAGES=num_stages, num_warps=num_warps)
     return scores
 
 

@@ -40,7 +40,6 @@ class DecodeAttentionConfig(NamedTuple):
     num_stages: int = 1
     scales: str = "word"  # how a tile's scale bytes are read: "word", "tile" or "element"
     halves: bool = True  # dequantise and multiply a key tile as two 256-dim halves
-    lazy_rescale: bool = False  # rescale the accumulator only when a head's max grows by > 2^8
 
 
 SCALE_MODES = {"element": 0, "tile": 1, "word": 2}
@@ -149,7 +148,7 @@ def _sparse_decode_kernel(
         out_ptr, out_sb, out_sh, lse_ptr,
         po_ptr, plse_ptr, num_splits, tiles_per_split,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr,
-        SCALES: tl.constexpr, LAZY: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        SCALES: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -194,18 +193,14 @@ def _sparse_decode_kernel(
             s = tl.dot(q, tl.trans(k))
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # LAZY: rescale the running sums only when some head's max grew by more than 2^8, else
-        # keep the stale max (then p <= 256, harmless in bf16 and fp32): most tiles skip the
-        # multiply of the whole accumulator. Otherwise rescale at every tile.
-        if not LAZY or tl.max(tl.where(m_new > m_i, m_new - tl.maximum(m_i, -3.0e38), 0.0), axis=0) > 8.0:
-            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            l_i = l_i * alpha
-            if HALVES:
-                acc_lo = acc_lo * alpha[:, None]
-                acc_hi = acc_hi * alpha[:, None]
-            else:
-                acc = acc * alpha[:, None]
-            m_i = m_new
+        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+        l_i = l_i * alpha
+        if HALVES:
+            acc_lo = acc_lo * alpha[:, None]
+            acc_hi = acc_hi * alpha[:, None]
+        else:
+            acc = acc * alpha[:, None]
+        m_i = m_new
         p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
         l_i = l_i + tl.sum(p, axis=1)
         p = p.to(DOT_DTYPE)
@@ -351,7 +346,7 @@ def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.T
         out, out.stride(0), out.stride(1), lse,
         po, plse, num_splits, tiles_per_split,
         BLOCK_H=block_h, BLOCK_N=config.block_n, SPLIT=split, HALVES=config.halves,
-        SCALES=SCALE_MODES[config.scales], LAZY=config.lazy_rescale, NATIVE=native(), DOT_DTYPE=dt,
+        SCALES=SCALE_MODES[config.scales], NATIVE=native(), DOT_DTYPE=dt,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split:
         _merge_kernel[(b, h)](po, plse, attn_sink, out, out.stride(0), out.stride(1), lse, h,

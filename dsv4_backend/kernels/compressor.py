@@ -68,9 +68,9 @@ class FusedCompressConfig(NamedTuple):
     num_warps: int = 4
 
 
-POOL_DEFAULT = CompressConfig()
+POOL_DEFAULT = CompressConfig(64, 16, 2, 3)  # fastest on the H200 at 128 and 512 events
 FUSED_DEFAULT = FusedCompressConfig(1, 4)  # attention rows, d = 512
-FUSED_INDEXER_DEFAULT = FusedCompressConfig(1, 8)  # indexer rows (4 warps: 168 registers)
+FUSED_INDEXER_DEFAULT = FusedCompressConfig(2, 4)  # indexer rows: 2.3x faster than (1, 8) on the H200
 
 
 @triton.jit

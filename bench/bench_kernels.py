@@ -297,8 +297,8 @@ def pick_indexer_config(ceil: Ceilings, q_fp8: bool, log=print) -> tuple[Indexer
     x = indexer_inputs(32, 1 << 20)
     tried = []
     C = IndexerConfig
-    for cfg in (C(64, 4, 3), C(64, 4, 2), C(64, 4, 4), C(64, 8, 3), C(64, 4, 3, 1024), C(64, 4, 3, 16384),
-                C(64, 4, 2, None, False)):
+    for cfg in (C(64, 4, 3), C(64, 4, 2), C(64, 4, 4), C(64, 4, 3, 1024), C(64, 4, 3, None, True, True),
+                C(64, 4, 4, None, True, True), C(64, 8, 3, None, True, True), C(64, 4, 2, None, False)):
         try:
             r = time_indexer(32, 1 << 20, ceil, q_fp8, inputs=x, config=cfg)[0]
             tried.append(r)
@@ -463,6 +463,23 @@ def pick_decode_config(ceil: Ceilings, log=print) -> tuple[DecodeAttentionConfig
     return DecodeAttentionConfig(*best.extra["config"]), tried
 
 
+def indexer_sweep(ceil: Ceilings, log=print) -> list[Result]:
+    """The indexer alone: both configuration picks, then batch 8 and 32 at 128K and 1M."""
+    results = []
+    picks = {}
+    for fp8 in (False, True):
+        picks[fp8], tried = pick_indexer_config(ceil, fp8, log)
+        results.extend(tried)
+    for ctx in (1 << 17, 1 << 20):
+        for b in (8, 32):
+            for fp8 in (False, True):
+                rs = time_indexer(b, ctx, ceil, fp8, config=picks[fp8])
+                results.extend(rs)
+                for r in rs:
+                    log(row(r))
+    return results
+
+
 def sweep(ceil: Ceilings, quick=False, log=print, deadline=None) -> list[Result]:
     results: list[Result] = []
 
@@ -553,13 +570,14 @@ def write_outputs(out_dir: Path, ceil: Ceilings, results: list[Result], extra: d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--indexer-only", action="store_true", help="the indexer's configuration picks and shapes")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.bf16_tflops:.0f} TFLOP/s", flush=True)
-    results = sweep(ceil, quick=args.quick)
+    results = indexer_sweep(ceil) if args.indexer_only else sweep(ceil, quick=args.quick)
     write_outputs(Path(args.out), ceil, results)
     print(table(results))
 

@@ -297,8 +297,7 @@ def pick_indexer_config(ceil: Ceilings, q_fp8: bool, log=print) -> tuple[Indexer
     x = indexer_inputs(32, 1 << 20)
     tried = []
     C = IndexerConfig
-    for cfg in (C(64, 4, 3), C(64, 4, 2), C(64, 4, 4), C(64, 4, 3, 1024), C(64, 4, 3, None, True, True),
-                C(64, 4, 4, None, True, True), C(64, 8, 3, None, True, True), C(64, 4, 2, None, False)):
+    for cfg in (C(64, 4, 3), C(64, 4, 2), C(64, 4, 4), C(64, 4, 3, 1024), C(64, 4, 2, None, False)):
         try:
             r = time_indexer(32, 1 << 20, ceil, q_fp8, inputs=x, config=cfg)[0]
             tried.append(r)

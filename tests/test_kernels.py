@@ -192,13 +192,12 @@ def test_online_c128_matches_ring_pooling():
 
 # ---- 3. indexer ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["table_tma", "table_tma_chunked", "table_tma_pairs", "table_pointers", "rows"])
+@pytest.mark.parametrize("mode", ["table_tma", "table_tma_chunked", "table_pointers", "rows"])
 def test_indexer_topk(mode):
     """Page-table lists through the bulk-copy kernel (one program per request, or one per page)
     and through the pointer kernel; explicit row lists through the pointer kernel."""
     use_table = mode != "rows"
-    cfg = IndexerConfig(tma=mode.startswith("table_tma"), chunk=64 if mode.endswith("chunked") else None,
-                        pairs=mode.endswith("pairs"))
+    cfg = IndexerConfig(tma=mode.startswith("table_tma"), chunk=64 if mode.endswith("chunked") else None)
     g = _gen(30 + use_table)
     b, h, k, p = 4, 8, 16, 64
     q = indexer_fake_quant(torch.randn(b, h, 128, generator=g))

@@ -37,7 +37,6 @@ class IndexerConfig(NamedTuple):
     num_stages: int = 2
     chunk: int | None = None  # rows per program; None: about 16 programs per SM (at most 4096 rows)
     tma: bool = True  # page-table lists: one bulk tensor copy per page (needs block_n == P)
-    pairs: bool = False  # bulk-copy kernel: two pages per loop iteration
 
 
 class IndexerTopK(NamedTuple):
@@ -110,7 +109,7 @@ def _indexer_paged_kernel(
         codes, scales, table_ptr, table_sb, nvis_ptr, L,
         score_ptr, score_sb, pages_per_prog,
         H: tl.constexpr, BLOCK_H: tl.constexpr, P: tl.constexpr, PAGE_ROWS_2D: tl.constexpr,
-        Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, PAIRS: tl.constexpr):
+        Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """One program per (request, run of ``pages_per_prog`` table entries). A page is two
     tensor-memory-accelerator copies straight into shared memory, pipelined NUM_STAGES deep:
     its [P, 128] codes (``codes``: the pool seen as [pages * PAGE_ROWS_2D, 128] e4m3) and the P
@@ -133,30 +132,13 @@ def _indexer_paged_kernel(
     g_vis = tl.minimum(g_end, tl.cdiv(n_valid, P))  # pages holding at least one visible row
     r = tl.arange(0, P)
     table = table_ptr + b * table_sb
-    if PAIRS:  # two pages per iteration: both copies are issued before either product
-        for g in tl.range(g0, g_vis, 2, num_stages=NUM_STAGES):
-            has_b = g + 1 < g_vis
-            page_a = tl.load(table + g).to(tl.int32)
-            page_b = tl.load(table + g + 1, mask=has_b, other=0).to(tl.int32)
-            tile_a = codes.load([page_a * PAGE_ROWS_2D, 0])
-            tile_b = codes.load([page_b * PAGE_ROWS_2D, 0])
-            scale_a = tl.reshape(scales.load([page_a, P * 32]), (P,))
-            scale_b = tl.reshape(scales.load([page_b, P * 32]), (P,))
-            s_a = _page_scores(tile_a, q, w, scale_a, Q_FP8, DOT_DTYPE)
-            s_b = _page_scores(tile_b, q, w, scale_b, Q_FP8, DOT_DTYPE)
-            jn = g * P + r
-            tl.store(score_ptr + b * score_sb + jn, tl.where(jn < n_valid, s_a, float("-inf")), mask=jn < L)
-            jn = jn + P
-            tl.store(score_ptr + b * score_sb + jn, tl.where(jn < n_valid, s_b, float("-inf")),
-                     mask=(jn < L) & has_b)
-    else:
-        for g in tl.range(g0, g_vis, num_stages=NUM_STAGES):
-            page = tl.load(table + g).to(tl.int32)
-            tile = codes.load([page * PAGE_ROWS_2D, 0])  # [P, 128] e4m3
-            kscale = tl.reshape(scales.load([page, P * 32]), (P,))
-            s = _page_scores(tile, q, w, kscale, Q_FP8, DOT_DTYPE)
-            jn = g * P + r
-            tl.store(score_ptr + b * score_sb + jn, tl.where(jn < n_valid, s, float("-inf")), mask=jn < L)
+    for g in tl.range(g0, g_vis, num_stages=NUM_STAGES):
+        page = tl.load(table + g).to(tl.int32)
+        tile = codes.load([page * PAGE_ROWS_2D, 0])  # [P, 128] e4m3
+        kscale = tl.reshape(scales.load([page, P * 32]), (P,))
+        s = _page_scores(tile, q, w, kscale, Q_FP8, DOT_DTYPE)
+        jn = g * P + r
+        tl.store(score_ptr + b * score_sb + jn, tl.where(jn < n_valid, s, float("-inf")), mask=jn < L)
     for g in range(tl.maximum(g_vis, g0), g_end):  # list positions past the visible pages
         jn = g * P + r
         tl.store(score_ptr + b * score_sb + jn, tl.full([P], float("-inf"), tl.float32), mask=jn < L)
@@ -245,7 +227,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
             codes, scales, ids, ids.stride(0), nvis, L,
             scores, scores.stride(0), chunk // P,
             H=H, BLOCK_H=H_block, P=P, PAGE_ROWS_2D=page_stride // 128, Q_FP8=q_fp8,
-            DOT_DTYPE=dt, NUM_STAGES=config.num_stages, PAIRS=config.pairs, num_warps=config.num_warps)
+            DOT_DTYPE=dt, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
         return scores
     _indexer_scores_kernel[(b, triton.cdiv(L, chunk))](
         qv, qv.stride(0), qv.stride(1), weights, weights.stride(0), qs,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +217,28 @@ def test_ids_between_is_a_slice_of_all_ids():
     for a in range(8):
         for b in range(a, 8):
             assert req.ids_between(a, b) == req.all_ids[a:b], (a, b)
+
+
+def test_sass_report_compiles_the_decode_kernel_for_hopper(tmp_path):
+    """The default decode configuration and the indexer compile for sm_90a on a CPU-only machine
+    (Triton's own ptxas), their products are Hopper matrix instructions, and the report reads
+    ptxas' register counts. Runs without the interpreter, in a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton build has no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "sass_report.py"), "--quick", "--dump-sass",
+                          str(tmp_path)], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = {ln.split()[0]: dict(f.split("=") for f in ln.split()[1:]) for ln in out.stdout.splitlines()}
+    decode = lines["decode_64-64-8-1-word-True"]
+    assert 0 < int(decode["regs"]) <= 255 and int(decode["HGMMA"]) > 0
+    indexer = lines["indexer_pages_bf16"]
+    assert int(indexer["UTMALDG"]) > 0 and int(indexer["HGMMA"]) > 0 and indexer["spill"] == "0B"
+    assert "HGMMA" in (tmp_path / "decode_64-64-8-1-word-True.sass").read_text()

@@ -10,10 +10,11 @@ head with no key), as FlashMLA's ``flash_mla_with_kvcache`` returns them.
 Launch: one program per (request, block of BLOCK_H heads, split). The heads are the M dimension
 of both tensor-core products, S = Q K^T ([BLOCK_H, 512] x [512, BLOCK_N]) and O += P V
 ([BLOCK_H, BLOCK_N] x [BLOCK_N, 512]), so every dequantised row serves all heads of the block.
-Long key lists (HCA at 1M context: 128 + 8192 rows) are split over programs; the partial
-(O, lse) pairs are merged, with the sink, by a second kernel. With ``dv = 256`` two programs
-share a head block, each owning half of the output columns (half the accumulator registers,
-Q K^T computed twice).
+A key tile is gathered once (its list picks the pool), its scale bytes read as two words per
+row, and (``halves``) dequantised and multiplied as two 256-dim halves, which halves the live
+registers of the dequantisation. Long key lists (HCA at 1M context: 128 + 8192 rows) are split
+over programs when that finishes sooner (``default_num_splits``); the partial (O, lse) pairs are
+merged, with the sink, by a second kernel.
 """
 
 from __future__ import annotations

@@ -297,7 +297,8 @@ def pick_indexer_config(ceil: Ceilings, q_fp8: bool, log=print) -> tuple[Indexer
     x = indexer_inputs(32, 1 << 20)
     tried = []
     C = IndexerConfig
-    for cfg in (C(64, 4, 3), C(64, 4, 2), C(64, 4, 4), C(64, 4, 3, 1024), C(64, 4, 2, None, False)):
+    for cfg in (C(64, 4, 2, None, True, 1), C(64, 4, 3, None, True, 1), C(64, 4, 2, None, True, 4),
+                C(64, 4, 3, None, True, 4), C(64, 4, 2, 1024, True, 4), C(64, 4, 2, None, False, 1)):
         try:
             r = time_indexer(32, 1 << 20, ceil, q_fp8, inputs=x, config=cfg)[0]
             tried.append(r)

@@ -90,7 +90,7 @@ def indexer_kernels():
                  "nvis_ptr": "*i32", "score_ptr": "*fp32", "codes": "tensordesc<fp8e4nv[64, 128]>",
                  "scales": "tensordesc<fp32[1, 64]>"}
         consts = dict(H=64, BLOCK_H=64, P=64, PAGE_ROWS_2D=66, Q_FP8=fp8, DOT_DTYPE=tl.bfloat16,
-                      NUM_STAGES=cfg.num_stages)
+                      NUM_STAGES=cfg.num_stages, GROUP=cfg.group or (1 if fp8 else 4))
         yield (f"indexer pages {'fp8' if fp8 else 'bf16'}",
                _compile(I._indexer_paged_kernel, consts, types, cfg.num_warps, cfg.num_stages))
 

@@ -192,12 +192,13 @@ def test_online_c128_matches_ring_pooling():
 
 # ---- 3. indexer ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["table_tma", "table_tma_chunked", "table_pointers", "rows"])
+@pytest.mark.parametrize("mode", ["table_tma", "table_tma_chunked", "table_tma_grouped", "table_pointers", "rows"])
 def test_indexer_topk(mode):
     """Page-table lists through the bulk-copy kernel (one program per request, or one per page)
     and through the pointer kernel; explicit row lists through the pointer kernel."""
     use_table = mode != "rows"
-    cfg = IndexerConfig(tma=mode.startswith("table_tma"), chunk=64 if mode.endswith("chunked") else None)
+    cfg = IndexerConfig(tma=mode.startswith("table_tma"), chunk=64 if mode.endswith("chunked") else None,
+                        group=None if mode.endswith("grouped") else 1)  # None: 4 for these bf16 products
     g = _gen(30 + use_table)
     b, h, k, p = 4, 8, 16, 64
     q = indexer_fake_quant(torch.randn(b, h, 128, generator=g))

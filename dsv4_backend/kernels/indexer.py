@@ -37,6 +37,10 @@ class IndexerConfig(NamedTuple):
     num_stages: int = 2
     chunk: int | None = None  # rows per program; None: about 16 programs per SM (at most 4096 rows)
     tma: bool = True  # page-table lists: one bulk tensor copy per page (needs block_n == P)
+    # bulk-copy kernel: page ids read this many at a time (None: 4 for bf16 products, where it
+    # kept more copies in flight, 51% -> 59% of copy bandwidth on the H200; 1 for FP8, where 4
+    # measured slower)
+    group: int | None = None
 
 
 class IndexerTopK(NamedTuple):
@@ -109,7 +113,7 @@ def _indexer_paged_kernel(
         codes, scales, table_ptr, table_sb, nvis_ptr, L,
         score_ptr, score_sb, pages_per_prog,
         H: tl.constexpr, BLOCK_H: tl.constexpr, P: tl.constexpr, PAGE_ROWS_2D: tl.constexpr,
-        Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
+        Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP: tl.constexpr):
     """One program per (request, run of ``pages_per_prog`` table entries). A page is two
     tensor-memory-accelerator copies straight into shared memory, pipelined NUM_STAGES deep:
     its [P, 128] codes (``codes``: the pool seen as [pages * PAGE_ROWS_2D, 128] e4m3) and the P
@@ -132,13 +136,26 @@ def _indexer_paged_kernel(
     g_vis = tl.minimum(g_end, tl.cdiv(n_valid, P))  # pages holding at least one visible row
     r = tl.arange(0, P)
     table = table_ptr + b * table_sb
-    for g in tl.range(g0, g_vis, num_stages=NUM_STAGES):
-        page = tl.load(table + g).to(tl.int32)
-        tile = codes.load([page * PAGE_ROWS_2D, 0])  # [P, 128] e4m3
-        kscale = tl.reshape(scales.load([page, P * 32]), (P,))
-        s = _page_scores(tile, q, w, kscale, Q_FP8, DOT_DTYPE)
-        jn = g * P + r
-        tl.store(score_ptr + b * score_sb + jn, tl.where(jn < n_valid, s, float("-inf")), mask=jn < L)
+    if GROUP == 1:
+        for g in tl.range(g0, g_vis, num_stages=NUM_STAGES):
+            page = tl.load(table + g).to(tl.int32)
+            tile = codes.load([page * PAGE_ROWS_2D, 0])  # [P, 128] e4m3
+            kscale = tl.reshape(scales.load([page, P * 32]), (P,))
+            s = _page_scores(tile, q, w, kscale, Q_FP8, DOT_DTYPE)
+            jn = g * P + r
+            tl.store(score_ptr + b * score_sb + jn, tl.where(jn < n_valid, s, float("-inf")), mask=jn < L)
+    else:  # GROUP page ids in one load, so that no copy waits on a page-id load of its own
+        gi = tl.arange(0, GROUP)
+        for gg in tl.range(g0, g_vis, GROUP, num_stages=NUM_STAGES):
+            ids = tl.load(table + gg + gi, mask=gg + gi < g_vis, other=0).to(tl.int32)
+            for i in tl.static_range(GROUP):
+                page = tl.sum(tl.where(gi == i, ids, 0), axis=0)
+                tile = codes.load([page * PAGE_ROWS_2D, 0])
+                kscale = tl.reshape(scales.load([page, P * 32]), (P,))
+                s = _page_scores(tile, q, w, kscale, Q_FP8, DOT_DTYPE)
+                jn = (gg + i) * P + r
+                tl.store(score_ptr + b * score_sb + jn, tl.where(jn < n_valid, s, float("-inf")),
+                         mask=(jn < L) & (gg + i < g_vis))
     for g in range(tl.maximum(g_vis, g0), g_end):  # list positions past the visible pages
         jn = g * P + r
         tl.store(score_ptr + b * score_sb + jn, tl.full([P], float("-inf"), tl.float32), mask=jn < L)
@@ -227,7 +244,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
             codes, scales, ids, ids.stride(0), nvis, L,
             scores, scores.stride(0), chunk // P,
             H=H, BLOCK_H=H_block, P=P, PAGE_ROWS_2D=page_stride // 128, Q_FP8=q_fp8,
-            DOT_DTYPE=dt, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+            DOT_DTYPE=dt, NUM_STAGES=config.num_stages,
+            GROUP=config.group or (1 if q_fp8 else 4), num_warps=config.num_warps)
         return scores
     _indexer_scores_kernel[(b, triton.cdiv(L, chunk))](
         qv, qv.stride(0), qv.stride(1), weights, weights.stride(0), qs,

@@ -19,6 +19,7 @@ merged, with the sink, by a second kernel.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -265,6 +266,7 @@ def _merge_kernel(po_ptr, plse_ptr, sink_ptr, out_ptr, out_sb, out_sh, lse_ptr, 
     tl.store(lse_ptr + b * num_heads + h, lse)
 
 
+@functools.lru_cache(maxsize=4096)
 def default_num_splits(programs: int, n_tiles: int, num_sms: int) -> int:
     """Splits of the key list that finish soonest, counting in key tiles per SM.
 
@@ -277,7 +279,9 @@ def default_num_splits(programs: int, n_tiles: int, num_sms: int) -> int:
     if n_tiles <= 1:
         return 1
     best, best_cost = 1, float(n_tiles * triton.cdiv(programs, num_sms))
-    for splits in range(2, n_tiles // 2 + 1):  # at least two tiles per split
+    # at least two tiles per split; beyond two waves' worth of programs a split never pays (and
+    # the search stays short for dense lists of 16K tiles)
+    for splits in range(2, min(n_tiles // 2, 2 * triton.cdiv(num_sms, programs)) + 1):
         per = triton.cdiv(n_tiles, splits)
         used = triton.cdiv(n_tiles, per)
         cost = per * triton.cdiv(programs * used, num_sms) + 1.0 + programs * used / num_sms

@@ -18,7 +18,6 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from dsv4_backend.kernels import reference as R  # noqa: E402
-from dsv4_backend.kernels._common import interpreting  # noqa: E402
 from dsv4_backend.kernels.compressor import (  # noqa: E402
     CompressConfig, CompressEvents, FusedCompressConfig, compress, compress_pool,
 )
@@ -26,32 +25,9 @@ from dsv4_backend.kernels.kv_store import FinishConfig, finish_rows, kv_store, k
 from memory.layout import write_indexer_rows, write_kv_rows  # noqa: E402
 from memory.quant import indexer_fake_quant  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-EXACT = interpreting()  # the interpreter path is bit-identical to the float32 reference
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def _poisoned_pool(pages, page_bytes, g):
-    return torch.randint(0, 256, (pages, page_bytes), generator=g, dtype=torch.uint8).to(DEV)
-
-
-def _cos_sin(n, g, theta=160000.0):
-    pos = torch.randint(0, 1 << 20, (n,), generator=g)
-    inv = theta ** (-torch.arange(32, dtype=torch.float32) * 2 / 64)
-    ang = pos.float()[:, None] * inv
-    return ang.cos().to(DEV), ang.sin().to(DEV)
-
-
-def _same_bytes(a, b, what):
-    if EXACT:
-        diff = (a != b).nonzero()
-        assert diff.numel() == 0, f"{what}: {diff.shape[0]} bytes differ, first {diff[:5].tolist()}"
-    else:  # GPU: rsqrt / exp approximations and reduction order may move a value one step
-        frac = (a != b).float().mean().item()
-        assert frac < 1e-3, f"{what}: {frac:.2e} of the bytes differ"
+# the helpers of the kernels' main test file: device, exactness, generators, poisoned pools
+from test_kernels import DEV, EXACT, _cos_sin, _gen, _poisoned_pool  # noqa: E402
+from test_kernels import _assert_pools_match as _same_bytes  # noqa: E402
 
 
 def _c4_case(g, indexer, e=7):

@@ -49,15 +49,10 @@ class IndexerTopK(NamedTuple):
 
 
 @triton.jit
-def _indexer_scores_kernel(
-        q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr,
-        pool_ptr, P, page_stride, ids_ptr, ids_sb, nvis_ptr, L,
-        score_ptr, score_sb, chunk,
-        H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_TABLE: tl.constexpr, Q_FP8: tl.constexpr, NATIVE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    c0 = tl.program_id(1) * chunk
+def _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H: tl.constexpr, BLOCK_H: tl.constexpr,
+                  Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Request ``b``'s heads: q [BLOCK_H, 128] (e4m3 bits seen as FP8, or DOT_DTYPE) and the
+    fp32 head weights [BLOCK_H] (times q's per-head scale for FP8); padded heads are zero."""
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < H
     d = tl.arange(0, 128)
@@ -69,6 +64,21 @@ def _indexer_scores_kernel(
     else:
         q = tl.load(q_ptr + b * q_sb + hh[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0.0)
         q = q.to(DOT_DTYPE)
+    return q, w
+
+
+@triton.jit
+def _indexer_scores_kernel(
+        q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr,
+        pool_ptr, P, page_stride, ids_ptr, ids_sb, nvis_ptr, L,
+        score_ptr, score_sb, chunk,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_TABLE: tl.constexpr, Q_FP8: tl.constexpr, NATIVE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * chunk
+    q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE)
+    d = tl.arange(0, 128)
     if USE_TABLE:
         n_valid = tl.load(nvis_ptr + b)
     else:
@@ -120,17 +130,7 @@ def _indexer_paged_kernel(
     fp32 scales that follow them (``scales``: the pool seen as fp32 [pages, 33 P])."""
     b = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * pages_per_prog
-    hh = tl.arange(0, BLOCK_H)
-    hmask = hh < H
-    d = tl.arange(0, 128)
-    w = tl.load(w_ptr + b * w_sb + hh, mask=hmask, other=0.0).to(tl.float32)
-    if Q_FP8:
-        q = tl.load(q_ptr + b * q_sb + hh[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0)
-        q = q.to(tl.float8e4nv, bitcast=True)
-        w = w * tl.load(qs_ptr + b * H + hh, mask=hmask, other=0.0)
-    else:
-        q = tl.load(q_ptr + b * q_sb + hh[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0.0)
-        q = q.to(DOT_DTYPE)
+    q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE)
     n_valid = tl.minimum(tl.load(nvis_ptr + b), L)
     g_end = tl.minimum(g0 + pages_per_prog, tl.cdiv(L, P))
     g_vis = tl.minimum(g_end, tl.cdiv(n_valid, P))  # pages holding at least one visible row

@@ -162,3 +162,19 @@ def test_default_backend_and_float64():
     runner = ModelRunner.build(CFG, dtype=torch.float32, max_total_tokens=1024, max_running_requests=1)
     with pytest.raises(ValueError, match="float64"):
         TritonDSV4Backend(CFG, runner.pools, runner.allocator, dtype=torch.float64)
+
+
+def test_indexer_fp8_flag(monkeypatch, caplog):
+    """DSV4_INDEXER_FP8=1 asks for FP8 indexer products; the interpreter cannot run them, so
+    there the request is refused with a warning and the bf16 path stays."""
+    from dsv4_backend.triton_backend import _indexer_fp8_wanted
+
+    monkeypatch.delenv("DSV4_INDEXER_FP8", raising=False)
+    assert _indexer_fp8_wanted() is False
+    monkeypatch.setenv("DSV4_INDEXER_FP8", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with caplog.at_level("WARNING"):
+        assert _indexer_fp8_wanted() is False
+    assert "needs a GPU" in caplog.text
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _indexer_fp8_wanted() is True

@@ -423,7 +423,7 @@ def pick_compress_config(ceil: Ceilings, log=print):
 def pick_finish_config(ceil: Ceilings, log=print):
     """Finish / store kernel at 65536 rows (KV store of a 64K-token prefill)."""
     F = FinishConfig
-    return _fastest((F(4, 4), F(2, 2), F(8, 4), F(16, 8), F(4, 4, 3, 4), F(2, 2, 3, 8)),
+    return _fastest((F(4, 4), F(2, 2), F(8, 4), F(16, 8)),
                     lambda c: time_kv_store(65536, ceil, config=c), "finish", log)
 
 

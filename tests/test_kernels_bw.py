@@ -98,7 +98,7 @@ def test_pool_configs_match_float64_softmax():
 
 
 @pytest.mark.parametrize("cfg", [FinishConfig(4, 4), FinishConfig(8, 2), FinishConfig(1, 2),
-                                 FinishConfig(2, 4, 2)])
+                                 FinishConfig(2, 4)])
 def test_multi_row_kv_store(cfg):
     g = _gen(120 + cfg.rows)
     n = 11  # not a multiple of rows

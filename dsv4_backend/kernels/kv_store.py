@@ -34,12 +34,8 @@ from dsv4_backend.kernels._common import (
 
 class FinishConfig(NamedTuple):
     """Launch shape of the finish / store kernels."""
-    rows: int = 4  # rows per group, a power of two
+    rows: int = 4  # rows per program, a power of two
     num_warps: int = 4
-    # 0: one group per program. >= 1 (attention rows of finish_rows / kv_store only): persistent
-    # programs, ``per_sm`` per SM, loop over the groups, software-pipelined this deep
-    stages: int = 0
-    per_sm: int = 4
 
     def check(self) -> "FinishConfig":
         if self.rows < 1 or self.rows & (self.rows - 1):
@@ -218,7 +214,7 @@ def load_norm_weight(w_ptr, D: tl.constexpr, NT: tl.constexpr):
 @triton.jit
 def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, N,
                    pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride, eps,
-                   D: tl.constexpr, NT: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                   D: tl.constexpr, NT: tl.constexpr, ROWS: tl.constexpr,
                    ROUND_IN: tl.constexpr, ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr,
                    WRITE_OUT: tl.constexpr, NATIVE: tl.constexpr):
     t = tl.arange(0, NT)  # nope tiles of 64 dims, padded to a power of two
@@ -243,15 +239,10 @@ def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr
             finish_indexer_row(x, xe, xo, wn, we, wo, cos, sin, dest, live, pool_ptr, P, page_stride,
                                h_nope, h_even, h_odd, out_ptr + n * out_stride, eps,
                                ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
-    elif STAGES == 0:  # one group of ROWS rows per program
+    else:  # one group of ROWS rows per program
         _finish_attention_group(tl.program_id(0), ROWS, x_ptr, x_stride, cos_ptr, sin_ptr, cs_stride,
                                 dest_ptr, N, wn, we, wo, pool_ptr, P, page_stride, out_ptr,
                                 out_stride, eps, ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
-    else:  # persistent: a pipelined loop over groups, the next groups' loads in flight meanwhile
-        for g in tl.range(tl.program_id(0), tl.cdiv(N, ROWS), tl.num_programs(0), num_stages=STAGES):
-            _finish_attention_group(g, ROWS, x_ptr, x_stride, cos_ptr, sin_ptr, cs_stride,
-                                    dest_ptr, N, wn, we, wo, pool_ptr, P, page_stride, out_ptr,
-                                    out_stride, eps, ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
 
 
 @triton.jit
@@ -303,22 +294,13 @@ def finish_rows(pool: torch.Tensor, dest: torch.Tensor, x: torch.Tensor, norm_we
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
     out_arg = out if out is not None else x
-    groups = triton.cdiv(n, cfg.rows)
-    if cfg.stages and not indexer:
-        groups = min(groups, persistent_programs(x.device, cfg.per_sm))
-    _finish_kernel[(groups,)](
+    _finish_kernel[(triton.cdiv(n, cfg.rows),)](
         x, x.stride(0), norm_weight.contiguous(), cos, sin, 32, dest.contiguous(), n,
         pool, P, page_stride, had, out_arg, out_arg.stride(0), eps,
-        D=d, NT=8 if d == KV_DIM else 2, ROWS=cfg.rows, STAGES=0 if indexer else cfg.stages,
+        D=d, NT=8 if d == KV_DIM else 2, ROWS=cfg.rows,
         ROUND_IN=round_in, ROUND_BF16=round_bf16,
         INDEXER=indexer, WRITE_OUT=out is not None, NATIVE=native(), num_warps=cfg.num_warps)
     return out
-
-
-def persistent_programs(device: torch.device, per_sm: int) -> int:
-    """Programs of a persistent launch: ``per_sm`` per SM (3 under the interpreter, so that the
-    tests run the loop over several groups)."""
-    return 3 if device.type != "cuda" else per_sm * sm_count(device)
 
 
 def sm_count(device: torch.device) -> int:

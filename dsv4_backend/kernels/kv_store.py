@@ -239,22 +239,24 @@ def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr
             finish_indexer_row(x, xe, xo, wn, we, wo, cos, sin, dest, live, pool_ptr, P, page_stride,
                                h_nope, h_even, h_odd, out_ptr + n * out_stride, eps,
                                ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
-    else:  # one group of ROWS rows per program
-        _finish_attention_group(tl.program_id(0), ROWS, x_ptr, x_stride, cos_ptr, sin_ptr, cs_stride,
-                                dest_ptr, N, wn, we, wo, pool_ptr, P, page_stride, out_ptr,
-                                out_stride, eps, ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
+    else:  # one group of ROWS rows per program, as one [ROWS, 8, 64] tile
+        n, dest, live, x, xe, xo = _load_attention_rows(x_ptr, x_stride, dest_ptr, N, tl.program_id(0), ROWS)
+        cos = tl.load(cos_ptr + n[:, None] * cs_stride + i[None, :], mask=live[:, None], other=0.0)
+        sin = tl.load(sin_ptr + n[:, None] * cs_stride + i[None, :], mask=live[:, None], other=0.0)
+        finish_attention_rows(x, xe, xo, wn, we, wo, cos, sin, dest, live, pool_ptr, P, page_stride,
+                              out_ptr + n * out_stride, eps, ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
 
 
 @triton.jit
-def _finish_attention_group(g, ROWS: tl.constexpr, x_ptr, x_stride, cos_ptr, sin_ptr, cs_stride,
-                            dest_ptr, N, wn, we, wo, pool_ptr, P, page_stride, out_ptr, out_stride,
-                            eps, ROUND_IN: tl.constexpr, ROUND_BF16: tl.constexpr,
-                            WRITE_OUT: tl.constexpr, NATIVE: tl.constexpr):
-    """Rows [g * ROWS, (g + 1) * ROWS) as one [ROWS, 8, 64] tile: all their loads in flight together."""
+def _load_attention_rows(x_ptr, x_stride, dest_ptr, N, g, ROWS: tl.constexpr):
+    """Rows [g * ROWS, (g + 1) * ROWS) of ``x [N, 512]`` and their destinations, all loads in
+    flight together: (row ids int64 [ROWS], dest int64 [ROWS], live [ROWS], nope fp32
+    [ROWS, 8, 64] (tile 7 zero), rope even / odd fp32 [ROWS, 32]); rows past N or with
+    dest < 0 are not live and load zeros."""
     t = tl.arange(0, 8)
     c = tl.arange(0, 64)
     i = tl.arange(0, 32)
-    n = (g * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # row ids fit int32 (N does)
+    n = (g * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     dest = tl.load(dest_ptr + n, mask=n < N, other=-1).to(tl.int64)
     live = dest >= 0
     row = x_ptr + n * x_stride
@@ -262,10 +264,7 @@ def _finish_attention_group(g, ROWS: tl.constexpr, x_ptr, x_stride, cos_ptr, sin
                 mask=(t[:, None] < 7)[None, :, :] & live[:, None, None], other=0.0).to(tl.float32)
     xe = tl.load(row[:, None] + 448 + 2 * i[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     xo = tl.load(row[:, None] + 449 + 2 * i[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + n[:, None] * cs_stride + i[None, :], mask=live[:, None], other=0.0)
-    sin = tl.load(sin_ptr + n[:, None] * cs_stride + i[None, :], mask=live[:, None], other=0.0)
-    finish_attention_rows(x, xe, xo, wn, we, wo, cos, sin, dest, live, pool_ptr, P, page_stride,
-                          out_ptr + n * out_stride, eps, ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
+    return n, dest, live, x, xe, xo
 
 
 def finish_rows(pool: torch.Tensor, dest: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
@@ -347,17 +346,7 @@ def kv_store(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, norm_wei
 @triton.jit
 def _store_kernel(x_ptr, x_stride, dest_ptr, N, pool_ptr, P, page_stride, ROWS: tl.constexpr,
                   NATIVE: tl.constexpr):
-    t = tl.arange(0, 8)
-    c = tl.arange(0, 64)
-    i = tl.arange(0, 32)
-    n = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    dest = tl.load(dest_ptr + n, mask=n < N, other=-1).to(tl.int64)
-    live = dest >= 0
-    row = x_ptr + n * x_stride
-    x = tl.load(row[:, None, None] + (t[:, None] * 64 + c[None, :])[None, :, :],
-                mask=(t[:, None] < 7)[None, :, :] & live[:, None, None], other=0.0).to(tl.float32)
-    re = tl.load(row[:, None] + 448 + 2 * i[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    ro = tl.load(row[:, None] + 449 + 2 * i[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    n, dest, live, x, re, ro = _load_attention_rows(x_ptr, x_stride, dest_ptr, N, tl.program_id(0), ROWS)
     _store_kv_rows(pool_ptr, dest, P, page_stride, x, round_bf16(re, NATIVE), round_bf16(ro, NATIVE),
                    live, NATIVE)
 

@@ -78,7 +78,7 @@ def decode_kernels():
     import bench_kernels as bk
     for cfg in bk.DECODE_CONFIGS:
         consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=False, HALVES=cfg.halves,
-                      SCALES=SA.SCALE_MODES[cfg.scales], NATIVE=True, DOT_DTYPE=tl.bfloat16)
+                      WORD_SCALES=cfg.scales == "word", NATIVE=True, DOT_DTYPE=tl.bfloat16)
         name = "decode " + ",".join(str(x) for x in cfg)
         yield name, _compile(SA._sparse_decode_kernel, consts, types, cfg.num_warps, cfg.num_stages)
 

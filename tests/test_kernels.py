@@ -244,8 +244,8 @@ def _kv_pool(pages, page_rows, g):
 
 
 @pytest.mark.parametrize("h,k,num_splits,scales,halves", [
-    (8, 48, 1, "tile", False), (16, 130, 3, "word", True), (20, 70, None, "element", True),
-    (16, 40, 2, "word", False), (16, 40, 1, "tile", True)])
+    (8, 48, 1, "element", False), (16, 130, 3, "word", True), (20, 70, None, "element", True),
+    (16, 40, 2, "word", False), (16, 40, 1, "word", True)])
 def test_sparse_decode(h, k, num_splits, scales, halves):
     g = _gen(40 + h)
     b, w_len = 3, 128

@@ -119,7 +119,8 @@ def _indexer_fp8_wanted() -> bool:
     Needs a GPU; under the interpreter the request is ignored with a warning."""
     if os.environ.get("DSV4_INDEXER_FP8", "0") != "1":
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    from .kernels._common import interpreting
+    if interpreting():
         logger.warning("DSV4_INDEXER_FP8=1 needs a GPU; the interpreter runs the bf16 indexer")
         return False
     return True

@@ -25,11 +25,8 @@ import triton.language as tl
 
 # The byte layouts are written down once, in memory/layout.py; the kernels read them from there.
 from memory.layout import INDEXER_ROW_BYTES as IDX_ROW_BYTES  # noqa: F401
-from memory.layout import KV_PART_BYTES, KV_ROW_BYTES, KV_SCALE_BYTES, pool_page_size  # noqa: F401
-from memory.quant import INDEXER_DIM as IDX_DIM  # noqa: F401
+from memory.layout import KV_ROW_BYTES, pool_page_size  # noqa: F401
 from memory.quant import KV_DIM  # noqa: F401
-from memory.quant import KV_NOPE_DIM as KV_NOPE  # noqa: F401
-from memory.quant import KV_ROPE_DIM as KV_ROPE  # noqa: F401
 
 
 def interpreting() -> bool:

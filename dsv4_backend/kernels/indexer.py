@@ -196,7 +196,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
     [pages, P * 132]. Rows by ``row_ids`` int [b, L], or by ``page_table`` int [b, pages] +
     ``num_visible`` int [b] (L = ``max_len``, default pages * P).
     q_fp8: run the products on FP8 tensor cores (GPU only; q re-encoded per head, exact
-    inputs; Hopper's FP8 accumulation is coarser than fp32, ~1e-4 relative on the scores).
+    inputs; Hopper keeps ~14 mantissa bits of each 128-deep sum, so a score may differ by up
+    to ~2^-16 of the magnitudes summed, sum_h |w_h| (|q_h| . |K|) x scale).
     """
     b, H, dim = q.shape
     if dim != 128:

@@ -1,7 +1,7 @@
 """DeepSeek-V4 chat encoding: OpenAI-style messages to the prompt text, and completions back.
 
 No Jinja template ships with the model; the prompt is built in code. The format, as the release's
-four golden cases show it (``../shared/testdata/dsv4_encoding/``)::
+four golden cases show it (``tests/data/dsv4_encoding/``)::
 
     <｜begin▁of▁sentence｜>[effort prefix]{system}[\\n\\n{tools block}]
     [<｜latest_reminder｜>{reminder}]

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# ../shared/testdata beside the checkout (present for developers and CI).
-SHARED_TESTDATA = ROOT.parent / "shared" / "testdata"
+# Test vectors that ship with the repository (tests/data/README.md says where each came from):
+# the released config.json files and the chat-encoding golden cases.
+TESTDATA = ROOT / "tests" / "data"
 
 
 @pytest.fixture(scope="module", autouse=True)

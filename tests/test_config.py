@@ -5,9 +5,9 @@ import json
 import pytest
 
 from dsv4_backend.config import PRESETS, ConfigError, DSV4Config
-from tests.conftest import SHARED_TESTDATA
+from tests.conftest import TESTDATA
 
-CONFIGS = SHARED_TESTDATA / "configs"
+CONFIGS = TESTDATA / "configs"
 
 
 @pytest.mark.parametrize("name", ["flash", "pro"])

@@ -2,16 +2,16 @@
 rules (open user turn, dropped reasoning, tool results in call order) on conversations built here."""
 
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import TESTDATA
 from dsv4_backend.encoding import (
     ASSISTANT, BOS, DSML, EFFORT_MAX_PREFIX, EOS, THINK_END, THINK_START, USER, EncodingError,
     encode_messages, parse_message_from_completion_text,
 )
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "dsv4_encoding"
+GOLDEN = TESTDATA / "dsv4_encoding"
 CASES = [(1, "thinking"), (2, "thinking"), (3, "thinking"), (4, "chat")]
 
 

@@ -9,16 +9,15 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from memory import env
 from memory.configurator import TERM_NAMES
 from memory.plan import main
+from tests.conftest import ROOT, TESTDATA
 
-ROOT = Path(__file__).resolve().parents[1]
-FLASH_JSON = ROOT.parent / "shared" / "testdata" / "configs" / "deepseek-v4-flash.config.json"
+FLASH_JSON = TESTDATA / "configs" / "deepseek-v4-flash.config.json"
 GiB = 1 << 30
 
 
@@ -109,7 +108,6 @@ def test_errors_name_the_fix(capsys):
         main(["--budget-gb", "10"])  # neither --preset nor --config
 
 
-@pytest.mark.skipif(not FLASH_JSON.exists(), reason="shared test data not present")
 def test_config_file_matches_preset(capsys):
     from_file = run_json(capsys, "--config", str(FLASH_JSON), "--budget-gb", "50")
     preset = run_json(capsys, "--preset", "flash", "--budget-gb", "50")

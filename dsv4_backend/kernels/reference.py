@@ -72,8 +72,9 @@ def kv_store_ref(pool, slots, kv, norm_weight, cos, sin, eps=1e-6, round_bf16=Tr
 
 # ---- 2. compressor -------------------------------------------------------------------------
 
-def compress_pool_ref(state, sources, ape, ratio: int, d: int) -> torch.Tensor:
-    """Softmax pooling of each event's candidates -> fp32 [E, d].
+def compress_candidates_ref(state, sources, ape, ratio: int, d: int):
+    """Each event's candidates -> (content c, score z), fp32 [E, K, d]: z has the ape row added
+    and is -inf for a masked candidate (whose c is 0).
 
     state: [slots, 2 * coff * d] rows laid out [C | Z]; sources: int [E, K] (K = 2m for m = 4,
     m for m = 128), -1 = masked candidate; ape: fp32 [m, coff * d]. For m = 4, candidate j < 4 is
@@ -91,6 +92,12 @@ def compress_pool_ref(state, sources, ape, ratio: int, d: int) -> torch.Tensor:
     z = z + ape.float()[j % ratio][torch.arange(k, device=ape.device)[:, None], ch]
     z = z.masked_fill((sources < 0)[..., None], float("-inf"))
     c = c.masked_fill((sources < 0)[..., None], 0.0)
+    return c, z
+
+
+def compress_pool_ref(state, sources, ape, ratio: int, d: int) -> torch.Tensor:
+    """Softmax pooling of each event's candidates (:func:`compress_candidates_ref`) -> fp32 [E, d]."""
+    c, z = compress_candidates_ref(state, sources, ape, ratio, d)
     return (torch.softmax(z, dim=1) * c).sum(1)
 
 

@@ -13,7 +13,9 @@
    which byte-layout hypothesis FlashMLA's output matches;
 3. timing: both kernels replayed from a CUDA graph after an L2 flush (median), FlashMLA with
    its scheduling metadata already computed ("kernel") and computed in the graph ("+ sched"),
-   and the ratio;
+   and the ratio; prefill chunks (consecutive query rows sharing their windows) through
+   ``flash_mla_sparse_fwd`` on a bf16 workspace (checked against the reference, then timed
+   eagerly after an L2 flush, workspace build included) against the decode kernels' b = T rows;
 4. the engine: greedy tokens with ``attention_kernel="flashmla"`` and ``"triton"`` (CUDA graphs
    on, and FlashMLA eager), tiny preset prompts and synthetic long contexts.
 
@@ -42,8 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from dsv4_backend.flashmla_backend import (  # noqa: E402
-    FLASHMLA_PAGE_ALIGN, flashmla_cache, flashmla_sparse_attention, flashmla_unavailable, list_lengths,
-    pad_indices,
+    FLASHMLA_PAGE_ALIGN, flashmla_cache, flashmla_prefill_attention, flashmla_sparse_attention,
+    flashmla_unavailable, list_lengths, pad_indices,
 )
 from memory.layout import KV_ROW_BYTES  # noqa: E402
 
@@ -328,6 +330,36 @@ def time_shape(name, fm, shape, batch, ctx):
            triton_us=round(us_t, 1), triton_over_flashmla=round(us_t / us_f, 2))
 
 
+def prefill_inputs(shape: str, T: int, ctx: int, seed: int):
+    """A prefill chunk: T consecutive query rows whose windows slide over consecutive slots."""
+    x = make_inputs(shape, T, ctx, FLASHMLA_PAGE_ALIGN, seed, rows_cap=1 << 22)
+    start = 128 + int(torch.randint(0, capacity(x["swa"]) - T - 256, (1,)))
+    x["win"] = (start + torch.arange(T, device=DEV)[:, None] + torch.arange(-127, 1, device=DEV)[None, :]).to(torch.int32)
+    return x
+
+
+def check_prefill(name, fm, shape, T, ctx):
+    x = prefill_inputs(shape, T, ctx, seed=11)
+    out = flashmla_prefill_attention(fm, x["q"], x["swa"], x["win"], x["extra"], x["ext"], x["sink"], SCALE)
+    ref = reference(x["q"], x["swa"], x["win"], x["extra"], x["ext"], x["sink"])
+    ob, _ = bounds(ref)
+    res = against(out, ref[0], ob, "flash_mla_sparse_fwd out vs fp64")
+    record(name, res["n_over"] == 0, out=res, q=describe(x["q"]))
+
+
+def time_prefill(name, fm, shape, T, ctx):
+    from triton.testing import do_bench
+    x = prefill_inputs(shape, T, ctx, seed=13)
+    us = lambda fn: do_bench(fn, warmup=3, rep=20, return_mode="median") * 1e3  # noqa: E731
+    us_p = us(lambda: flashmla_prefill_attention(fm, x["q"], x["swa"], x["win"], x["extra"], x["ext"], x["sink"],
+                                                 SCALE))
+    us_d = us(lambda: run_flashmla(fm, x))
+    us_t = us(lambda: run_triton(x))
+    record(name, True, rows=T, keys_per_row=128 + x["k"], sparse_fwd_us=round(us_p, 1),
+           decode_kernel_rows_us=round(us_d, 1), triton_us=round(us_t, 1),
+           sparse_fwd_over_decode=round(us_p / us_d, 2))
+
+
 # ---- the engine ------------------------------------------------------------------------------
 
 def engine_tokens(kernel: str, preset: str, prompts, synthetic, new_tokens: int, cuda_graph: bool,
@@ -412,6 +444,11 @@ def main() -> None:
                   [("pro_csa", b, 131072) for b in (32, 128)] + [("flash_hca", b, 1 << 20) for b in (32, 128)]
     for shape, b, ctx in timings:
         guarded(f"time {shape} b{b} ctx{ctx}", time_shape, fm, shape, b, ctx)
+
+    guarded("prefill flash_csa T512 ctx128K", check_prefill, fm, "flash_csa", 512, 131072)
+    guarded("prefill flash_hca T256 ctx128K", check_prefill, fm, "flash_hca", 256, 131072)
+    for shape, T in ([("flash_csa", 2048)] if q else [("flash_csa", 2048), ("flash_csa", 8192), ("flash_hca", 8192)]):
+        guarded(f"time prefill {shape} T{T} ctx128K", time_prefill, fm, shape, T, 131072)
 
     prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(n)] for i, n in enumerate((40, 300, 700, 1100))]
     guarded("engine tiny greedy", check_engine, "tiny", prompts, [4096] if q else [4096, 16384], 16)

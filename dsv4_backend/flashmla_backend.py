@@ -38,19 +38,24 @@ no ``extra_topk_length`` (the top-k lists differ per layer, their -1 entries are
 passes the per-step visible row count, which every HCA layer of the step shares.
 
 Prefill chunks are decoded as independent query rows (``b = T``, ``s_q = 1``), as the Triton
-backend does; ``flash_mla_sparse_fwd`` (bf16 keys) is not used yet.
+backend does. ``flash_mla_sparse_fwd`` (FlashMLA's prefill kernel: bf16 keys ``[s_kv, 1, 512]``,
+one index list per query row) is wired as :func:`flashmla_prefill_attention`: the chunk's
+distinct keys are dequantised once into a bf16 workspace and the lists re-pointed at it. It is
+off until measured faster: ``DSV4_FLASHMLA_PREFILL_ROWS=N`` sends chunks of at least N query
+rows (outside graph capture) through it; bench/gpu_flashmla_check.py checks and times both.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from memory.layout import KV_ROW_BYTES, pool_page_size
+from memory.layout import KV_ROW_BYTES, pool_page_size, read_kv_rows
 
 from .backend import ForwardMetadata, register_attention_backend
 from .config import DSV4Config
@@ -170,6 +175,49 @@ def flashmla_sparse_attention(fm: Any, q: torch.Tensor, swa_cache: torch.Tensor,
     return out[:, 0, :h], lse[:, :h, 0]
 
 
+def prefill_workspace(swa_pool: torch.Tensor, window: torch.Tensor, extra_pool: Optional[torch.Tensor],
+                      extra_rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv bf16 ``[n, 1, 512]``: each distinct key of the chunk dequantised once, indices int32
+    ``[T, 1, w]``: the window then the extra list re-pointed at kv, -1 kept and padded)."""
+    lists, parts, base = [], [], 0
+    for pool, idx in ((swa_pool, window), (extra_pool, extra_rows)):
+        if idx is None or idx.shape[1] == 0:
+            continue
+        idx = idx.long()
+        uniq, inv = torch.unique(idx, return_inverse=True)
+        parts.append(read_kv_rows(pool, uniq).to(torch.bfloat16))   # slot -1 reads as zeros, never indexed
+        lists.append(torch.where(idx >= 0, inv + base, -1))
+        base += uniq.numel()
+    return torch.cat(parts).unsqueeze(1), pad_indices(torch.cat(lists, 1).to(torch.int32)).unsqueeze(1)
+
+
+def flashmla_prefill_attention(fm: Any, q: torch.Tensor, swa_pool: torch.Tensor, window: torch.Tensor,
+                               extra_pool: Optional[torch.Tensor], extra_rows: Optional[torch.Tensor],
+                               attn_sink: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """``flash_mla_sparse_fwd`` over a chunk: q bf16 ``[T, h, 512]``, window int ``[T, W]`` SWA slots,
+    extra_rows int ``[T, k]`` or None (-1 = none). The distinct keys are dequantised into a bf16
+    workspace ``[n, 1, 512]`` (exact: every key value is a bf16 number), the lists re-pointed at
+    it and -1 padded to a multiple of ``INDEX_ALIGN``. Returns out bf16 ``[T, h, 512]``. Host
+    syncs (``torch.unique``, the slot checks): eager prefill only."""
+    T, h, _ = q.shape
+    hp = padded_heads(h)
+    kv, indices = prefill_workspace(swa_pool, window, extra_pool, extra_rows)
+    if hp != h:
+        q = F.pad(q, (0, 0, 0, hp - h))
+        attn_sink = F.pad(attn_sink, (0, hp - h))
+    out = fm.flash_mla_sparse_fwd(q.contiguous(), kv, indices, softmax_scale, d_v=512,
+                                  attn_sink=attn_sink.float().contiguous(), use_legacy=True,
+                                  return_log2_lse=False)[0]
+    return out[:, :h]
+
+
+def prefill_rows_threshold() -> Optional[int]:
+    """``DSV4_FLASHMLA_PREFILL_ROWS``: the smallest chunk (query rows) sent to FlashMLA's prefill
+    kernel; unset or 0: never."""
+    n = int(os.environ.get("DSV4_FLASHMLA_PREFILL_ROWS", "0") or 0)
+    return n if n > 0 else None
+
+
 @register_attention_backend("flashmla")
 class FlashMLADSV4Backend(TritonDSV4Backend):
     """DSV4 attention with FlashMLA's sparse decode kernel (CUDA sm90 / sm100, ``flash_mla``
@@ -189,6 +237,7 @@ class FlashMLADSV4Backend(TritonDSV4Backend):
                                      f"multiple of {FLASHMLA_PAGE_ALIGN}: build the pools with "
                                      f"DSV4KVPools(..., page_align={FLASHMLA_PAGE_ALIGN})")
         self.fm = importlib.import_module("flash_mla")
+        self.prefill_rows = prefill_rows_threshold()
         self._step: dict[Any, Any] = {}   # per step: scheduling metadata and shared index tables
 
     # ---- per step ------------------------------------------------------------------------
@@ -214,6 +263,10 @@ class FlashMLADSV4Backend(TritonDSV4Backend):
                           attn_sink: torch.Tensor) -> torch.Tensor:
         if q.shape[0] == 0:
             return torch.zeros(q.shape, dtype=torch.bfloat16, device=q.device)
+        if (self.prefill_rows is not None and q.shape[0] >= self.prefill_rows
+                and not torch.cuda.is_current_stream_capturing()):
+            return flashmla_prefill_attention(self.fm, q, swa_pool, plan.window_slots, extra_pool, extra_rows,
+                                              attn_sink, self.cfg.softmax_scale)
         window = self._shared("window", lambda: pad_indices(plan.window_slots))
         rows = lengths = extra_cache = None
         if extra_rows is not None and extra_rows.shape[1]:

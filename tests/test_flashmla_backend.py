@@ -23,11 +23,11 @@ import torch
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.flashmla_backend import (
     FLASHMLA_PAGE_ALIGN, FlashMLADSV4Backend, flashmla_cache, list_lengths, pad_indices, padded_heads,
-    resolve_attention_kernel,
+    prefill_workspace, resolve_attention_kernel,
 )
 from dsv4_backend.model_runner import ModelRunner, pool_page_align
 from memory.configurator import DSV4PoolConfigurator
-from memory.layout import KV_ROW_BYTES, pack_kv_page, write_kv_rows
+from memory.layout import KV_ROW_BYTES, pack_kv_page, read_kv_rows, write_kv_rows
 from memory.pools import DSV4KVPools
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answers of a machine without CUDA")
@@ -160,3 +160,24 @@ def test_index_padding_and_lengths():
     assert [padded_heads(h) for h in (1, 8, 64, 65, 128)] == [64, 64, 64, 128, 128]
     with pytest.raises(ValueError, match="at most 128"):
         padded_heads(129)
+
+
+def test_prefill_workspace_points_every_list_entry_at_its_key():
+    g = torch.Generator().manual_seed(2)
+    swa = torch.zeros(3, 128 * KV_ROW_BYTES, dtype=torch.uint8)
+    c4 = torch.zeros(2, 65 * 576, dtype=torch.uint8)
+    write_kv_rows(swa, torch.arange(384), torch.randn(384, 512, generator=g))
+    write_kv_rows(c4, torch.arange(128), torch.randn(128, 512, generator=g) * 8)
+    T = 6   # consecutive query rows share most of their window, as in a prefill chunk
+    window = (torch.arange(T)[:, None] + torch.arange(16)[None, :] + 100).to(torch.int32)
+    window[0, :5] = -1
+    extra = torch.randint(0, 128, (T, 10), generator=g, dtype=torch.int32)
+    extra[:, ::4] = -1
+    kv, idx = prefill_workspace(swa, window, c4, extra)
+    assert kv.dtype == torch.bfloat16 and kv.shape[1:] == (1, 512) and idx.shape == (T, 1, 128)
+    assert kv.shape[0] <= (T + 15 + 1) + (10 * T + 1)   # each distinct key (and one -1 row) per list once
+    want = torch.cat([read_kv_rows(swa, window.long()), read_kv_rows(c4, extra.long())], 1)
+    ids = idx[:, 0, :26].long()
+    got = torch.where((ids >= 0)[..., None], kv[ids.clamp_min(0), 0].float(), 0.0)
+    assert torch.equal(got, want)                         # bf16 holds every key value exactly
+    assert torch.equal(ids < 0, torch.cat([window, extra], 1) < 0) and (idx[:, 0, 26:] == -1).all()

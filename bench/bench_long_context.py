@@ -3,7 +3,7 @@
 A model with Flash's attention shapes and layer pattern (43 layers: 2 window-only, 20 x (CSA,
 HCA), CSA, window-only; 64 heads of 512, index_topk 512; random weights drawn on the device) with
 the MoE cut to ``--experts`` routed experts so the weights fit beside the pools, run by the
-Engine (scheduler, hooks, pools; on CUDA the engine picks the Triton backend). Per context:
+Engine (scheduler, hooks, pools; on CUDA the kernel of ``--attention-kernel``). Per context:
 
 - decode tokens/s at batch 1, at the largest batch the memory plan holds (capped by
   ``--max-batch``), and at the largest batch both modes hold, with a synthetic context

@@ -412,8 +412,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="directory for flashmla_check.json")
     args = ap.parse_args()
 
-    log(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {torch.cuda.get_device_name()} "
-        f"capability {torch.cuda.get_device_capability()}")
+    gpu = (f"device {torch.cuda.get_device_name()} capability {torch.cuda.get_device_capability()}"
+           if torch.cuda.is_available() else "no CUDA device")
+    log(f"torch {torch.__version__}, cuda {torch.version.cuda}, {gpu}")
     why = flashmla_unavailable(DEV, 128)
     if why is not None:
         record("install", False, why=why)

@@ -48,7 +48,6 @@ rows (outside graph capture) through it; bench/gpu_flashmla_check.py checks and 
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 from typing import Any, Optional
 
@@ -60,8 +59,6 @@ from memory.layout import KV_ROW_BYTES, pool_page_size, read_kv_rows
 from .backend import ForwardMetadata, register_attention_backend
 from .config import DSV4Config
 from .triton_backend import StaticDecode, TritonDSV4Backend, _StepPlan
-
-logger = logging.getLogger(__name__)
 
 ATTENTION_KERNELS = ("auto", "flashmla", "triton")
 FLASHMLA_PAGE_ALIGN = 576   # the sm100 kernels' TMA row: a page's stride must be a multiple

@@ -69,6 +69,7 @@ class ServerArgs:
     json_model_override_args: Optional[str] = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
+    attention_kernel: str = "auto"
     log_level: str = "info"
 
     @property
@@ -95,6 +96,8 @@ class ServerArgs:
             kw["cuda_graph"] = False
         if self.cuda_graph_max_bs is not None:
             kw["cuda_graph_max_bs"] = self.cuda_graph_max_bs
+        if self.attention_kernel != "auto":
+            kw["attention_kernel"] = self.attention_kernel
         if self.model_path is None and self.device != "cpu":
             kw["random_weights_on_device"] = True  # a Flash-shaped preset draws ~30 GB: on the GPU, in seconds
         return kw
@@ -130,6 +133,8 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
                    help="replay no decode step from a CUDA graph (on CUDA they are on by default)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
                    help="largest decode batch replayed from a graph (default: --max-running-requests)")
+    p.add_argument("--attention-kernel", default=d.attention_kernel, choices=["auto", "flashmla", "triton"],
+                   help="GPU sparse attention: auto = FlashMLA on sm90/sm100 where flash_mla imports, else Triton")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     ns = p.parse_args(argv)
     if ns.json_model_override_args is not None:

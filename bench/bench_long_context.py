@@ -3,7 +3,7 @@
 A model with Flash's attention shapes and layer pattern (43 layers: 2 window-only, 20 x (CSA,
 HCA), CSA, window-only; 64 heads of 512, index_topk 512; random weights drawn on the device) with
 the MoE cut to ``--experts`` routed experts so the weights fit beside the pools, run by the
-Engine (scheduler, hooks, pools; on CUDA the engine picks the Triton backend). Per context:
+Engine (scheduler, hooks, pools; on CUDA the kernel of ``--attention-kernel``). Per context:
 
 - decode tokens/s at batch 1, at the largest batch the memory plan holds (capped by
   ``--max-batch``), and at the largest batch both modes hold, with a synthetic context
@@ -28,6 +28,13 @@ skipped or run with fewer steps, and the output says so.
     PYTHONUNBUFFERED=1 python3 bench/bench_long_context.py --out $OUT/long.json --plot $OUT/long_context.png
     # the code path on the CPU, tiny stand-in
     python bench/bench_long_context.py --preset tiny --device cpu --contexts 1024,4096 --steps 2
+    # FlashMLA and Triton side by side (one run each, the budget split between them)
+    python3 bench/bench_long_context.py --attention-kernel flashmla,triton --modes compressed
+
+``--attention-kernel`` takes one kernel or a comma list (``auto``, ``flashmla``, ``triton``); with
+several, the whole measurement runs once per kernel within an equal share of ``--time-budget``
+(JSON: ``--out`` gets a ``.<kernel>`` suffix per run), and a last table sets their decode
+tokens/s and the breakdown's attention share side by side.
 """
 
 from __future__ import annotations
@@ -203,7 +210,7 @@ def build_engine(cfg: DSV4Config, mode: str, mem: MemorySetup, args: argparse.Na
     kw: dict[str, Any] = dict(preset=args.preset, device=args.device, dtype=args.dtype, dense=mode == "dense",
                               skip_tokenizer_init=True, random_seed=args.seed, max_running_requests=mem.max_running,
                               chunked_prefill_size=args.prefill_chunk, context_length=mem.context_length,
-                              swa_ratio=0.1, config_overrides=overrides,
+                              swa_ratio=0.1, config_overrides=overrides, attention_kernel=args.attention_kernel,
                               random_weights_on_device=torch.device(args.device).type == "cuda")
     if mem.mem_fraction is not None:
         kw["mem_fraction_static"] = mem.mem_fraction
@@ -372,7 +379,7 @@ def run(args: argparse.Namespace) -> Report:
     rep = Report()
     rep.meta = {
         "preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": args.dtype, "torch": torch.__version__, "python": platform.python_version(),
+        "dtype": args.dtype, "attention_kernel": args.attention_kernel, "torch": torch.__version__, "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
         "layers": cfg.num_hidden_layers, "compress_ratios": list(cfg.layer_ratios),
         "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
@@ -439,7 +446,8 @@ def run(args: argparse.Namespace) -> Report:
             t0 = time.perf_counter()
             eng = build_engine(cfg, mode, mem, args)
             sync(device)
-            say(f"  built in {time.perf_counter() - t0:.1f} s, backend {eng.runner.backend_name}, pools "
+            say(f"  built in {time.perf_counter() - t0:.1f} s, backend {eng.runner.backend_name} "
+                f"({eng.runner.attention_kernel_reason}), pools "
                 f"{fmt_bytes(eng.plan.total_bytes)}, max_total_tokens {eng.max_total_tokens:,}")
             for row in mine:
                 bar.set_postfix_str(f"{mode} {fmt_tokens(row.context)} x {row.batch}")
@@ -692,6 +700,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--dense-share", type=float, default=0.4, help="share of the budget the dense phase may use")
     ap.add_argument("--guard-margin", type=float, default=15.0, help="seconds kept free after each measurement")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (CPU runs)")
+    ap.add_argument("--attention-kernel", type=lambda v: [k for k in v.split(",") if k], default=["auto"],
+                    help="auto, flashmla, triton, or a comma list run one after the other (default auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the memory setup, plans and runs; measure nothing")
@@ -707,6 +717,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.prefill_contexts = [c for c in (4096, 32768, 131072) if c <= max(args.contexts)]
     if args.prefill_long is None:
         args.prefill_long = max(args.contexts)
+    bad_kernels = [k for k in args.attention_kernel if k not in ("auto", "flashmla", "triton")]
+    if bad_kernels or not args.attention_kernel:
+        ap.error(f"unknown attention kernel(s) {bad_kernels}; choose from auto, flashmla, triton")
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {list(MODES)}")
@@ -714,12 +727,63 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> Report:
+    global START
     args = parse_args(argv)
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("scheduler_hooks.engine").setLevel(logging.ERROR)
-    rep = run(args)
+    kernels, out, plot_path, budget = args.attention_kernel, args.out, args.plot, args.time_budget
+    reports = {}
+    for kernel in kernels:
+        if len(kernels) > 1:
+            print(f"\n# attention kernel: {kernel}\n", flush=True)
+            args.out = out.with_suffix(f".{kernel}{out.suffix}") if out else None
+            args.plot = plot_path.with_suffix(f".{kernel}{plot_path.suffix}") if plot_path else None
+        # each kernel's run: an equal share of the budget, its guard counted from its own start
+        START = time.time()
+        args.time_budget = budget / len(kernels)
+        args.attention_kernel = kernel
+        rep = reports[kernel] = run(args)
+        report_text(rep, args)
+    args.attention_kernel, args.out, args.plot, args.time_budget = kernels, out, plot_path, budget
+    if len(kernels) > 1:
+        print("\n## kernels side by side\n")
+        print(kernels_table(reports))
+    return rep
+
+
+def kernels_table(reports: dict[str, Report]) -> str:
+    """Decode tokens/s of each kernel's run per (mode, context, batch), the ratio of the first two,
+    and the attention share of the step where the breakdown ran (window-only + CSA + HCA rows)."""
+    names = list(reports)
+    keyed = {k: {(r.mode, r.context, r.batch): r for r in rep.decode} for k, rep in reports.items()}
+    keys = sorted({key for rows in keyed.values() for key in rows}, key=lambda t: (t[0], t[1], t[2]))
+    head = "| mode | context | batch | " + " | ".join(f"{k} tok/s | {k} attention share" for k in names)
+    head += f" | {names[0]} / {names[1]} |" if len(names) > 1 else " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(names) + (len(names) > 1))]
+    for key in keys:
+        cells, tps = [], []
+        for k in names:
+            r = keyed[k].get(key)
+            ok = r is not None and r.status == "ok"
+            tps.append(r.tokens_per_s if ok else None)
+            cells += [f"{r.tokens_per_s:.1f}" if ok else (r.status if r else "-"), attention_share(r)]
+        ratio = f" | {tps[0] / tps[1]:.2f}" if len(names) > 1 and tps[0] and tps[1] else (" | -" if len(names) > 1 else "")
+        lines.append(f"| {key[0]} | {fmt_tokens(key[1])} | {key[2]} | " + " | ".join(cells) + ratio + " |")
+    return "\n".join(lines)
+
+
+def attention_share(row: Optional[DecodeRow]) -> str:
+    """The breakdown's attention categories (``attn_*``: window-only, CSA incl. indexer, HCA) as a
+    share of the step."""
+    pct = (row.breakdown or {}).get("pct") if row is not None else None
+    if not pct:
+        return "-"
+    return f"{sum(v for k, v in pct.items() if k.startswith('attn_')):.0f}%"
+
+
+def report_text(rep: Report, args: argparse.Namespace) -> None:
     print("\n## decode (synthetic contexts)\n")
     print(decode_table(rep.decode))
     print("\n## prefill (real, chunked)\n")
@@ -737,8 +801,7 @@ def main(argv: Optional[list[str]] = None) -> Report:
         print(f"\nwrote {args.plot}")
     if args.out:
         print(f"wrote {args.out}")
-    print(f"total wall time {time.time() - START:.0f} s")
-    return rep
+    print(f"total wall time {time.time() - START:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

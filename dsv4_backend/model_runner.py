@@ -22,6 +22,7 @@ from memory.configurator import DSV4PoolConfigurator
 from memory.pools import DSV4KVPools
 
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
+from .flashmla_backend import FLASHMLA_PAGE_ALIGN, resolve_attention_kernel  # registers "flashmla"
 from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
 from .cuda_graph import DecodeGraphs, GraphUnavailable, cuda_graph_default, graphs_supported
 from .config import DSV4Config
@@ -48,11 +49,21 @@ class ForwardRequest:
 def default_backend(device: torch.device, dtype: torch.dtype) -> str:
     """The backend a runner gets when none is named: the Triton kernels on CUDA, the PyTorch
     path on the CPU and for exact float64 runs (the kernels compute in fp32 / bf16)."""
-    return "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
+    return resolve_attention_kernel("triton", device, dtype)[0]
+
+
+def pool_page_align(kernel: str) -> int:
+    """The ``DSV4KVPools`` ``page_align`` an attention kernel needs."""
+    return FLASHMLA_PAGE_ALIGN if kernel == "flashmla" else 1
 
 
 class ModelRunner:
     """Owns the model and the attention backend; pools and allocator are the caller's.
+
+    ``attention_kernel`` (``auto`` | ``flashmla`` | ``triton``) picks the GPU attention kernel when
+    no ``backend`` is named: ``auto`` is FlashMLA where it imports on an sm90 / sm100 GPU and the
+    pools were built with ``page_align=FLASHMLA_PAGE_ALIGN``, else Triton (on the CPU and in
+    float64: the PyTorch path). ``attention_kernel`` / ``attention_kernel_reason`` say what ran and why.
 
     ``forward`` returns per request logits ``[n, vocab]`` (float32, float64 in float64 mode):
     n = 1 for ``"last"``, ``len(input_ids)`` for ``"all"``, 0 for ``"none"``.
@@ -61,7 +72,7 @@ class ModelRunner:
     def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor], pools: DSV4KVPools,
                  allocator: KVAllocator, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  backend: Optional[str] = None, dense: bool = False, cuda_graph: Optional[bool] = None,
-                 cuda_graph_max_bs: Optional[int] = None):
+                 cuda_graph_max_bs: Optional[int] = None, attention_kernel: str = "auto"):
         self.config, self.pools, self.allocator = config, pools, allocator
         self.device, self.dtype, self.dense = torch.device(device), dtype, dense
         if dense != bool(pools.plan.dense):
@@ -70,7 +81,20 @@ class ModelRunner:
         self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=include_mtp)
         self.model.load_state_dict(weights, strict=True)
         self.model.eval()
-        self.backend_name = backend or default_backend(self.device, dtype)
+        if backend is None:
+            backend, why = resolve_attention_kernel(attention_kernel, self.device, dtype, config.num_attention_heads)
+            align = getattr(pools, "page_align", 1)
+            if backend == "flashmla" and align % FLASHMLA_PAGE_ALIGN:
+                if attention_kernel == "flashmla":
+                    raise ValueError(f"attention_kernel='flashmla' needs pools built with "
+                                     f"page_align={FLASHMLA_PAGE_ALIGN}, these have {align}")
+                backend, why = "triton", f"auto: the pools' pages are not {FLASHMLA_PAGE_ALIGN}-byte aligned"
+        elif attention_kernel not in ("auto", backend):
+            raise ValueError(f"backend={backend!r} and attention_kernel={attention_kernel!r} disagree")
+        else:
+            why = "backend named"
+        self.backend_name = backend
+        self.attention_kernel, self.attention_kernel_reason = backend, why
         self.backend = get_attention_backend(self.backend_name)(config, pools, allocator, dtype=dtype, dense=dense)
         self.last_metadata: Optional[ForwardMetadata] = None
         self.cuda_graphs: Optional[DecodeGraphs] = None
@@ -134,7 +158,8 @@ class ModelRunner:
               max_context: Optional[int] = None, online_compress: bool | None = None,
               state_dtype: Optional[torch.dtype] = None, dense: bool = False, backend: Optional[str] = None,
               weights: Optional[dict[str, torch.Tensor]] = None, device: str = "cpu",
-              cuda_graph: Optional[bool] = None, **preset_overrides: Any) -> "ModelRunner":
+              cuda_graph: Optional[bool] = None, attention_kernel: str = "auto",
+              **preset_overrides: Any) -> "ModelRunner":
         """Config (or preset name), seeded random weights, a pool plan for ``max_total_tokens``,
         pools, allocator and runner in one call. State dtype: float64 in float64 mode, else the
         env flag's (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``) unless given."""
@@ -144,13 +169,15 @@ class ModelRunner:
         plan = DSV4PoolConfigurator(cfg, max_running_requests=max_running_requests, swa_ratio=swa_ratio,
                                     state_dtype=state_dtype, online_compress=online_compress,
                                     dense=dense).plan_for_tokens(max_total_tokens)
-        pools = DSV4KVPools(cfg, plan, device=device, state_dtype=state_dtype)
+        kernel = backend or resolve_attention_kernel(attention_kernel, torch.device(device), dtype,
+                                                     cfg.num_attention_heads)[0]
+        pools = DSV4KVPools(cfg, plan, device=device, state_dtype=state_dtype, page_align=pool_page_align(kernel))
         allocator = KVAllocator(plan, max_context=max_context or plan.max_full_tokens,
                                 window=cfg.sliding_window, dense=dense, device=device)
         if weights is None:
             weights = random_weights(cfg, seed=seed, dtype=dtype, device=device, include_mtp=False)
         return cls(cfg, weights, pools, allocator, device=device, dtype=dtype, backend=backend, dense=dense,
-                   cuda_graph=cuda_graph)
+                   cuda_graph=cuda_graph, attention_kernel=attention_kernel)
 
 
 def run_schedule(runner: ModelRunner, steps: list[list[tuple[str, int]]],

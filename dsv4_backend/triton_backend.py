@@ -376,9 +376,17 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                                pools.c128_ring[layer_id], pools.c128_kv[layer_id], None)
             extra_pool, extra_rows = pools.c128_kv[layer_id], plan.c128_rows
         q = inputs.q.to(torch.bfloat16) if inputs.q.is_cuda else inputs.q
-        res = K.sparse_decode(q.contiguous(), pools.swa_kv[layer_id], plan.window_slots, extra_pool, extra_rows,
-                              layer.attn_sink.float(), self.cfg.softmax_scale)
-        return res.out.to(inputs.q.dtype)
+        out = self._sparse_attention(ratio, q.contiguous(), pools.swa_kv[layer_id], plan, extra_pool, extra_rows,
+                                     layer.attn_sink.float())
+        return out.to(inputs.q.dtype)
+
+    def _sparse_attention(self, ratio: int, q: torch.Tensor, swa_pool: torch.Tensor, plan: _StepPlan,
+                          extra_pool: Optional[torch.Tensor], extra_rows: Optional[torch.Tensor],
+                          attn_sink: torch.Tensor) -> torch.Tensor:
+        """Attention of every query row ``q [T, h, 512]`` over its window and extra rows: [T, h, 512].
+        ``ratio`` (0 SWA-only, 4, 128) names the layer kind; subclasses swap the kernel here."""
+        return _kernels().sparse_decode(q, swa_pool, plan.window_slots, extra_pool, extra_rows, attn_sink,
+                                        self.cfg.softmax_scale).out
 
     def _compress(self, plan: _StepPlan, m: int, layer: Any, compressor: Any, raw: CompressorInput,
                   ring_plan: _RingPlan, ring: torch.Tensor, pool: torch.Tensor,

@@ -17,6 +17,12 @@ C and Z of a C4 slot keep the compressor's output channel order (the checkpoint'
 512 are the b-half, which serves the next block, the last 512 the a-half). The byte order
 inside a KV or indexer page is memory/layout.py's. A dense plan has only ``swa_kv``, sized for
 every token. S is the state dtype.
+
+``page_align`` rounds the attention pools' page bytes (swa_kv, c4_kv, c128_kv) up to a multiple
+of it: FlashMLA's kernels address a page in 576-byte TMA steps (``FLASHMLA_PAGE_ALIGN``), so its
+backend needs pages of 65 x 576 B (64 rows) and 130 x 576 B (128 rows); the tail past the rows
+and their scale groups is never read or written (memory/layout.py). Cost: 64 B of 37,376 and
+128 B of 74,752 (0.17%), which the plan's byte accounting does not include.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, PoolPlan
 
 _KINDS = ("swa_kv", "c4_kv", "c4_indexer", "c4_ring", "c4_indexer_ring", "c128_kv", "c128_ring", "c128_online")
+_KV_KINDS = ("swa_kv", "c4_kv", "c128_kv")
 _LAYER_RATIO = {"swa_kv": None, "c4_kv": 4, "c4_indexer": 4, "c4_ring": 4, "c4_indexer_ring": 4,
                 "c128_kv": 128, "c128_ring": 128, "c128_online": 128}
 
@@ -36,11 +43,14 @@ class DSV4KVPools:
     """Zero-initialised pool tensors for one plan.
 
     ``state_dtype`` overrides the plan's state dtype for the ring / online pools (the engine's
-    exact float64 tests pass ``torch.float64``); KV pools are always uint8.
+    exact float64 tests pass ``torch.float64``); KV pools are always uint8. ``page_align``: see
+    the module docstring (1 = pages of exactly P * 584 bytes).
     """
 
     def __init__(self, model_config: Any, plan: PoolPlan, device: str | torch.device = "cpu",
-                 state_dtype: torch.dtype | None = None) -> None:
+                 state_dtype: torch.dtype | None = None, page_align: int = 1) -> None:
+        if page_align < 1:
+            raise ValueError(f"page_align must be >= 1, got {page_align}")
         if plan.c4_shrink_factor != 1 and not plan.dense:
             raise ValueError(f"c4_shrink_factor={plan.c4_shrink_factor:g} (HiSparse) is plan-only here: the device "
                              "C4 pool is addressed by full_slot // 4 and needs every row; plan with "
@@ -50,6 +60,7 @@ class DSV4KVPools:
                   4: [i for i, r in enumerate(ratios) if r == 4],
                   128: [i for i, r in enumerate(ratios) if r == 128]}
         self.plan = plan
+        self.page_align = page_align
         self.device = torch.device(device)
         self.state_dtype = plan.state_dtype if state_dtype is None else state_dtype
         shapes = plan.pool_shapes()
@@ -62,7 +73,10 @@ class DSV4KVPools:
                     raise ValueError(f"plan has {shape.num_layers} layers for pool {kind!r} but the model config "
                                      f"has {len(ids)}; build the plan from the same config")
                 dtype = torch.uint8 if shape.dtype == torch.uint8 else self.state_dtype
-                pool = {i: torch.zeros(shape.shape, dtype=dtype, device=self.device) for i in ids}
+                dims = shape.shape
+                if kind in _KV_KINDS:
+                    dims = (dims[0], -(-dims[1] // page_align) * page_align)
+                pool = {i: torch.zeros(dims, dtype=dtype, device=self.device) for i in ids}
             setattr(self, kind, pool)
 
     # ---- dummy targets for padded writes ---------------------------------------------

@@ -30,7 +30,7 @@ import torch
 
 from dsv4_backend.checkpoint import load_checkpoint
 from dsv4_backend.config import DSV4Config
-from dsv4_backend.model_runner import ModelRunner
+from dsv4_backend.model_runner import ModelRunner, pool_page_align, resolve_attention_kernel
 from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
 from dsv4_backend.weights import random_weights
 from memory.allocator import KVAllocator
@@ -90,6 +90,8 @@ class Engine:
     On CUDA (bf16, the Triton backend) pure-decode steps replay CUDA graphs
     (``dsv4_backend/cuda_graph.py``) up to ``cuda_graph_max_bs`` requests;
     ``cuda_graph=False`` (or ``DSV4_CUDA_GRAPH=0``) runs every step eagerly.
+    ``attention_kernel``: ``auto`` (FlashMLA on an sm90 / sm100 GPU where ``flash_mla`` imports,
+    else Triton), ``flashmla`` or ``triton``; the one chosen is logged and in :meth:`stats`.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class Engine:
         random_weights_on_device: bool = False,
         cuda_graph: Optional[bool] = None,
         cuda_graph_max_bs: Optional[int] = None,
+        attention_kernel: str = "auto",
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -139,13 +142,19 @@ class Engine:
                                     state_dtype=state_dtype, dense=dense)
         self.plan = self._plan(conf, weights, max_total_tokens, mem_fraction_static)
         self.max_total_tokens = self.plan.max_full_tokens
-        self.pools = DSV4KVPools(self.config, self.plan, self.device, state_dtype)
+        kernel, _ = resolve_attention_kernel(attention_kernel, self.device, self.dtype,
+                                             self.config.num_attention_heads)
+        self.pools = DSV4KVPools(self.config, self.plan, self.device, state_dtype,
+                                 page_align=pool_page_align(kernel))
         self.allocator = KVAllocator(self.plan, max_context=self.context_length,
                                      window=self.config.sliding_window, dense=dense, device=self.device)
         self.runner = ModelRunner(self.config, weights, self.pools, self.allocator, self.device, self.dtype,
                                   dense=dense, cuda_graph=cuda_graph,
                                   cuda_graph_max_bs=min(cuda_graph_max_bs or max_running_requests,
-                                                        max_running_requests))
+                                                        max_running_requests),
+                                  attention_kernel=attention_kernel)
+        self.attention_kernel = self.runner.attention_kernel
+        logger.info("attention kernel: %s (%s)", self.attention_kernel, self.runner.attention_kernel_reason)
         self.hooks = SchedulerHooks(self.allocator)
         self.scheduler = Scheduler(self.runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
@@ -471,6 +480,7 @@ class Engine:
             "prompt_tokens_total": s.num_prompt_tokens,
             "generation_tokens_total": s.num_generated_tokens,
             "num_retractions": s.num_retractions,
+            "attention_kernel": self.attention_kernel,
             "pools": self.pool_usage(),
         }
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 def fp4_dequant_sim(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """uint8 [R, C/2] nibbles (low = even index) and e8m0 [R, C/32] -> float64 [R, C]."""
     codes = torch.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1).long()
-    v = E2M1[codes & 7] * torch.where((codes & 8) != 0, -1.0, 1.0).double()
+    v = E2M1.to(w.device)[codes & 7] * torch.where((codes & 8) != 0, -1.0, 1.0).double()
     return v * torch.pow(2.0, s.double() - 127).repeat_interleave(32, 1)
 
 
@@ -35,52 +35,98 @@ def bf16(v: torch.Tensor) -> torch.Tensor:
     return v.float().to(torch.bfloat16).double()
 
 
-def make_experts(E, D, I, gen):
-    w13 = torch.randint(0, 256, (E, 2 * I, D // 2), dtype=torch.uint8, generator=gen)
-    s13 = torch.randint(123, 128, (E, 2 * I, D // 32), dtype=torch.uint8, generator=gen)
-    w2 = torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, generator=gen)
-    s2 = torch.randint(118, 126, (E, D, I // 32), dtype=torch.uint8, generator=gen)
-    return w13, s13, w2, s2
+def make_experts(E, D, I, gen, device="cpu"):
+    def r(lo, hi, shape):
+        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen).to(device)
+    return (r(0, 256, (E, 2 * I, D // 2)), r(123, 128, (E, 2 * I, D // 32)),
+            r(0, 256, (E, D, I // 2)), r(118, 126, (E, D, I // 32)))
 
 
-def make_x(T, D, gen):
+def make_x(T, D, gen, device="cpu"):
     n = torch.randint(-15, 16, (T, D), generator=gen).double()
     for b in range(0, D, 128):
         n[:, b] = 15.0 * torch.where(torch.rand(T, generator=gen) < 0.5, -1.0, 1.0).double()
-    return (n / 8).to(torch.bfloat16)
+    return (n / 8).to(torch.bfloat16).to(device)
 
 
-def h_reference(x, ids, weights, w13, s13):
-    """Per pair (t, j): float64 h, its bf16 value, its ambiguity mask; None for skipped pairs."""
+def _per_expert(ids, E, fn):
+    """Calls fn(e, pair indices routed to e) for each expert some pair uses."""
+    flat = ids.reshape(-1)
+    for e in flat[(flat >= 0) & (flat < E)].unique().tolist():
+        fn(e, (flat == e).nonzero().squeeze(1))
+
+
+def h_reference(x, ids, weights, w13, s13, limit, window=2.0 ** -18):
+    """float64 h [P, I], its bf16 value and its ambiguity mask (within ``window`` relative of a
+    bf16 rounding midpoint) for every pair; rows of skipped pairs are 0 / False."""
     E, I2, _ = w13.shape
-    I = I2 // 2
+    I, k, D = I2 // 2, ids.shape[1], x.shape[1]
     q, s = act_quant_sim(x)
-    xd = q * s.repeat_interleave(128, 1)[:, :x.shape[1]]
-    out = {}
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if not 0 <= e < E:
-                continue
-            w = fp4_dequant_sim(w13[e], s13[e])
-            gu = w @ xd[t]
-            g, u = bf16(gu[:I]), bf16(gu[I:])
-            g = g.clamp(max=LIMIT)
-            h = g / (1 + torch.exp(-g)) * u.clamp(-LIMIT, LIMIT) * float(weights[t, j])
-            amb = bf16(h * (1 + 2.0 ** -18)) != bf16(h * (1 - 2.0 ** -18))
-            out[(t, j)] = (h, bf16(h), amb)
-    return out
+    xd = q * s.repeat_interleave(128, 1)[:, :D]
+    gu = torch.zeros(ids.numel(), I2, dtype=torch.float64, device=x.device)
+
+    def project(e, pairs):
+        gu[pairs] = xd[pairs // k] @ fp4_dequant_sim(w13[e], s13[e]).T
+    _per_expert(ids, E, project)
+    g = bf16(gu[:, :I]).clamp(max=limit)
+    u = bf16(gu[:, I:]).clamp(-limit, limit)
+    h = g / (1 + torch.exp(-g)) * u * weights.reshape(-1, 1).double()
+    amb = bf16(h * (1 + window)) != bf16(h * (1 - window))
+    return h, bf16(h), amb
 
 
-def h_bound(h, hb, I):
-    """Per element bound on |kernel dequantised h - reference dequantised h|: zero in unambiguous
-    blocks; in an ambiguous block both sides may round h to neighbouring bf16 values (2^-8
-    relative each, plus 2^-18) and quantise with scales up to 2x apart: e4m3 half-steps 2^-4
-    relative (normal) or s 2^-10 (subnormal) on each side -> 0.13 |h| + s_ref 2^-8."""
-    q, s = act_quant_sim(hb[None])
-    amb_block = (bf16(h * (1 + 2.0 ** -18)) != bf16(h * (1 - 2.0 ** -18))).view(-1, 128).any(1)
-    bound = 0.13 * h.abs() + s[0].repeat_interleave(128) * 2.0 ** -8
-    return torch.where(amb_block.repeat_interleave(128), bound, 0.0), q[0] * s[0].repeat_interleave(128)
+def h_bound(h, hb, amb):
+    """(bound [P, I], reference dequantised h [P, I]): the bound on |kernel dequantised h -
+    reference dequantised h| is zero in unambiguous blocks; in an ambiguous block both sides may
+    round h to neighbouring bf16 values (2^-8 relative each, plus the window) and quantise with
+    scales up to 2x apart: e4m3 half-steps 2^-4 relative (normal) or s 2^-10 (subnormal) on each
+    side -> 0.13 |h| + s_ref 2^-8."""
+    P, I = h.shape
+    q, s = act_quant_sim(hb)
+    srep = s.repeat_interleave(128, 1)[:, :I]
+    amb_block = amb.view(P, -1, 128).any(2).repeat_interleave(128, 1)[:, :I]
+    bound = torch.where(amb_block, 0.13 * h.abs() + srep * 2.0 ** -8, 0.0)
+    return bound, q * srep
+
+
+def y_reference(hdeq, bound, ids, w2, s2):
+    """float64 y [P, D], sum|terms| [P, D] and the bound carried from h through |w2|."""
+    E, D, _ = w2.shape
+    y, mag, carried = (torch.zeros(ids.numel(), D, dtype=torch.float64, device=hdeq.device) for _ in range(3))
+
+    def project(e, pairs):
+        w = fp4_dequant_sim(w2[e], s2[e])
+        y[pairs] = hdeq[pairs] @ w.T
+        mag[pairs] = hdeq[pairs].abs() @ w.abs().T
+        carried[pairs] = bound[pairs] @ w.abs().T
+    _per_expert(ids, E, project)
+    return y, mag, carried
+
+
+def y_tol(y, mag, carried, K, acc_ulps=1.0):
+    """bf16(y_kernel) vs float64 y: fp32 accumulation over K exact products (acc_ulps x the
+    round-to-nearest bound), the carried bound, and half a bf16 ulp."""
+    tol = acc_ulps * (K + 2) * U32 * 1.01 * mag + carried
+    return tol + 2.0 ** -8 * (y.abs() + tol)
+
+
+def combine_tol(y, tol, ids, E):
+    """(float64 out [T, D], its bound) from per-pair y [P, D] and their bounds: the sum over the
+    valid choices, fp32 adds of the k values, half a bf16 ulp."""
+    T, k = ids.shape
+    valid = ((ids >= 0) & (ids < E)).reshape(T, k, 1)
+    y = torch.where(valid, y.view(T, k, -1), 0.0)
+    tol = torch.where(valid, tol.view(T, k, -1), 0.0)
+    out = y.sum(1)
+    bound = tol.sum(1) * (1 + 2.0 ** -7) + k * U32 * (y.abs() + tol).sum(1)
+    return out, bound + 2.0 ** -8 * (out.abs() + bound)
+
+
+def assert_within(got, want, tol, what):
+    err = (got.double() - want).abs()
+    worst = int(torch.argmax(err - tol))
+    assert bool((err <= tol).all()), (f"{what}: worst element {worst}: got {got.flatten()[worst].item()}, "
+                                      f"want {want.flatten()[worst].item()}, tol {tol.flatten()[worst].item()}")
 
 
 def random_ids(T, k, E, gen):
@@ -144,53 +190,19 @@ def test_gate_up_codes_exact(name):
     check_routing(r, ids, E, cfg.block_m)
     xq, xs = M.act_quant_fp8(x)
     hq, hs = M.moe_gate_up(xq, xs, weights, w13, s13, r, k, LIMIT, cfg)
-    ref = h_reference(x, ids, weights, w13, s13)
-    pos = {int(p): i for i, p in enumerate(r.order[: int(r.offsets[E])])}
-    n_exact = 0
-    for (t, j), (h, hb, amb) in ref.items():
-        i = pos[t * k + j]
-        q, s = act_quant_sim(hb[None])
-        amb_block = amb.view(-1, 128).any(1)
-        got_codes = hq[i].view(torch.uint8).view(-1, 128)
-        want_codes = q[0].float().to(torch.float8_e4m3fn).view(torch.uint8).view(-1, 128)
-        for b in range(I // 128):
-            if amb_block[b]:
-                continue
-            n_exact += 1
-            assert torch.equal(got_codes[b], want_codes[b]), (t, j, b)
-            assert hs[i, b].item() == s[0, b].item(), (t, j, b)
-        bound, deq_ref = h_bound(h, hb, I)
-        deq = hq[i].double() * hs[i].double().repeat_interleave(128)
-        assert bool(((deq - deq_ref).abs() <= bound).all()), (t, j)
-    assert n_exact >= len(ref)  # at least one exact block per pair on average: the check bites
-
-
-def y_reference(hdeq, bound, w2, s2, e):
-    """float64 y of one pair, its sum|terms| and the carried bound of the ambiguous h blocks."""
-    w = fp4_dequant_sim(w2[e], s2[e])
-    return w @ hdeq, w.abs() @ hdeq.abs(), w.abs() @ bound
-
-
-def combine_check(out, ids, E, parts):
-    """out [T, D] against sum_j of the per-pair (y, tol) in parts (missing pairs: skipped)."""
-    T, k = ids.shape
-    D = out.shape[1]
-    for t in range(T):
-        ys = [parts[(t, j)] for j in range(k) if (t, j) in parts]
-        y = sum((p[0] for p in ys), torch.zeros(D, dtype=torch.float64))
-        tol = sum((p[1] for p in ys), torch.zeros(D, dtype=torch.float64)) * (1 + 2.0 ** -7)
-        tol = tol + k * U32 * sum((p[0].abs() + p[1] for p in ys), torch.zeros(D, dtype=torch.float64))
-        tol = tol + 2.0 ** -8 * (y.abs() + tol)
-        err = (out[t].double() - y).abs()
-        worst = int(torch.argmax(err - tol))
-        assert bool((err <= tol).all()), (t, worst, out[t, worst].item(), y[worst].item(), tol[worst].item())
-
-
-def y_tol(y, mag, carried, K):
-    """bf16(y_kernel) vs float64 y: fp32 accumulation over K exact products, the carried bound,
-    and half a bf16 ulp."""
-    tol = (K + 2) * U32 * 1.01 * mag + carried
-    return tol + 2.0 ** -8 * (y.abs() + tol)
+    h, hb, amb = h_reference(x, ids, weights, w13, s13, LIMIT)
+    bound, deq_ref = h_bound(h, hb, amb)
+    q, s = act_quant_sim(hb)
+    n_valid = int(r.offsets[E])
+    pairs = r.order[:n_valid]
+    got_codes = hq[:n_valid].view(torch.uint8).view(n_valid, -1, 128)
+    want_codes = q[pairs].float().to(torch.float8_e4m3fn).view(torch.uint8).view(n_valid, -1, 128)
+    exact = ~amb[pairs].view(n_valid, -1, 128).any(2)  # [pairs, I / 128]
+    assert bool((got_codes == want_codes).all(2)[exact].all())
+    assert torch.equal(hs[:n_valid][exact].double(), s[pairs][exact])
+    assert int(exact.sum()) >= n_valid  # on average one exact block per pair at least: the check bites
+    deq = hq[:n_valid].double() * hs[:n_valid].double().repeat_interleave(128, 1)
+    assert_within(deq, deq_ref[pairs], bound[pairs], "dequantised h")
 
 
 @pytest.mark.parametrize("name", ["padded_rows", "d_tail_prefill_tiles"])
@@ -204,16 +216,14 @@ def test_down_and_combine_from_kernel_h(name):
     hq, hs = M.moe_gate_up(xq, xs, weights, w13, s13, r, k, LIMIT, cfg)
     y = M.moe_down(hq, hs, w2, s2, r, cfg)
     out = M.moe_combine(y, ids, E)
-    parts = {}
-    for i in range(int(r.offsets[E])):
-        p = int(r.order[i])
-        t, j = divmod(p, k)
-        hdeq = hq[i].double() * hs[i].double().repeat_interleave(128)
-        yr, mag, _ = y_reference(hdeq, torch.zeros(I, dtype=torch.float64), w2, s2, int(ids[t, j]))
-        tol = y_tol(yr, mag, 0.0, I)
-        assert bool(((y[p].double() - yr).abs() <= tol).all()), (t, j)
-        parts[(t, j)] = (y[p].double(), torch.zeros_like(yr))  # combine of the kernel's own y
-    combine_check(out, ids, E, parts)
+    n_valid = int(r.offsets[E])
+    pairs = r.order[:n_valid]
+    hdeq = torch.zeros(T * k, I, dtype=torch.float64)
+    hdeq[pairs] = hq[:n_valid].double() * hs[:n_valid].double().repeat_interleave(128, 1)
+    yr, mag, _ = y_reference(hdeq, torch.zeros_like(hdeq), ids, w2, s2)
+    assert_within(y[pairs], yr[pairs], y_tol(yr, mag, 0.0, I)[pairs], "y")
+    ref, tol = combine_tol(y.double(), torch.zeros_like(yr), ids, E)  # the kernel's own y, summed
+    assert_within(out, ref, tol, "out")
     if name == "padded_rows":
         assert torch.equal(out[4], torch.zeros_like(out[4]))
 
@@ -221,16 +231,13 @@ def test_down_and_combine_from_kernel_h(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fp4_moe_end_to_end(name):
     ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
-    I = w13.shape[1] // 2
-    E = w13.shape[0]
+    E, I = w13.shape[0], w13.shape[1] // 2
     out = M.fp4_moe(x, ids, weights, w13, s13, w2, s2, LIMIT, config=cfg)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
-    parts = {}
-    for (t, j), (h, hb, _) in h_reference(x, ids, weights, w13, s13).items():
-        bound, deq_ref = h_bound(h, hb, I)
-        yr, mag, carried = y_reference(deq_ref, bound, w2, s2, int(ids[t, j]))
-        parts[(t, j)] = (yr, y_tol(yr, mag, carried, I))
-    combine_check(out, ids, E, parts)
+    bound, deq_ref = h_bound(*h_reference(x, ids, weights, w13, s13, LIMIT))
+    yr, mag, carried = y_reference(deq_ref, bound, ids, w2, s2)
+    ref, tol = combine_tol(yr, y_tol(yr, mag, carried, I), ids, E)
+    assert_within(out, ref, tol, "out")
 
 
 def test_bad_inputs_name_the_tensor():

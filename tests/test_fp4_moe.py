@@ -35,18 +35,21 @@ def bf16(v: torch.Tensor) -> torch.Tensor:
     return v.float().to(torch.bfloat16).double()
 
 
-def make_experts(E, D, I, gen, device="cpu"):
+def make_experts(E, D, I, gen):
+    """Random FP4 experts on gen's device: every nibble code, w13 scales 2^-4..2^0."""
     def r(lo, hi, shape):
-        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen).to(device)
+        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen, device=gen.device)
     return (r(0, 256, (E, 2 * I, D // 2)), r(123, 128, (E, 2 * I, D // 32)),
             r(0, 256, (E, D, I // 2)), r(118, 126, (E, D, I // 32)))
 
 
-def make_x(T, D, gen, device="cpu"):
-    n = torch.randint(-15, 16, (T, D), generator=gen).double()
+def make_x(T, D, gen):
+    """x = n/8, |n| <= 15, with a +-15/8 at the start of every 128-block (see the module doc)."""
+    dev = gen.device
+    n = torch.randint(-15, 16, (T, D), generator=gen, device=dev).double()
     for b in range(0, D, 128):
-        n[:, b] = 15.0 * torch.where(torch.rand(T, generator=gen) < 0.5, -1.0, 1.0).double()
-    return (n / 8).to(torch.bfloat16).to(device)
+        n[:, b] = 15.0 * torch.where(torch.rand(T, generator=gen, device=dev) < 0.5, -1.0, 1.0).double()
+    return (n / 8).to(torch.bfloat16)
 
 
 def _per_expert(ids, E, fn):
@@ -56,9 +59,9 @@ def _per_expert(ids, E, fn):
         fn(e, (flat == e).nonzero().squeeze(1))
 
 
-def h_reference(x, ids, weights, w13, s13, limit, window=2.0 ** -18):
-    """float64 h [P, I], its bf16 value and its ambiguity mask (within ``window`` relative of a
-    bf16 rounding midpoint) for every pair; rows of skipped pairs are 0 / False."""
+def h_reference(x, ids, weights, w13, s13, limit, window=lambda g: 2.0 ** -18):
+    """float64 h [P, I], its bf16 value and its ambiguity mask (within ``window(g)`` relative of
+    a bf16 rounding midpoint, g the clamped gate) for every pair; rows of skipped pairs are 0 / False."""
     E, I2, _ = w13.shape
     I, k, D = I2 // 2, ids.shape[1], x.shape[1]
     q, s = act_quant_sim(x)
@@ -71,7 +74,8 @@ def h_reference(x, ids, weights, w13, s13, limit, window=2.0 ** -18):
     g = bf16(gu[:, :I]).clamp(max=limit)
     u = bf16(gu[:, I:]).clamp(-limit, limit)
     h = g / (1 + torch.exp(-g)) * u * weights.reshape(-1, 1).double()
-    amb = bf16(h * (1 + window)) != bf16(h * (1 - window))
+    w = window(g)
+    amb = bf16(h * (1 + w)) != bf16(h * (1 - w))
     return h, bf16(h), amb
 
 

@@ -15,7 +15,7 @@ from their e4m3 codes). Decode is bound by the weight bytes, where the bf16 MMA 
 Routing, on the device (no host sync, CUDA-graph capturable): the (t, j) pairs are sorted by
 expert (stable), per-expert row ranges come from ``searchsorted``, and the rows of each expert
 are cut into blocks of ``block_m``. The grid is the worst case, ``cdiv(P, block_m) + min(E, P)``
-blocks x N-tiles; blocks past the last one used exit at once. A program owns one (row block,
+blocks x N-tiles; blocks past the last one used run no K step and store nothing. A program owns one (row block,
 N-tile), so at decode every selected expert's weight tile is read once per step.
 
 1. ``_gate_up_kernel``: a program per (row block, 128 columns of I) computes the g and u tiles,
@@ -151,8 +151,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr,
                     DOT_DTYPE: tl.constexpr):
     e, e64, rows, rmask, pairs = _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M)
-    if e >= E:
-        return
+    k_end = tl.where(e < E, D, 0)  # an unused block runs no K step; its stores are masked
     tok = pairs // TOPK
     n = tl.program_id(1) * 128 + tl.arange(0, 128)
     nmask = n < I
@@ -160,7 +159,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr
     ws = ws_ptr + e64 * ws_se
     acc_g = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         a = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, NATIVE, DOT_DTYPE)
         wg = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
         wu = fp4_weight_tile(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
@@ -183,14 +182,13 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, order_ptr, blk_e_ptr, blk_r0_ptr
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     e, e64, rows, rmask, pairs = _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M)
-    if e >= E:
-        return
+    k_end = tl.where(e < E, I, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < D
     w = w_ptr + e64 * w_se
     ws = ws_ptr + e64 * ws_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         a = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, NATIVE, DOT_DTYPE)
         wd = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)
         acc = tl.dot(a, tl.trans(wd), acc)

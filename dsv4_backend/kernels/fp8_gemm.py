@@ -65,7 +65,7 @@ def pick_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmC
         tiles = triton.cdiv(M, 64) * triton.cdiv(N, 128)
         split = max(1, min(kb, num_sms // tiles))
         return GemmConfig(64, 128, split, False, 4, 4)
-    return GemmConfig(128, 256 if N >= 2048 else 128, 1, False, 8, 3)
+    return GemmConfig(128, 128, 1, False, 8, 4)
 
 
 # ---- activation quantisation ----------------------------------------------------------------

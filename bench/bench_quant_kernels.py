@@ -174,10 +174,13 @@ def moe_sweep_configs(T: int) -> list[moe.MoeConfig]:
     if T <= 64:
         return [moe.MoeConfig(16, 128, 128, 4, 3), moe.MoeConfig(16, 64, 128, 4, 3),
                 moe.MoeConfig(16, 128, 64, 4, 3), moe.MoeConfig(16, 128, 128, 8, 2),
-                moe.MoeConfig(16, 128, 128, 4, 4), moe.MoeConfig(32, 128, 128, 4, 3)]
+                moe.MoeConfig(16, 128, 128, 4, 4), moe.MoeConfig(32, 128, 128, 4, 3),
+                moe.MoeConfig(16, 128, 128, 4, 3, True), moe.MoeConfig(16, 64, 128, 4, 3, True),
+                moe.MoeConfig(16, 128, 64, 4, 3, True)]
     return [moe.MoeConfig(64, 64, 128, 8, 3), moe.MoeConfig(64, 128, 128, 8, 3),
             moe.MoeConfig(128, 64, 128, 8, 3), moe.MoeConfig(128, 32, 128, 8, 3),
-            moe.MoeConfig(64, 64, 128, 4, 3), moe.MoeConfig(128, 64, 64, 8, 4)]
+            moe.MoeConfig(64, 64, 128, 4, 3), moe.MoeConfig(128, 64, 64, 8, 4),
+            moe.MoeConfig(64, 64, 128, 8, 3, True), moe.MoeConfig(128, 64, 128, 8, 3, True)]
 
 
 def bench_moe(quick: bool, copy_gbps: float, bf16_tflops: float) -> None:

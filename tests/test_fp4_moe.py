@@ -166,6 +166,7 @@ CASES = {  # name: (T, k, E, D, I, ids rule, config)
     "all_to_one": (20, 2, 8, 256, 256, "one", None),
     "padded_rows": (6, 3, 8, 256, 256, "padded", None),
     "d_tail_prefill_tiles": (20, 2, 4, 160, 256, "one", M.MoeConfig(32, 64, 64, 4, 2)),
+    "split_nibbles": (20, 2, 4, 160, 256, "one", M.MoeConfig(16, 64, 64, 4, 2, True)),
 }
 
 
@@ -184,7 +185,7 @@ def case_inputs(name):
     return ids, weights, make_x(T, D, gen), make_experts(E, D, I, gen), cfg
 
 
-@pytest.mark.parametrize("name", ["empty_experts", "all_to_one", "padded_rows"])
+@pytest.mark.parametrize("name", ["empty_experts", "all_to_one", "padded_rows", "split_nibbles"])
 def test_gate_up_codes_exact(name):
     ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
     T, k = ids.shape
@@ -209,7 +210,7 @@ def test_gate_up_codes_exact(name):
     assert_within(deq, deq_ref[pairs], bound[pairs], "dequantised h")
 
 
-@pytest.mark.parametrize("name", ["padded_rows", "d_tail_prefill_tiles"])
+@pytest.mark.parametrize("name", ["padded_rows", "d_tail_prefill_tiles", "split_nibbles"])
 def test_down_and_combine_from_kernel_h(name):
     ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
     T, k = ids.shape

@@ -48,6 +48,9 @@ class MoeConfig(NamedTuple):
     block_n: int = 128  # down projection: D columns per program (gate-up: always 128 of I)
     num_warps: int = 4
     num_stages: int = 3
+    # the K tile as two half-depth products, even K (low nibbles) and odd K (high nibbles): no
+    # nibble interleave in registers; False: one product on the interleaved tile
+    split_nibbles: bool = False
 
 
 def pick_moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -117,11 +120,29 @@ def fp4_weight_tile(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
 
 
 @triton.jit
+def fp4_weight_halves(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The same tile as two [BLOCK_R, BLOCK_K / 2] halves, no shuffle: (even K indices = low
+    nibbles, odd = high nibbles); each byte's scale is loaded at its own column (repeated
+    addresses, served by L1) instead of being broadcast in registers."""
+    c = tl.arange(0, BLOCK_K // 2)
+    kb = k0 // 2 + c
+    r64 = rows.to(tl.int64)
+    mask = rmask[:, None] & (kb < K // 2)[None, :]
+    b = tl.load(w_ptr + r64[:, None] * w_sr + kb[None, :], mask=mask, other=0).to(tl.int32)
+    sb = tl.load(s_ptr + r64[:, None] * s_sr + (k0 // 32 + c // 16)[None, :], mask=mask, other=127)
+    scale = exp2_int(sb.to(tl.int32) - 127 + 14)
+    return ((e2m1_times_2m14(b & 15) * scale).to(DOT_DTYPE),
+            (e2m1_times_2m14(b >> 4) * scale).to(DOT_DTYPE))
+
+
+@triton.jit
 def fp8_act_tile(q_ptr, q_sr, s_ptr, s_sr, rows, rmask, k0, K,
-                 BLOCK_K: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Rows x K indices [k0, k0 + BLOCK_K) of e4m3 activations with 1x128 scales -> DOT_DTYPE
-    values (exact in bf16); past K: 0."""
-    kk = k0 + tl.arange(0, BLOCK_K)
+                 BLOCK_K: tl.constexpr, STEP: tl.constexpr, OFF: tl.constexpr,
+                 NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Rows x K indices k0 + OFF + STEP * i, i < BLOCK_K / STEP, of e4m3 activations with 1x128
+    scales -> DOT_DTYPE values (exact in bf16); past K: 0."""
+    kk = k0 + OFF + STEP * tl.arange(0, BLOCK_K // STEP)
     r64 = rows.to(tl.int64)
     q = tl.load(q_ptr + r64[:, None] * q_sr + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0)
     s = tl.load(s_ptr + r64 * s_sr + k0 // 128, mask=rmask, other=0.0)
@@ -148,8 +169,8 @@ def _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M: tl.conste
 def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr,
                     hq_ptr, hs_ptr, E, D, I, TOPK, limit,
                     w_se, w_sr, ws_se, ws_sr, xs_sr, hs_sr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr,
+                    NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     e, e64, rows, rmask, pairs = _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M)
     k_end = tl.where(e < E, D, 0)  # an unused block runs no K step; its stores are masked
     tok = pairs // TOPK
@@ -160,11 +181,19 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr
     acc_g = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
-        a = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, NATIVE, DOT_DTYPE)
-        wg = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
-        wu = fp4_weight_tile(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g)
-        acc_u = tl.dot(a, tl.trans(wu), acc_u)
+        if SPLIT_NIBBLES:
+            a_e = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, 2, 0, NATIVE, DOT_DTYPE)
+            a_o = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, 2, 1, NATIVE, DOT_DTYPE)
+            g_e, g_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
+            u_e, u_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
+            acc_g = tl.dot(a_o, tl.trans(g_o), tl.dot(a_e, tl.trans(g_e), acc_g))
+            acc_u = tl.dot(a_o, tl.trans(u_o), tl.dot(a_e, tl.trans(u_e), acc_u))
+        else:
+            a = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, 1, 0, NATIVE, DOT_DTYPE)
+            wg = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
+            wu = fp4_weight_tile(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
     g = tl.minimum(round_bf16(acc_g, NATIVE), limit)
     u = tl.minimum(tl.maximum(round_bf16(acc_u, NATIVE), -limit), limit)
     wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0)
@@ -180,7 +209,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr
 def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, y_ptr,
                  E, D, I, w_se, w_sr, ws_se, ws_sr, hs_sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 SPLIT_NIBBLES: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     e, e64, rows, rmask, pairs = _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M)
     k_end = tl.where(e < E, I, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,9 +218,15 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, order_ptr, blk_e_ptr, blk_r0_ptr
     ws = ws_ptr + e64 * ws_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
-        a = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, NATIVE, DOT_DTYPE)
-        wd = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)
-        acc = tl.dot(a, tl.trans(wd), acc)
+        if SPLIT_NIBBLES:
+            a_e = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, 2, 0, NATIVE, DOT_DTYPE)
+            a_o = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, 2, 1, NATIVE, DOT_DTYPE)
+            w_e, w_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)
+            acc = tl.dot(a_o, tl.trans(w_o), tl.dot(a_e, tl.trans(w_e), acc))
+        else:
+            a = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, 1, 0, NATIVE, DOT_DTYPE)
+            wd = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)
+            acc = tl.dot(a, tl.trans(wd), acc)
     y = round_bf16(acc, NATIVE)
     p64 = pairs.to(tl.int64)
     tl.store(y_ptr + p64[:, None] * D + n[None, :], y, mask=rmask[:, None] & nmask[None, :])
@@ -257,7 +292,8 @@ def moe_gate_up(xq, xs, weights, w13, w13_scale, routing: Routing, topk: int, li
         routing.block_expert, routing.block_row0, routing.offsets, hq.view(torch.uint8), hs,
         E, D, I, topk, float(limit),
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), xs.stride(0), hs.stride(0),
-        BLOCK_M=config.block_m, BLOCK_K=config.block_k, NATIVE=native(), DOT_DTYPE=_tl_dot_dtype(),
+        BLOCK_M=config.block_m, BLOCK_K=config.block_k, SPLIT_NIBBLES=config.split_nibbles,
+        NATIVE=native(), DOT_DTYPE=_tl_dot_dtype(),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return hq, hs
 
@@ -272,7 +308,8 @@ def moe_down(hq, hs, w2, w2_scale, routing: Routing, config: MoeConfig) -> torch
         hq.view(torch.uint8), hs, w2, w2_scale, routing.order, routing.block_expert,
         routing.block_row0, routing.offsets, y, E, D, I,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), hs.stride(0),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NATIVE=native(),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_NIBBLES=config.split_nibbles, NATIVE=native(),
         DOT_DTYPE=_tl_dot_dtype(), num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 

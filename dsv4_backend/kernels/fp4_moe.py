@@ -10,13 +10,14 @@ ids outside [0, E) (CUDA-graph padding) are skipped: their y_tj counts as 0.
 Weights (e2m1 nibbles, low nibble = even K index; e8m0 scale per 32 along K) are converted in
 registers to bf16 with the scale applied: e2m1 x 2^s and e4m3 x 2^s are exact in bf16, so every
 product is exact in the fp32 accumulator (W4A16 on the tensor cores, activations dequantised
-from their e4m3 codes). Decode is bound by the weight bytes, where the bf16 MMA rate is enough.
+from their e4m3 codes). At decode the weight bytes and their conversion, not the MMA rate, set
+the time (not yet measured: see docs/kernels.md).
 
 Routing, on the device (no host sync, CUDA-graph capturable): the (t, j) pairs are sorted by
 expert (stable), per-expert row ranges come from ``searchsorted``, and the rows of each expert
 are cut into blocks of ``block_m``. The grid is the worst case, ``cdiv(P, block_m) + min(E, P)``
-blocks x N-tiles; blocks past the last one used run no K step and store nothing. A program owns one (row block,
-N-tile), so at decode every selected expert's weight tile is read once per step.
+blocks x N-tiles; blocks past the last one used run no K step and store nothing. A program owns
+one (row block, N-tile), so at decode every selected expert's weight tile is read once per step.
 
 1. ``_gate_up_kernel``: a program per (row block, 128 columns of I) computes the g and u tiles,
    the SwiGLU, the routing weight and the 1x128 act-quant of h in its epilogue (128 columns =
@@ -38,9 +39,6 @@ from dsv4_backend.kernels._common import (
     check_device, dot_dtype, e4m3_decode, exp2_int, native, round_bf16,
 )
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, quant_block_e4m3
-
-FP4_BLOCK = 32  # weight scale block along K
-
 
 class MoeConfig(NamedTuple):
     block_m: int = 16  # routed rows per program (one expert's)

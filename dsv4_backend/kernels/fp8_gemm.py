@@ -1,0 +1,258 @@
+"""FP8 block-scaled linear layers (W8A8, DeepSeek's recipe) for the checkpoint's FP8 weights.
+
+Semantics (docs/kernels.md, QUANT_INTERFACE.md):
+
+- ``act_quant_fp8(x [M, K])``: per row and per 128-wide block along K,
+  ``s = 2^ceil(log2(max(amax, 1e-4) / 448))`` (exact: read from amax's exponent bits),
+  ``xq = e4m3(clamp(x / s, +-448))`` rounded to nearest even -> (xq e4m3 [M, K], xs fp32 [M, ceil(K/128)]).
+- ``fp8_block_gemm(xq, xs, w [N, K] e4m3, w_scale fp32 [ceil(N/128), ceil(K/128)])``:
+  ``y[m, n] = sum_kb xs[m, kb] * w_scale[n // 128, kb] * sum_{k in kb} xq[m, k] w[n, k]``:
+  each 128-deep block product is one tensor-core dot into a fresh fp32 accumulator, scaled and
+  added to the fp32 running sum (the per-K-block promotion of DeepSeek's kernels).
+
+Launch shapes (``GemmConfig``): prefill tiles ``[block_m, block_n]`` in L2-friendly groups of
+``group_m`` rows; decode (small M) swaps the operands (``swap_ab``: the weight tile is the MMA's
+M side, so a 16-row activation tile does not waste a 64-row wgmma) and splits K over
+``split_k`` programs whose fp32 partials a second kernel sums in split order (deterministic, no
+atomics). ``pick_config`` is the shape rule; ``bench/bench_quant_kernels.py`` sweeps it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels._common import (
+    check_device, e4m3_encode, exp2_int, native, pow2_scale_exp, round_bf16,
+)
+
+FP8_MAX = 448.0
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+QBLOCK = 128  # activation and weight scale block along K (and along N for weights)
+NUM_SMS_DEFAULT = 132
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    swap_ab: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def pick_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmConfig:
+    """The shape rule. Decode (M <= 64): operands swapped, 64-row weight tiles, K split until
+    there are about two programs per SM (each split a whole number of 128-blocks). Mid M: 64 x 128
+    tiles, split K when the tiles alone do not fill the SMs. Prefill: 128 x 256 tiles, 8 warps."""
+    kb = triton.cdiv(K, QBLOCK)
+    if M <= 64:
+        bm = max(16, triton.next_power_of_2(M))
+        tiles = triton.cdiv(N, 64)
+        split = max(1, min(kb, (2 * num_sms) // tiles))
+        return GemmConfig(bm, 64, split, True, 4, 4)
+    if M <= 256:
+        tiles = triton.cdiv(M, 64) * triton.cdiv(N, 128)
+        split = max(1, min(kb, num_sms // tiles))
+        return GemmConfig(64, 128, split, False, 4, 4)
+    return GemmConfig(128, 128, 1, False, 8, 4)
+
+
+# ---- activation quantisation ----------------------------------------------------------------
+
+@triton.jit
+def quant_block_e4m3(x, NATIVE: tl.constexpr):
+    """x fp32 [R, 128] (one 128-wide block per row) -> (e4m3 bits uint8 [R, 128], fp32 scale [R]).
+    x / s is x times an exact power of two, so no rounding happens before the e4m3 cast."""
+    k = pow2_scale_exp(tl.max(tl.abs(x), axis=1))
+    v = tl.minimum(tl.maximum(x * exp2_int(-k)[:, None], -FP8_MAX_C), FP8_MAX_C)
+    return e4m3_encode(v, NATIVE), exp2_int(k)
+
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, x_sm, q_ptr, s_ptr, M, K, NB,
+                      BLOCK_M: tl.constexpr, NATIVE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < K)[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * x_sm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    codes, scale = quant_block_e4m3(x, NATIVE)
+    tl.store(q_ptr + r64[:, None] * K + cols[None, :], codes, mask=mask)
+    tl.store(s_ptr + r64 * NB + kb, scale, mask=rmask)
+
+
+def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16 / fp16 / fp32, rows may be strided) -> (xq e4m3 [M, K], xs fp32 [M, ceil(K/128)])."""
+    check_device(x)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"act_quant_fp8: x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
+    M, K = x.shape
+    nb = triton.cdiv(K, QBLOCK)
+    xq = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(M, nb, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return xq, xs
+    block_m = 8
+    _act_quant_kernel[(triton.cdiv(M, block_m), nb)](
+        x, x.stride(0), xq.view(torch.uint8), xs, M, K, nb, BLOCK_M=block_m, NATIVE=native(),
+        num_warps=4)
+    return xq, xs
+
+
+# ---- the GEMM --------------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, NB, a_sm, ws_sn, c_ss, c_sm,
+                     kb_per_split,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, OUT_BF16: tl.constexpr,
+                     NATIVE: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile over K-blocks [split * kb_per_split, ...). The split's
+    partial (or, unsplit, the result) goes to c + split * c_ss."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    m64 = offs_m.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    kk = tl.arange(0, 128)
+    a_rows = a_ptr + m64[:, None] * a_sm + kk[None, :]
+    w_rows = w_ptr + n64[:, None] * K + kk[None, :]
+    as_rows = as_ptr + m64 * NB
+    ws_rows = ws_ptr + (offs_n // 128) * ws_sn
+
+    kb0 = split * kb_per_split
+    kb1 = tl.minimum(kb0 + kb_per_split, NB)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        k0 = kb * 128
+        if EVEN_K:
+            a = tl.load(a_rows + k0, mask=mmask[:, None], other=0)
+            w = tl.load(w_rows + k0, mask=nmask[:, None], other=0)
+        else:
+            kmask = (k0 + kk) < K
+            a = tl.load(a_rows + k0, mask=mmask[:, None] & kmask[None, :], other=0)
+            w = tl.load(w_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0)
+        sa = tl.load(as_rows + kb, mask=mmask, other=0.0)
+        sw = tl.load(ws_rows + kb, mask=nmask, other=0.0)
+        a = a.to(tl.float8e4nv, bitcast=True)
+        w = w.to(tl.float8e4nv, bitcast=True)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+        else:
+            acc += tl.dot(a, tl.trans(w)) * (sa[:, None] * sw[None, :])
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if OUT_BF16:  # the interpreter's bf16 store truncates: round first, the store is then exact
+        acc = round_bf16(acc, NATIVE)
+    c = c_ptr + split.to(tl.int64) * c_ss + m64[:, None] * c_sm + offs_n[None, :]
+    tl.store(c, acc, mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                      OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """c = sum over splits of the fp32 partials [SPLIT, MN], in split order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    if OUT_BF16:
+        acc = round_bf16(acc, NATIVE)
+    tl.store(c_ptr + offs, acc, mask=mask)
+
+
+def _check_gemm_inputs(xq, xs, w, w_scale):
+    if xq.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_block_gemm: xq and w must be float8_e4m3fn, got {xq.dtype} and {w.dtype}")
+    if xq.dim() != 2 or w.dim() != 2 or xq.shape[1] != w.shape[1]:
+        raise ValueError(f"fp8_block_gemm: xq [M, K] and w [N, K] must share K, got "
+                         f"{tuple(xq.shape)} and {tuple(w.shape)}")
+    M, K = xq.shape
+    N = w.shape[0]
+    nb = triton.cdiv(K, QBLOCK)
+    if tuple(xs.shape) != (M, nb) or xs.dtype != torch.float32:
+        raise ValueError(f"fp8_block_gemm: xs must be fp32 [{M}, {nb}], got {xs.dtype} {tuple(xs.shape)}")
+    if tuple(w_scale.shape) != (triton.cdiv(N, QBLOCK), nb) or w_scale.dtype != torch.float32:
+        raise ValueError(f"fp8_block_gemm: w_scale must be fp32 [{triton.cdiv(N, QBLOCK)}, {nb}], "
+                         f"got {w_scale.dtype} {tuple(w_scale.shape)}")
+    if xq.stride(1) != 1 or not w.is_contiguous() or not xs.is_contiguous() or w_scale.stride(1) != 1:
+        raise ValueError("fp8_block_gemm: xq rows, w, xs and w_scale must be dense along K")
+
+
+def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                   out_dtype: torch.dtype = torch.bfloat16,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """y [M, N] = block-scaled (xq * xs) @ (w * w_scale)^T in fp32, cast to ``out_dtype``
+    (bf16 or fp32). No host synchronisation; the grid depends only on the shapes."""
+    check_device(xq, xs, w, w_scale)
+    _check_gemm_inputs(xq, xs, w, w_scale)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_block_gemm: out_dtype must be bf16 or fp32, got {out_dtype}")
+    M, K = xq.shape
+    N = w.shape[0]
+    nb = triton.cdiv(K, QBLOCK)
+    out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or pick_config(M, N, K, _num_sms(xq.device))
+    kb_per_split = triton.cdiv(nb, cfg.split_k)
+    split = triton.cdiv(nb, kb_per_split)  # no empty split
+    nat = native()
+    if split == 1:
+        dest, c_ss, out_bf16 = out, 0, out_dtype == torch.bfloat16
+    else:
+        dest = torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
+        c_ss, out_bf16 = M * N, False
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+    _fp8_gemm_kernel[grid](
+        xq.view(torch.uint8), xs, w.view(torch.uint8), w_scale, dest, M, N, K, nb,
+        xq.stride(0), w_scale.stride(0), c_ss, N, kb_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
+        EVEN_K=K % QBLOCK == 0, OUT_BF16=out_bf16, NATIVE=nat,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(M * N, block),)](
+            dest, out, M * N, SPLIT=split, BLOCK=block, OUT_BF16=out_dtype == torch.bfloat16,
+            NATIVE=nat, num_warps=4)
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               config: GemmConfig | None = None) -> torch.Tensor:
+    """act_quant_fp8(x) then fp8_block_gemm, output in x.dtype (bf16 or fp32). x: [..., K]."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_linear: x must be bf16 or fp32, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = act_quant_fp8(x2)
+    return fp8_block_gemm(xq, xs, w, w_scale, x.dtype, config).reshape(*lead, w.shape[0])

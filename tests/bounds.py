@@ -127,6 +127,17 @@ def _page_row_bytes(pool: torch.Tensor, slots: torch.Tensor, row_bytes: int, hea
     return mask
 
 
+def _checked_tails(pool, ref_pool, slots, row_bytes: int, head_bytes: int, what: str):
+    """Checks every byte outside the rows at ``slots`` is untouched; returns each row's tail
+    bytes (the scale group after the page's heads) of both pools, uint8 [n, tail]."""
+    _assert_untouched_bytes(pool, ref_pool, _page_row_bytes(pool, slots, row_bytes, head_bytes), what)
+    page_rows = pool.shape[1] // row_bytes
+    page, r = slots // page_rows, slots % page_rows
+    tail_bytes = row_bytes - head_bytes
+    cols = page_rows * head_bytes + r[:, None] * tail_bytes + torch.arange(tail_bytes)
+    return pool.cpu()[page[:, None], cols], ref_pool.cpu()[page[:, None], cols]
+
+
 def _assert_untouched_bytes(pool, ref_pool, mask, what):
     pool, ref_pool = pool.cpu(), ref_pool.cpu()
     diff = ((pool != ref_pool) & ~mask).nonzero()
@@ -145,12 +156,7 @@ def assert_kv_pools_close(pool, ref_pool, slots, pre_bound, what: str) -> None:
     slots = slots[slots >= 0].long().cpu()
     if slots.numel() == 0:
         return
-    _assert_untouched_bytes(pool, ref_pool, _page_row_bytes(pool, slots, 584, 576), what)
-    page_rows = pool.shape[1] // 584
-    page, r = slots // page_rows, slots % page_rows
-    tail = page_rows * 576 + r * 8
-    groups = lambda p: torch.stack([p.cpu()[page, tail + i] for i in range(8)], 1).long()  # noqa: E731
-    ga, gb = groups(pool), groups(ref_pool)
+    ga, gb = (t.long() for t in _checked_tails(pool, ref_pool, slots, 584, 576, what))
     assert torch.equal(ga[:, 7], gb[:, 7]), f"{what}: pad bytes differ"
     assert (ga[:, :7] - gb[:, :7]).abs().max() <= 1, f"{what}: scale exponents differ by more than one"
     got, want = read_kv_rows(pool.cpu(), slots).double(), read_kv_rows(ref_pool.cpu(), slots).double()
@@ -171,12 +177,7 @@ def assert_indexer_pools_close(pool, ref_pool, slots, pre_bound, what: str) -> N
     slots = slots[slots >= 0].long().cpu()
     if slots.numel() == 0:
         return
-    _assert_untouched_bytes(pool, ref_pool, _page_row_bytes(pool, slots, 132, 128), what)
-    page_rows = pool.shape[1] // 132
-    page, r = slots // page_rows, slots % page_rows
-    tail = page_rows * 128 + r * 4
-    scales = lambda p: torch.stack([p.cpu()[page, tail + i] for i in range(4)], 1).contiguous().view(torch.float32)  # noqa: E731
-    sa, sb = scales(pool).double(), scales(ref_pool).double()
+    sa, sb = (t.contiguous().view(torch.float32).double() for t in _checked_tails(pool, ref_pool, slots, 132, 128, what))
     assert ((sa / sb).log2().abs() <= 1).all(), f"{what}: row scales differ by more than a factor of two"
     got, want = read_indexer_rows(pool.cpu(), slots).double(), read_indexer_rows(ref_pool.cpu(), slots).double()
     mag = torch.maximum(got.abs(), want.abs())

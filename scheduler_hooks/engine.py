@@ -24,11 +24,12 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from dsv4_backend.checkpoint import load_checkpoint
+from dsv4_backend.checkpoint import CheckpointReader
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model_runner import ModelRunner
 from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
@@ -76,6 +77,19 @@ def _available_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
+
+
+def weight_nbytes(weights: Union[dict[str, torch.Tensor], CheckpointReader]) -> int:
+    """Bytes the model's weights take on the device (a checkpoint's as it will be kept)."""
+    if isinstance(weights, CheckpointReader):
+        return weights.nbytes
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def _is_fp8(model_path: str) -> bool:
+    """Whether config.json marks a quantised release (its FP8 / FP4 weights are then kept so)."""
+    cfg = Path(model_path) / "config.json"   # a missing one is CheckpointReader's error to report
+    return cfg.exists() and DSV4Config.from_json(cfg).quantization == "fp8"
 
 
 class Engine:
@@ -167,13 +181,15 @@ class Engine:
 
     # ---- construction ---------------------------------------------------------------
 
-    def _load_model(self, model_path: Optional[str], preset: str, seed: int,
-                    overrides: dict[str, Any]) -> tuple[DSV4Config, dict[str, torch.Tensor]]:
+    def _load_model(self, model_path: Optional[str], preset: str, seed: int, overrides: dict[str, Any]
+                    ) -> tuple[DSV4Config, Union[dict[str, torch.Tensor], CheckpointReader]]:
         if model_path is not None:
             if overrides:
                 raise ValueError("config_overrides apply to presets only, not to a checkpoint")
-            ck = load_checkpoint(model_path, dtype=self.dtype, device=self.device, include_mtp=False)
-            return ck.config, ck.weights
+            # checked now, streamed into the model by the runner; an FP8 release stays quantised
+            reader = CheckpointReader(model_path, dtype=self.dtype, device=self.device, include_mtp=False,
+                                      keep_quantized=_is_fp8(model_path))
+            return reader.config, reader
         cfg = DSV4Config.preset(preset, **overrides)
         logger.warning("no model path: the built-in %r preset has SEEDED RANDOM WEIGHTS (seed %d), so its "
                        "output is meaningless text; pass a real DeepSeek-V4 checkpoint (model_path / "
@@ -181,7 +197,7 @@ class Engine:
         return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False,
                                    draw_on_device=self._weights_on_device)
 
-    def _plan(self, conf: DSV4PoolConfigurator, weights: dict[str, torch.Tensor],
+    def _plan(self, conf: DSV4PoolConfigurator, weights: Union[dict[str, torch.Tensor], CheckpointReader],
               max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:
         if max_total_tokens is not None and mem_fraction_static is not None:
             raise ValueError("pass max_total_tokens or mem_fraction_static, not both")
@@ -192,7 +208,7 @@ class Engine:
                 mem_fraction_static = DEFAULT_GPU_MEM_FRACTION
         if max_total_tokens is not None:
             return conf.plan_for_tokens(max_total_tokens)
-        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        weight_bytes = weight_nbytes(weights)
         budget = int(_available_bytes(self.device) * mem_fraction_static) - weight_bytes
         if budget <= 0:
             raise ValueError(f"mem_fraction_static={mem_fraction_static} leaves no memory for the KV pools "

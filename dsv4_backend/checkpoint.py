@@ -453,6 +453,10 @@ class CheckpointReader:
         """Bytes the loaded tensors take on the device (the model's weights)."""
         return sum(t.nbytes for t in model_tensors(self.config, self.dtype, self.include_mtp, self.quantized))
 
+    def tensor_names(self) -> list[str]:
+        """The names :meth:`stream` yields (``weights.model_tensors``' order)."""
+        return [t.name for t in model_tensors(self.config, self.dtype, self.include_mtp, self.quantized)]
+
     def _stored_bytes(self, name: str) -> int:
         st = self._stored[name]
         return math.prod(st.shape) * _TAG_BYTES[st.dtype]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Protocol
 
 import torch
 from safetensors import safe_open
@@ -204,19 +204,22 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 # ---- writer -----------------------------------------------------------------------------
 
 def _encode(name: str, w: torch.Tensor, kind: WeightKind | None, fmt: str) -> dict[str, torch.Tensor]:
-    """One model tensor -> the tensors stored for it in format ``fmt``."""
-    w = w.detach().cpu()
+    """One model tensor -> the tensors stored for it in format ``fmt`` (quantised on the tensor's
+    device, a GPU's when it is there; stored from the CPU)."""
+    w = w.detach()
     if not w.is_floating_point():
-        return {name: w.contiguous()}
-    if fmt == "fp32" or kind is WeightKind.FP32:
-        return {name: w.to(torch.float32).contiguous()}
-    if fmt == "fp8" and kind is WeightKind.FP8:
+        out = {name: w}
+    elif fmt == "fp32" or kind is WeightKind.FP32:
+        out = {name: w.to(torch.float32)}
+    elif fmt == "fp8" and kind is WeightKind.FP8:
         q = quantize_fp8_blockwise(w)
-        return {name: q.weight, scale_name(name): q.scale}
-    if fmt == "fp8" and kind is WeightKind.FP4:
+        out = {name: q.weight, scale_name(name): q.scale}
+    elif fmt == "fp8" and kind is WeightKind.FP4:
         q = quantize_fp4(w)
-        return {name: q.packed, scale_name(name): q.scale}
-    return {name: w.to(torch.bfloat16).contiguous()}
+        out = {name: q.packed, scale_name(name): q.scale}
+    else:
+        out = {name: w.to(torch.bfloat16)}
+    return {n: t.cpu().contiguous() for n, t in out.items()}
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -407,6 +410,20 @@ def _safetensors_device(device: str | torch.device) -> str:
         return "cpu"
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return f"{dev.type}:{index}"
+
+
+class WeightStream(Protocol):
+    """What a model can be filled from (``ModelRunner``, ``Engine(weight_stream=...)``): a config,
+    whether the weights come quantised, their device bytes, and ``(name, tensor)`` one at a time."""
+
+    config: DSV4Config
+    quantized: bool
+    include_mtp: bool
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class CheckpointReader:

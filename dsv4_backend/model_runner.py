@@ -23,7 +23,7 @@ from memory.pools import DSV4KVPools
 
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
 from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
-from .checkpoint import CheckpointReader
+from .checkpoint import WeightStream
 from .cuda_graph import DecodeGraphs, GraphUnavailable, cuda_graph_default, graphs_supported
 from .config import DSV4Config
 from .model import DSV4Model, hi_dtype
@@ -56,13 +56,14 @@ class ModelRunner:
     """Owns the model and the attention backend; pools and allocator are the caller's.
 
     ``weights``: a dict of release names (a quantised model when it holds e4m3 tensors, as
-    ``load_checkpoint(..., keep_quantized=True)`` gives) or a ``CheckpointReader``, streamed in.
+    ``load_checkpoint(..., keep_quantized=True)`` gives) or a ``WeightStream`` (a ``CheckpointReader``),
+    streamed into the model tensor by tensor.
 
     ``forward`` returns per request logits ``[n, vocab]`` (float32, float64 in float64 mode):
     n = 1 for ``"last"``, ``len(input_ids)`` for ``"all"``, 0 for ``"none"``.
     """
 
-    def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor] | CheckpointReader, pools: DSV4KVPools,
+    def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor] | WeightStream, pools: DSV4KVPools,
                  allocator: KVAllocator, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  backend: Optional[str] = None, dense: bool = False, cuda_graph: Optional[bool] = None,
                  cuda_graph_max_bs: Optional[int] = None):
@@ -70,7 +71,7 @@ class ModelRunner:
         self.device, self.dtype, self.dense = torch.device(device), dtype, dense
         if dense != bool(pools.plan.dense):
             raise ValueError(f"ModelRunner(dense={dense}) needs pools planned with dense={dense}")
-        if isinstance(weights, CheckpointReader):
+        if not isinstance(weights, dict):
             # streamed into the model: no second copy of the weights at any time
             self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=weights.include_mtp,
                                    quantized=weights.quantized)

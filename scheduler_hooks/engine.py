@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from dsv4_backend.checkpoint import CheckpointReader
+from dsv4_backend.checkpoint import CheckpointReader, WeightStream
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model_runner import ModelRunner
 from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
@@ -79,9 +79,9 @@ def _available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
 
 
-def weight_nbytes(weights: Union[dict[str, torch.Tensor], CheckpointReader]) -> int:
+def weight_nbytes(weights: Union[dict[str, torch.Tensor], WeightStream]) -> int:
     """Bytes the model's weights take on the device (a checkpoint's as it will be kept)."""
-    if isinstance(weights, CheckpointReader):
+    if not isinstance(weights, dict):
         return weights.nbytes
     return sum(t.numel() * t.element_size() for t in weights.values())
 
@@ -104,6 +104,9 @@ class Engine:
     On CUDA (bf16, the Triton backend) pure-decode steps replay CUDA graphs
     (``dsv4_backend/cuda_graph.py``) up to ``cuda_graph_max_bs`` requests;
     ``cuda_graph=False`` (or ``DSV4_CUDA_GRAPH=0``) runs every step eagerly.
+    A checkpoint (``model_path``) is checked, then streamed into the model tensor by tensor; an
+    FP8 release (``quantization_config`` in its config.json) stays quantised (FP8 linears, FP4
+    experts). ``weight_stream`` gives any such stream instead (benchmarks that synthesise weights).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class Engine:
         random_weights_on_device: bool = False,
         cuda_graph: Optional[bool] = None,
         cuda_graph_max_bs: Optional[int] = None,
+        weight_stream: Optional[WeightStream] = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -139,6 +143,9 @@ class Engine:
         torch.manual_seed(random_seed)
 
         self._weights_on_device = random_weights_on_device
+        if weight_stream is not None and model_path is not None:
+            raise ValueError("pass model_path or weight_stream, not both")
+        self._weight_stream = weight_stream
         self.config, weights = self._load_model(model_path, preset, random_seed, config_overrides or {})
         self.model_name = str(model_path) if model_path else f"dsv4-{preset}"
         self.context_length = int(context_length or self.config.max_position_embeddings)
@@ -182,7 +189,9 @@ class Engine:
     # ---- construction ---------------------------------------------------------------
 
     def _load_model(self, model_path: Optional[str], preset: str, seed: int, overrides: dict[str, Any]
-                    ) -> tuple[DSV4Config, Union[dict[str, torch.Tensor], CheckpointReader]]:
+                    ) -> tuple[DSV4Config, Union[dict[str, torch.Tensor], WeightStream]]:
+        if self._weight_stream is not None:
+            return self._weight_stream.config, self._weight_stream
         if model_path is not None:
             if overrides:
                 raise ValueError("config_overrides apply to presets only, not to a checkpoint")
@@ -197,7 +206,7 @@ class Engine:
         return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False,
                                    draw_on_device=self._weights_on_device)
 
-    def _plan(self, conf: DSV4PoolConfigurator, weights: Union[dict[str, torch.Tensor], CheckpointReader],
+    def _plan(self, conf: DSV4PoolConfigurator, weights: Union[dict[str, torch.Tensor], WeightStream],
               max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:
         if max_total_tokens is not None and mem_fraction_static is not None:
             raise ValueError("pass max_total_tokens or mem_fraction_static, not both")

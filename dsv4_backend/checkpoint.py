@@ -1,10 +1,11 @@
 """DeepSeek-V4 checkpoints in the release's tensor names (DSV4.md section 3).
 
-``load_checkpoint`` reads a directory holding ``config.json`` and either one
-``model.safetensors`` or shards listed by ``model.safetensors.index.json``. Names are
-checked against ``weight_specs(cfg)`` before any tensor is read; then tensors are read one
-at a time (``safe_open``), dequantised to the compute dtype and kept, so a 160 GB release
-never exists twice in memory.
+A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json``. ``CheckpointReader`` checks every name, shape and
+dtype against ``weight_specs(cfg)`` from the headers alone (``CheckpointError`` lists every
+problem, naming the tensor), then streams the tensors shard by shard, one at a time, onto the
+device: dequantised to the compute dtype, or (``keep_quantized``) in the stored FP8 / FP4 form
+that ``DSV4Model(quantized=True)`` runs. ``load_checkpoint`` collects the stream into a dict.
 
 Stored formats, per tensor (the file's dtype decides, not the config):
 
@@ -16,10 +17,6 @@ Stored formats, per tensor (the file's dtype decides, not the config):
 - plain floats (fp32 / bf16 / fp16 / fp64) and the int64 hash-routing table as they are.
 
 ``save_checkpoint`` is a small writer for test checkpoints in the same layout.
-
-Not done yet: the release also rounds the *activations* entering every FP8/FP4 matmul to
-e4m3 in 1x128 blocks; here weights are dequantised to the compute dtype and the matmuls run
-unquantised (see docs/checkpoints.md).
 """
 
 from __future__ import annotations

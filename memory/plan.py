@@ -106,30 +106,29 @@ def plot(plan: PoolPlan, path: str) -> None:
     plt.close(fig)
 
 
-def checkpoint_weight_bytes(model_path: str) -> int:
-    """Device bytes of a checkpoint's weights as the server loads them (headers only)."""
+def checkpoint_weights(model_path: str):
+    """A checkpoint's config and the device bytes of its weights as the server loads them (bf16,
+    an FP8 release kept quantised, no MTP), from the headers alone."""
     import torch
 
-    # like main's config lookup, the CLI's own use of dsv4_backend (the library never does this)
     from dsv4_backend.checkpoint import CheckpointReader
     from dsv4_backend.config import DSV4Config
 
-    cfg = DSV4Config.from_json(Path(model_path) / "config.json")
-    reader = CheckpointReader(model_path, dtype=torch.bfloat16, device="cpu", include_mtp=False,
-                              keep_quantized=cfg.quantization == "fp8")
-    return reader.nbytes
+    fp8 = DSV4Config.from_json(Path(model_path) / "config.json").quantization == "fp8"
+    reader = CheckpointReader(model_path, dtype=torch.bfloat16, include_mtp=False, keep_quantized=fp8)
+    return reader.config, reader.nbytes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # The one place memory/ imports dsv4_backend: resolving --preset / --config for this CLI.
+    # The one place memory/ imports dsv4_backend (with checkpoint_weights): resolving
+    # --preset / --config / --model-path for this CLI.
     from dsv4_backend.config import DSV4Config
 
     weights_bytes = None
     try:
         if args.model_path:
-            weights_bytes = checkpoint_weight_bytes(args.model_path)
-            model = DSV4Config.from_json(Path(args.model_path) / "config.json")
+            model, weights_bytes = checkpoint_weights(args.model_path)
             if args.weights_gb is None:
                 args.weights_gb = weights_bytes / GIB
         elif args.preset:

@@ -100,8 +100,16 @@ def _e8m0_from_exponent(e: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_values(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Scale tensor (e8m0, or any float dtype) as ``dtype``; powers of two convert exactly."""
-    return scale.to(torch.float32).to(dtype)
+    """Scale tensor (e8m0, or any float dtype) as ``dtype``; powers of two convert exactly.
+
+    An e8m0 byte b is 2^(b - 127): built as the float32 whose exponent field is b (exact by
+    construction, on any device), 2^-127 for b = 0 (a float32 subnormal), NaN for b = 255."""
+    if scale.dtype != torch.float8_e8m0fnu:
+        return scale.to(torch.float32).to(dtype)
+    b = scale.view(torch.uint8).to(torch.int32)
+    v = (b << 23).view(torch.float32)
+    v = torch.where(b == 0, torch.full_like(v, 2.0 ** -127), v)
+    return torch.where(b == 255, torch.full_like(v, float("nan")), v).to(dtype)
 
 
 def _check_2d(name: str, t: torch.Tensor) -> None:

@@ -511,3 +511,10 @@ def test_loading_streams_one_tensor_at_a_time(ckpt, monkeypatch, keep):
     assert [n for n, depth in opened if depth == 0] == shards       # each shard once, in order
     assert worst["open"] <= 2 and worst["alive"] <= 2, worst
     assert len(names) == len(set(names)) == len(reader.tensor_names())
+
+
+def test_e8m0_scale_bytes_decode_to_powers_of_two():
+    from dsv4_backend.checkpoint import _scale_values
+    got = _scale_values(torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu), torch.float64)
+    assert got[:255].tolist() == [math.ldexp(1.0, b - 127) for b in range(255)]
+    assert math.isnan(got[255].item())

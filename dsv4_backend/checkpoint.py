@@ -510,13 +510,12 @@ class CheckpointReader:
 
         target = param_dtype(name, spec.kind, self.dtype)
         if self.quantized and keeps_quantized(spec):
-            # copies, not views of the file mapping (only 8-byte aligned; see "plain" below)
             if how == "fp8":
-                yield name, get(name).clone()
+                yield name, _owned(get(name))
                 yield scale_name(name), _scale_values(get(scale_name(name)), torch.float32)
             else:
-                yield name, get(name).view(torch.uint8).clone()
-                yield scale_name(name), get(scale_name(name)).view(torch.uint8).clone()
+                yield name, _owned(get(name).view(torch.uint8))
+                yield scale_name(name), _owned(get(scale_name(name)).view(torch.uint8))
         elif how == "fp8":
             yield name, dequantize_fp8_blockwise(get(name), get(scale_name(name)), target)
         elif how == "fp4":
@@ -525,6 +524,12 @@ class CheckpointReader:
             # a copy, not a view of the file mapping: that is aligned only to 8 bytes,
             # and CPU matmuls on it take other code paths (last-bit different results)
             yield name, get(name).to(target, copy=True)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor copied out of the file mapping (only 8-byte aligned; see "plain" above);
+    one read onto a GPU is already a tensor of its own."""
+    return t.clone() if t.device.type == "cpu" else t
 
 
 def _stored_names(item: _Plan) -> tuple[str, ...]:

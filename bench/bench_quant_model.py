@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._bench_common import admit_synthetic, finish_all, fmt_bytes, fmt_tokens, sync, timed_decode_steps  # noqa: E402,E501
-from bench.bench_long_context import DecodeRow, Guard, PrefillRow, is_oom, measure_decode, measure_prefill  # noqa: E402,E501
+from bench.bench_long_context import DecodeRow, PrefillRow, is_oom, measure_decode, measure_prefill  # noqa: E402
 from dsv4_backend.checkpoint import CheckpointReader, quantize_fp8_blockwise, save_checkpoint  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.layers import linear as qlinear  # noqa: E402
@@ -74,6 +74,17 @@ from scheduler_hooks.engine import Engine  # noqa: E402
 
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)   # RMS of uniform random codes
 DTYPE = torch.bfloat16
+
+
+class Budget:
+    """Seconds left of this run's time budget, counted from this module's import."""
+
+    def __init__(self, seconds: float):
+        self.end = START + seconds
+
+    @property
+    def left(self) -> float:
+        return self.end - time.time()
 
 
 def log(msg: str) -> None:
@@ -309,8 +320,7 @@ def bench_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device, bw: f
                                   nbytes / (ms * 1e-3) / 1e9, flops / (ms * 1e-3) / 1e12,
                                   100 * nbytes / (ms * 1e-3) / 1e9 / bw,
                                   100 * flops / (ms * 1e-3) / 1e12 / peak if peak else None))
-    moe_layer = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_hash_layer(i))
-    ffn = model.layers[moe_layer].ffn
+    ffn = model.layers[cfg.num_hidden_layers - 1].ffn
     ex_bytes = expert_bytes(cfg)
     for T in moe_tokens:
         x = torch.randn(T, cfg.hidden_size, device=device, dtype=DTYPE)
@@ -348,7 +358,7 @@ def eager_step_ms(eng: Engine, layers: Optional[int], steps: int, batch: int) ->
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    guard = Guard(args.time_budget)
+    guard = Budget(args.time_budget)
     base = DSV4Config.preset(args.preset)
     rep: dict[str, Any] = {"meta": {"argv": sys.argv[1:], "device": str(device), "preset": args.preset}}
     if device.type == "cuda":

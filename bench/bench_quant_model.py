@@ -19,7 +19,8 @@ device-to-device copy; FP8 peak: an 8192^3 ``torch._scaled_mm``):
 
 - kernels: every FP8 linear shape of a layer at M = 1, 32, 64, 128, 256 and 8192 (the W8A8
   path the model runs: ``kernels.fp8_gemm`` or the torch fallback), and the FP4 MoE of one layer
-  at T = 1, 8, 32, 64 tokens (weights read once per distinct expert);
+  at T = 1, 8, 32, 64 tokens (weights read once per distinct expert); and both checked against
+  the torch spec (layers/quant.py) on the model's own weights (see ``check_kernels``);
 - decode tokens/s at batch 1, 32 and the plan's maximum, at 4K, 128K and 1M context (synthetic
   contexts, as bench/bench_long_context.py), beside the step's byte floor (weights read at that
   batch + KV read) / copy bandwidth;
@@ -67,6 +68,7 @@ from bench.bench_long_context import DecodeRow, PrefillRow, is_oom, measure_deco
 from dsv4_backend.checkpoint import CheckpointReader, quantize_fp8_blockwise, save_checkpoint  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.layers import linear as qlinear  # noqa: E402
+from dsv4_backend.layers import quant as qquant  # noqa: E402
 from dsv4_backend.weights import (WeightKind, WeightSpec, keeps_quantized, model_tensors, param_dtype,  # noqa: E402
                                   random_weights, scale_name, weight_specs)
 from memory.configurator import INDEXER_ROW_BYTES, KV_ROW_BYTES  # noqa: E402
@@ -338,6 +340,43 @@ def bench_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device, bw: f
     return rows
 
 
+def check_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device) -> list[dict[str, Any]]:
+    """The model's FP8 linears and FP4 MoE (the kernels on CUDA) against the torch spec of
+    layers/quant.py on the same weights and inputs.
+
+    FP8 linear: both sides round x to the same e4m3 codes (exact, order-free), so they differ by
+    the fp32 accumulation order (<= K * 2^-24 * sum|terms|) and one bf16 rounding each (<= 2^-8
+    |y| per side): the worst err / bound must be <= 1. FP4 MoE: h passes through bf16 and an e4m3
+    rounding inside, where a one-ulp difference flips a code, so only the relative error norm is
+    reported (a distribution check, DSV4.md section 4)."""
+    out = []
+    layer = model.layers[cfg.num_hidden_layers - 1]
+    for name in ("attn.wq_a", "attn.wq_b", "attn.wo_b", "ffn.shared_experts.w2"):
+        mod = _module(layer, name)
+        N, K = mod.weight.shape
+        for M in (1, 64):
+            x = torch.randn(M, K, device=device, dtype=DTYPE)
+            y = mod(x).double()
+            w = qquant.dequant_fp8(mod.weight, mod.scale, torch.float64)
+            xa = qquant.act_fake_quant(x.double())
+            want = (xa @ w.T).to(DTYPE).double()
+            bound = K * 2.0 ** -24 * (xa.abs() @ w.abs().T) + 2.0 ** -7 * want.abs()
+            out.append({"kernel": "fp8_linear", "shape": f"{name} M={M} N={N} K={K}",
+                        "worst_err_over_bound": float(((y - want).abs() / bound).max())})
+    ffn = layer.ffn
+    for T in (1, 64):
+        x = torch.randn(T, cfg.hidden_size, device=device, dtype=DTYPE)
+        g = torch.Generator(device=device).manual_seed(T + 7)
+        ids = torch.rand(T, cfg.n_routed_experts, generator=g, device=device).argsort(-1)[:, :cfg.num_experts_per_tok]
+        w = torch.rand(T, cfg.num_experts_per_tok, generator=g, device=device) + 0.1
+        y = ffn.fp4.forward(x, ids, w, ffn.limit).double()
+        want = qquant.fp4_moe_ref(x, ids, w, ffn.fp4.w13, ffn.fp4.w13_scale, ffn.fp4.w2, ffn.fp4.w2_scale,
+                                  ffn.limit).double()
+        out.append({"kernel": "fp4_moe", "shape": f"T={T}",
+                    "relative_error_norm": float((y - want).norm() / want.norm())})
+    return out
+
+
 # ---- per-layer cost --------------------------------------------------------------------------------
 
 def eager_step_ms(eng: Engine, layers: Optional[int], steps: int, batch: int) -> float:
@@ -424,6 +463,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pk = f"{r.pct_fp8_peak:6.1f}" if r.pct_fp8_peak is not None else "     -"
             print(f"{r.kernel:<21} {r.shape:<39} {r.impl:<7} {r.ms:8.4f} {r.floor_ms:9.4f} "
                   f"{100 * r.floor_ms / r.ms:7.1f} {r.gbps:8.0f} {r.tflops:8.1f} {r.pct_copy_bw:7.1f}  {pk}")
+
+        rep["kernel_check"] = checks = check_kernels(eng.runner.model, cfg, device)
+        print("\nagreement with the torch spec (layers/quant.py) on the model's weights:")
+        for c in checks:
+            if c["kernel"] == "fp8_linear":
+                ok = "ok" if c["worst_err_over_bound"] <= 1 else "OVER THE BOUND"
+                print(f"  fp8_linear {c['shape']:<40} worst |err| / bound {c['worst_err_over_bound']:.3f}  {ok}")
+            else:
+                print(f"  fp4_moe    {c['shape']:<40} ||err|| / ||ref|| {c['relative_error_norm']:.2e} (distribution)")
 
     # decode
     ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin, breakdown_steps=0)
@@ -534,6 +582,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.prefill_context, args.prefill_max_seconds = 16384, 30.0
         args.steps, args.gemm_m, args.moe_tokens = 4, [1, 64, 8192], [1, 64]
         args.kernel_iters, args.time_budget = 10, min(args.time_budget, 170.0)
+        args.max_batch = min(args.max_batch, 32)
     return args
 
 

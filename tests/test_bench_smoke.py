@@ -260,6 +260,9 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
     assert w["layers"] == 4 and w["checkpoint_bytes"] > 0 and not (tmp_path / "ckpt").exists()
     assert {r["kernel"] for r in rep["kernels"]} == {"fp8_linear", "fp4_moe"}
     assert all(r["impl"] == "torch" and r["ms"] > 0 and r["floor_ms"] > 0 for r in rep["kernels"])
+    checks = rep["kernel_check"]   # the torch path against the spec: within the bound, MoE identical
+    assert all(c["worst_err_over_bound"] <= 1 for c in checks if c["kernel"] == "fp8_linear")
+    assert all(c["relative_error_norm"] == 0 for c in checks if c["kernel"] == "fp4_moe")
     assert [(d["batch"], d["status"]) for d in rep["decode"]] == [(1, "ok"), (2, "ok")]
     assert all(d["tokens_per_s"] > 0 and d["floor_ms"] > 0 for d in rep["decode"])
     assert rep["prefill"]["status"] == "complete" and rep["prefill"]["tokens_done"] == 256

@@ -119,3 +119,40 @@ def test_engine_serves_a_quantized_checkpoint_and_plans_with_its_bytes(fp8_dir, 
     finally:
         eng.shutdown()
 
+
+
+def test_load_stream_names_what_does_not_fit(fp8_dir):
+    reader = CheckpointReader(fp8_dir, dtype=torch.float32, include_mtp=False, keep_quantized=True)
+    items = list(reader.stream())
+
+    def fresh():
+        return DSV4Model(CFG, torch.float32, include_mtp=False, quantized=True)
+
+    streamed, by_dict = fresh(), fresh()
+    streamed.load_stream(iter(items))
+    by_dict.load_state_dict(dict(items))
+    a, b = streamed.state_dict(), by_dict.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+                                        if a[k].dtype.itemsize == 1)
+    assert all(torch.equal(a[k], b[k]) for k in a if a[k].dtype.itemsize > 1)
+    # the expert buffers are slices of the stack the MoE runs
+    moe = streamed.layers[1].ffn
+    assert torch.equal(moe.fp4.w13[3, CFG.moe_intermediate_size:], a["layers.1.ffn.experts.3.w3.weight"])
+    with pytest.raises(KeyError, match=r"never came.*layers\.0\.attn\.wq_a\.weight"):
+        fresh().load_stream(x for x in items if x[0] != "layers.0.attn.wq_a.weight")
+    with pytest.raises(KeyError, match=r"unexpected tensor layers\.9\.attn\.wq_a\.weight"):
+        fresh().load_stream(iter(items + [("layers.9.attn.wq_a.weight", items[0][1])]))
+    with pytest.raises(KeyError, match=r"duplicate tensor"):
+        fresh().load_stream(iter(items + items[:1]))
+    name = "layers.1.ffn.experts.3.w2.scale"
+    bad = [(n, t[:, :1] if n == name else t) for n, t in items]
+    with pytest.raises(ValueError, match=rf"{name} has shape \[256, 1\], the model \[256, 4\]"):
+        fresh().load_stream(iter(bad))
+
+
+def test_missing_kernel_module_falls_back_with_one_warning(caplog):
+    from dsv4_backend.layers import linear
+    with caplog.at_level("WARNING"):
+        assert linear._kernel("no_such_kernel_module", "fn") is None
+        assert linear._kernel("no_such_kernel_module", "fn") is None
+    assert sum("no_such_kernel_module.fn unavailable" in r.message for r in caplog.records) == 1

@@ -11,6 +11,7 @@ CPU only runs small models, and dequantising on every step would dominate their 
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Callable, Optional
 
@@ -29,8 +30,7 @@ def _kernel(module: str, name: str) -> Optional[Callable]:
     key = f"{module}.{name}"
     if key not in _KERNELS:
         try:
-            mod = __import__(f"dsv4_backend.kernels.{module}", fromlist=[name])
-            _KERNELS[key] = getattr(mod, name)
+            _KERNELS[key] = getattr(importlib.import_module(f"dsv4_backend.kernels.{module}"), name)
         except (ImportError, AttributeError) as e:
             logger.warning("%s unavailable (%s): the torch reference runs instead", key, e)
             _KERNELS[key] = None

@@ -150,3 +150,18 @@ def test_fp8_linear_module_dequantises_again_when_its_bytes_change():
         y = m(x)
         assert y.shape == (3, 2, 128)
         assert torch.equal(y.view(6, 128), fp8_linear_ref(x.view(6, 256), w.weight, w.scale.float()))
+
+
+def test_reference_activation_rounding_is_the_same_rule():
+    """reference.act_fake_quant (the oracle's own code) rounds like the simulation, in float64
+    and (computing in float32, result cast back) in bf16."""
+    from dsv4_backend.reference import act_fake_quant
+    g = _gen(4)
+    x = (torch.randn(5, 384, generator=g) * 7).double()
+    q, s = sim_act(x)
+    want = (q.view(5, 3, 128) * s[..., None]).view(5, 384)
+    assert torch.equal(act_fake_quant(x), want)
+    xb = x.to(torch.bfloat16)
+    qb, sb = sim_act(xb.double())
+    got = act_fake_quant(xb)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.double(), (qb.view(5, 3, 128) * sb[..., None]).view(5, 384))

@@ -1,10 +1,11 @@
 """DeepSeek-V4 checkpoints in the release's tensor names (DSV4.md section 3).
 
-``load_checkpoint`` reads a directory holding ``config.json`` and either one
-``model.safetensors`` or shards listed by ``model.safetensors.index.json``. Names are
-checked against ``weight_specs(cfg)`` before any tensor is read; then tensors are read one
-at a time (``safe_open``), dequantised to the compute dtype and kept, so a 160 GB release
-never exists twice in memory.
+A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json``. ``CheckpointReader`` checks every name, shape and
+dtype against ``weight_specs(cfg)`` from the headers alone (``CheckpointError`` lists every
+problem, naming the tensor), then streams the tensors shard by shard, one at a time, onto the
+device: dequantised to the compute dtype, or (``keep_quantized``) in the stored FP8 / FP4 form
+that ``DSV4Model(quantized=True)`` runs. ``load_checkpoint`` collects the stream into a dict.
 
 Stored formats, per tensor (the file's dtype decides, not the config):
 
@@ -16,30 +17,25 @@ Stored formats, per tensor (the file's dtype decides, not the config):
 - plain floats (fp32 / bf16 / fp16 / fp64) and the int64 hash-routing table as they are.
 
 ``save_checkpoint`` is a small writer for test checkpoints in the same layout.
-
-Not done yet: the release also rounds the *activations* entering every FP8/FP4 matmul to
-e4m3 in 1x128 blocks; here weights are dequantised to the compute dtype and the matmuls run
-unquantised (see docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from contextlib import ExitStack
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple, Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from .config import DSV4Config
-from .weights import WeightKind, WeightSpec, param_dtype, weight_specs
+from .weights import (FP4_BLOCK, FP8_BLOCK, WeightKind, WeightSpec, fp4_packed_shape, fp4_scale_shape,
+                      fp8_scale_shape, keeps_quantized, model_tensors, param_dtype, scale_name, weight_specs)
 
-FP8_BLOCK = 128
 FP8_MAX = 448.0          # largest finite e4m3 value
-FP4_BLOCK = 32
 FP4_MAX = 6.0            # largest e2m1 value
 MIN_SCALE_EXP = -126     # scales never go below 2^-126 (all-zero blocks would ask for 2^-inf)
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of codes 0..7
@@ -51,6 +47,8 @@ FORMATS = ("fp32", "bf16", "fp8")
 
 _FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")  # safetensors dtype tags of plain float tensors
 _SCALE_DTYPES = ("F8_E8M0",) + _FLOAT_DTYPES    # ue8m0 as released; plain float scales also read
+_TAG_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1,
+              "I64": 8, "I32": 4}
 
 
 class CheckpointError(ValueError):
@@ -64,7 +62,8 @@ class CheckpointError(ValueError):
 
 class LoadedCheckpoint(NamedTuple):
     config: DSV4Config
-    weights: dict[str, torch.Tensor]  # release names, dtypes per weights.param_dtype
+    weights: dict[str, torch.Tensor]  # release names, dtypes per weights.model_tensors
+    quantized: bool = False           # FP8 / FP4 weights kept in their stored form
 
 
 class FP8Weight(NamedTuple):
@@ -75,28 +74,6 @@ class FP8Weight(NamedTuple):
 class FP4Weight(NamedTuple):
     packed: torch.Tensor  # int8 [out, in/2]
     scale: torch.Tensor   # float8_e8m0fnu [out, in/32]
-
-
-# ---- names and shapes ------------------------------------------------------------------
-
-def scale_name(weight_name: str) -> str:
-    """Scales are named after the module: ``a.b.wq_a.weight`` -> ``a.b.wq_a.scale``."""
-    return weight_name.removesuffix(".weight") + ".scale"
-
-
-def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    out, inn = shape
-    return (math.ceil(out / FP8_BLOCK), math.ceil(inn / FP8_BLOCK))
-
-
-def fp4_packed_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    out, inn = shape
-    return (out, inn // 2)
-
-
-def fp4_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    out, inn = shape
-    return (out, inn // FP4_BLOCK)
 
 
 # ---- power-of-two (ue8m0) scales ---------------------------------------------------------
@@ -123,8 +100,16 @@ def _e8m0_from_exponent(e: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_values(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Scale tensor (e8m0, or any float dtype) as ``dtype``; powers of two convert exactly."""
-    return scale.to(torch.float32).to(dtype)
+    """Scale tensor (e8m0, or any float dtype) as ``dtype``; powers of two convert exactly.
+
+    An e8m0 byte b is 2^(b - 127): built as the float32 whose exponent field is b (exact by
+    construction, on any device), 2^-127 for b = 0 (a float32 subnormal), NaN for b = 255."""
+    if scale.dtype != torch.float8_e8m0fnu:
+        return scale.to(torch.float32).to(dtype)
+    b = scale.view(torch.uint8).to(torch.int32)
+    v = (b << 23).view(torch.float32)
+    v = torch.where(b == 0, torch.full_like(v, 2.0 ** -127), v)
+    return torch.where(b == 255, torch.full_like(v, float("nan")), v).to(dtype)
 
 
 def _check_2d(name: str, t: torch.Tensor) -> None:
@@ -224,19 +209,22 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 # ---- writer -----------------------------------------------------------------------------
 
 def _encode(name: str, w: torch.Tensor, kind: WeightKind | None, fmt: str) -> dict[str, torch.Tensor]:
-    """One model tensor -> the tensors stored for it in format ``fmt``."""
-    w = w.detach().cpu()
+    """One model tensor -> the tensors stored for it in format ``fmt`` (quantised on the tensor's
+    device, a GPU's when it is there; stored from the CPU)."""
+    w = w.detach()
     if not w.is_floating_point():
-        return {name: w.contiguous()}
-    if fmt == "fp32" or kind is WeightKind.FP32:
-        return {name: w.to(torch.float32).contiguous()}
-    if fmt == "fp8" and kind is WeightKind.FP8:
+        out = {name: w}
+    elif fmt == "fp32" or kind is WeightKind.FP32:
+        out = {name: w.to(torch.float32)}
+    elif fmt == "fp8" and kind is WeightKind.FP8:
         q = quantize_fp8_blockwise(w)
-        return {name: q.weight, scale_name(name): q.scale}
-    if fmt == "fp8" and kind is WeightKind.FP4:
+        out = {name: q.weight, scale_name(name): q.scale}
+    elif fmt == "fp8" and kind is WeightKind.FP4:
         q = quantize_fp4(w)
-        return {name: q.packed, scale_name(name): q.scale}
-    return {name: w.to(torch.bfloat16).contiguous()}
+        out = {name: q.packed, scale_name(name): q.scale}
+    else:
+        out = {name: w.to(torch.bfloat16)}
+    return {n: t.cpu().contiguous() for n, t in out.items()}
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -355,8 +343,12 @@ def _fmt_shape(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def _plan(specs: list[WeightSpec], stored: dict[str, _Stored], skip_mtp: bool) -> tuple[list[_Plan], list[str]]:
-    """Match stored tensors to the specs; every mismatch becomes one problem line."""
+def _plan(specs: list[WeightSpec], stored: dict[str, _Stored], skip_mtp: bool,
+          quantized: bool) -> tuple[list[_Plan], list[str]]:
+    """Match stored tensors to the specs; every mismatch becomes one problem line.
+
+    ``quantized``: the weights the model keeps quantised (``weights.keeps_quantized``) must be
+    stored so (e4m3 + scale, e2m1 + e8m0 scale); anything else is a dtype problem."""
     plan: list[_Plan] = []
     problems: list[str] = []
     used: set[str] = set()
@@ -381,6 +373,13 @@ def _plan(specs: list[WeightSpec], stored: dict[str, _Stored], skip_mtp: bool) -
             problems.append(f"missing: {spec.name} {_fmt_shape(spec.shape)} ({spec.kind.value})")
             continue
         used.add(spec.name)
+        if quantized and keeps_quantized(spec):
+            want = ("F8_E4M3",) if spec.kind is WeightKind.FP8 else ("I8", "U8")
+            if st.dtype not in want:
+                problems.append(f"dtype: {spec.name} is stored as {st.dtype}; a quantised load keeps it as "
+                                f"{' or '.join(want)} with a .scale (keep_quantized=False dequantises)")
+                continue
+        scale_dtypes = ("F8_E8M0",) if quantized and spec.kind is WeightKind.FP4 else _SCALE_DTYPES
         if st.dtype == "F8_E4M3" and len(spec.shape) == 2 and spec.kind is not WeightKind.INT64:
             ok = need(spec.name, spec.shape, "e4m3")
             ok &= need(scale_name(spec.name), fp8_scale_shape(spec.shape), f"block scale of e4m3 {spec.name}",
@@ -389,7 +388,7 @@ def _plan(specs: list[WeightSpec], stored: dict[str, _Stored], skip_mtp: bool) -
         elif st.dtype in ("I8", "U8") and spec.kind is WeightKind.FP4:
             ok = need(spec.name, fp4_packed_shape(spec.shape), f"packed e2m1 of {_fmt_shape(spec.shape)}")
             ok &= need(scale_name(spec.name), fp4_scale_shape(spec.shape), f"scale of e2m1 {spec.name}",
-                       _SCALE_DTYPES)
+                       scale_dtypes)
             how = "fp4"
         elif st.dtype in _FLOAT_DTYPES and spec.kind is not WeightKind.INT64:
             ok, how = need(spec.name, spec.shape, spec.kind.value), "plain"
@@ -418,53 +417,147 @@ def _safetensors_device(device: str | torch.device) -> str:
     return f"{dev.type}:{index}"
 
 
+class WeightStream(Protocol):
+    """What a model can be filled from (``ModelRunner``, ``Engine(weight_stream=...)``): a config,
+    whether the weights come quantised, their device bytes, and ``(name, tensor)`` one at a time."""
+
+    config: DSV4Config
+    quantized: bool
+    include_mtp: bool
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class CheckpointReader:
+    """A checkpoint directory, checked against its config, that streams its tensors.
+
+    Construction reads ``config.json`` and the safetensors headers only; every missing,
+    unexpected, mis-shaped or wrongly typed tensor is collected and ``CheckpointError`` names
+    them all before any data is read. :meth:`stream` then yields ``(name, tensor)`` shard by
+    shard, one stored tensor at a time (a weight and its scale), each decoded on ``device``
+    and handed over: host memory holds at most one tensor's bytes beside what the caller
+    keeps, so a model can be filled without a second copy of its weights
+    (``DSV4Model.load_stream``).
+
+    ``keep_quantized``: True keeps what ``weights.model_tensors(cfg, dtype, quantized=True)``
+    lists (FP8 linears as e4m3 + fp32 block scale, routed experts as e2m1 bytes + e8m0 scale
+    bytes, ``wo_a`` dequantised to the compute dtype) and refuses a checkpoint that does not
+    store them quantised; False dequantises everything to ``weights.param_dtype``; None
+    (default) keeps an FP8 checkpoint (``quantization_config`` in config.json) quantised on
+    CUDA and dequantises it elsewhere.
+    """
+
+    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", include_mtp: bool = True,
+                 keep_quantized: bool | None = None, progress: bool | None = None):
+        self.path = path = Path(path)
+        if not (path / CONFIG_FILE).exists():
+            raise CheckpointError(path, [f"missing: {CONFIG_FILE}"])
+        self.config = cfg = DSV4Config.from_json(path / CONFIG_FILE)
+        self.dtype, self.device, self.include_mtp, self.progress = dtype, torch.device(device), include_mtp, progress
+        if keep_quantized is None:
+            keep_quantized = cfg.quantization == "fp8" and self.device.type == "cuda"
+        self.quantized = bool(keep_quantized)
+
+        files, problems = _tensor_files(path)
+        self._stored, header_problems = _read_headers(files)
+        self._plan, match_problems = _plan(weight_specs(cfg, include_mtp), self._stored,
+                                           skip_mtp=not include_mtp, quantized=self.quantized)
+        problems += header_problems + match_problems
+        if problems:
+            raise CheckpointError(path, problems)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the loaded tensors take on the device (the model's weights)."""
+        return sum(t.nbytes for t in model_tensors(self.config, self.dtype, self.include_mtp, self.quantized))
+
+    def tensor_names(self) -> list[str]:
+        """The names :meth:`stream` yields (``weights.model_tensors``' order)."""
+        return [t.name for t in model_tensors(self.config, self.dtype, self.include_mtp, self.quantized)]
+
+    def _stored_bytes(self, name: str) -> int:
+        st = self._stored[name]
+        return math.prod(st.shape) * _TAG_BYTES[st.dtype]
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(release name, tensor)`` for every tensor of ``model_tensors``, shard by shard."""
+        by_file: dict[Path, list[_Plan]] = {}
+        for item in self._plan:
+            by_file.setdefault(self._stored[item.spec.name].file, []).append(item)
+        total = sum(self._stored_bytes(n) for item in self._plan for n in _stored_names(item))
+        st_device = _safetensors_device(self.device)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {self.path.name}",
+                  disable=None if self.progress is None else not self.progress) as bar:
+            for f, items in by_file.items():
+                with safe_open(str(f), framework="pt", device=st_device) as h:
+                    for item in items:
+                        yield from self._decode(item, f, h, st_device)
+                        bar.update(sum(self._stored_bytes(n) for n in _stored_names(item)))
+
+    def _decode(self, item: _Plan, f: Path, h, st_device: str) -> Iterator[tuple[str, torch.Tensor]]:
+        spec, how = item
+        name = spec.name
+
+        def get(n: str) -> torch.Tensor:
+            if self._stored[n].file == f:
+                return h.get_tensor(n)
+            with safe_open(str(self._stored[n].file), framework="pt", device=st_device) as other:
+                return other.get_tensor(n)   # a scale the writer put in the next shard
+
+        target = param_dtype(name, spec.kind, self.dtype)
+        if self.quantized and keeps_quantized(spec):
+            if how == "fp8":
+                yield name, _owned(get(name))
+                yield scale_name(name), _scale_values(get(scale_name(name)), torch.float32)
+            else:
+                yield name, _owned(get(name).view(torch.uint8))
+                yield scale_name(name), _owned(get(scale_name(name)).view(torch.uint8))
+        elif how == "fp8":
+            yield name, dequantize_fp8_blockwise(get(name), get(scale_name(name)), target)
+        elif how == "fp4":
+            yield name, dequantize_fp4(get(name), get(scale_name(name)), target)
+        else:
+            # a copy, not a view of the file mapping: that is aligned only to 8 bytes,
+            # and CPU matmuls on it take other code paths (last-bit different results)
+            yield name, get(name).to(target, copy=True)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor copied out of the file mapping (only 8-byte aligned; see "plain" above);
+    one read onto a GPU is already a tensor of its own."""
+    return t.clone() if t.device.type == "cpu" else t
+
+
+def _stored_names(item: _Plan) -> tuple[str, ...]:
+    return (item.spec.name,) if item.how == "plain" else (item.spec.name, scale_name(item.spec.name))
+
+
 def load_checkpoint(
     path: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     include_mtp: bool = True,
+    keep_quantized: bool | None = None,
+    progress: bool | None = None,
 ) -> LoadedCheckpoint:
-    """Read config.json and the weights of a checkpoint directory.
+    """Read config.json and the weights of a checkpoint directory into a dict.
 
     Every tensor of ``weight_specs(cfg, include_mtp)`` must be present with its shape (FP8 /
     FP4 storage with a ``.scale`` of the right shape); otherwise ``CheckpointError`` lists
     all missing, unexpected and mis-shaped tensors at once, before any tensor is read.
     With ``include_mtp=False`` the MTP tensors are neither required nor loaded.
 
-    Returned tensors are dequantised to ``weights.param_dtype(name, kind, dtype)``:
-    ``dtype`` for matrices and norms, fp32 for the fp32 parameters (unless dtype is
-    float64), int64 for the hash table; placed on ``device``.
+    Dequantised (``keep_quantized`` False, or None off CUDA), tensors come as
+    ``weights.param_dtype(name, kind, dtype)``: ``dtype`` for matrices and norms, fp32 for the
+    fp32 parameters (unless dtype is float64), int64 for the hash table. Kept quantised, as
+    ``weights.model_tensors(cfg, dtype, quantized=True)`` lists (see :class:`CheckpointReader`).
+    Placed on ``device``; a tqdm bar shows progress on a terminal (``progress`` forces it).
     """
-    path = Path(path)
-    if not (path / CONFIG_FILE).exists():
-        raise CheckpointError(path, [f"missing: {CONFIG_FILE}"])
-    cfg = DSV4Config.from_json(path / CONFIG_FILE)
-
-    files, problems = _tensor_files(path)
-    stored, header_problems = _read_headers(files)
-    plan, match_problems = _plan(weight_specs(cfg, include_mtp), stored, skip_mtp=not include_mtp)
-    problems += header_problems + match_problems
-    if problems:
-        raise CheckpointError(path, problems)
-
-    st_device = _safetensors_device(device)
-    weights: dict[str, torch.Tensor] = {}
-    with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device=st_device)) for f in files}
-
-        def get(name: str) -> torch.Tensor:
-            return handles[stored[name].file].get_tensor(name)
-
-        for spec, how in plan:
-            target = param_dtype(spec.name, spec.kind, dtype)
-            if how == "fp8":
-                t = dequantize_fp8_blockwise(get(spec.name), get(scale_name(spec.name)), target)
-            elif how == "fp4":
-                t = dequantize_fp4(get(spec.name), get(scale_name(spec.name)), target)
-            else:
-                # a copy, not a view of the file mapping: that is aligned only to 8 bytes,
-                # and CPU matmuls on it take other code paths (last-bit different results)
-                t = get(spec.name).to(target, copy=True)
-            weights[spec.name] = t
-    return LoadedCheckpoint(cfg, weights)
+    reader = CheckpointReader(path, dtype=dtype, device=device, include_mtp=include_mtp,
+                              keep_quantized=keep_quantized, progress=progress)
+    return LoadedCheckpoint(reader.config, dict(reader.stream()), reader.quantized)

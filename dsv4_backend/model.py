@@ -21,6 +21,11 @@ code below, which is the reference for both.
 Precision: in float64 and float32 every intermediate stays in the compute dtype; in bfloat16
 mode activations and the residual streams are bf16 while the norms, mHC maths, RoPE, gate,
 SwiGLU, compressors and logits run in float32 (the release's precision notes).
+
+Quantised (``DSV4Model(..., quantized=True)``, what a release FP8 checkpoint loads into): the FP8
+linears are ``layers.linear.Fp8Linear`` (e4m3 + block scales, activations rounded to e4m3 per
+1 x 128 block) and each MoE's routed experts one ``Fp4ExpertStack`` (e2m1 bytes, W4A8); ``wo_a``
+is held in the compute dtype. Names stay the release's (``model_tensors(cfg, quantized=True)``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from torch import nn
 from memory.quant import indexer_fake_quant
 
 from .config import DSV4Config, RopeScaling
-from .weights import param_dtype, weight_specs
+from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear
+from .weights import model_tensors
 
 
 def hi_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,6 +62,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype))
+
+
+def fp8_linear(in_features: int, out_features: int, quantized: bool) -> nn.Module:
+    """A linear the release stores in FP8: kept quantised (W8A8) or in the compute dtype."""
+    return Fp8Linear(in_features, out_features) if quantized else Linear(in_features, out_features)
 
 
 class RMSNorm(nn.Module):
@@ -194,30 +205,30 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: DSV4Config):
+    def __init__(self, cfg: DSV4Config, quantized: bool = False):
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.wq_b = fp8_linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, quantized)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
         self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int):
+    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int, quantized: bool = False):
         super().__init__()
         D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.cfg, self.layer_id, self.ratio = cfg, layer_id, ratio
         self.n_heads, self.head_dim = H, hd
-        self.wq_a = Linear(D, cfg.q_lora_rank)
+        self.wq_a = fp8_linear(D, cfg.q_lora_rank, quantized)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, H * hd)
-        self.wkv = Linear(D, hd)
+        self.wq_b = fp8_linear(cfg.q_lora_rank, H * hd, quantized)
+        self.wkv = fp8_linear(D, hd, quantized)
         self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.wo_a = Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D)
+        self.wo_b = fp8_linear(cfg.o_groups * cfg.o_lora_rank, D, quantized)
         self.attn_sink = nn.Parameter(torch.empty(H), requires_grad=False)
         self.compressor = Compressor(D, hd, ratio, cfg.rms_norm_eps) if ratio else None
-        self.indexer = Indexer(cfg) if ratio == 4 else None
+        self.indexer = Indexer(cfg, quantized) if ratio == 4 else None
         if ratio:
             self.rope = Rotary(cfg.compress_rope_theta, cfg.rope_scaling, cfg.qk_rope_head_dim)
         else:
@@ -256,12 +267,12 @@ class Attention(nn.Module):
 # ---- MoE ------------------------------------------------------------------------------------
 
 class Expert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float):
+    def __init__(self, dim: int, inter: int, limit: float, quantized: bool = False):
         super().__init__()
         self.limit = limit
-        self.w1 = Linear(dim, inter)
-        self.w3 = Linear(dim, inter)
-        self.w2 = Linear(inter, dim)
+        self.w1 = fp8_linear(dim, inter, quantized)
+        self.w3 = fp8_linear(dim, inter, quantized)
+        self.w2 = fp8_linear(inter, dim, quantized)
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: [N, D]; weight: [N] routing weight applied before w2
@@ -297,14 +308,15 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: DSV4Config, hash_routed: bool):
+    def __init__(self, cfg: DSV4Config, hash_routed: bool, quantized: bool = False):
         super().__init__()
+        D, inter, limit = cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit
         self.gate = Gate(cfg, hash_routed)
+        self.limit = limit
         self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
-            for _ in range(cfg.n_routed_experts))
-        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                     cfg.swiglu_limit)
+            Fp4Expert(D, inter) if quantized else Expert(D, inter, limit) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = Expert(D, inter * cfg.n_shared_experts, limit, quantized)
+        self.fp4: Optional[Fp4ExpertStack] = None  # set by DSV4Model._place when quantized
         self._w13: Optional[torch.Tensor] = None  # [E, 2 * inter, D]: w1 rows, then w3 rows
         self._w2: Optional[torch.Tensor] = None   # [E, D, inter]
         self._aligned = False
@@ -329,6 +341,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x, input_ids)                                    # [T, k]
         out = self.shared_experts(x)
+        if self.fp4 is not None:
+            return out + self.fp4.forward(x, ids, w, self.limit)
         if self._grouped_applies(x):
             return self._grouped(x, ids, w, out)
         flat_ids = ids.reshape(-1)
@@ -469,7 +483,7 @@ def hc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Ten
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int, hash_routed: bool):
+    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int, hash_routed: bool, quantized: bool = False):
         super().__init__()
         hc, D = cfg.hc_mult, cfg.hidden_size
         n_mix = hc * (2 + hc)
@@ -480,8 +494,8 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.empty(3), requires_grad=False))
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_id, ratio)
-        self.ffn = MoE(cfg, hash_routed)
+        self.attn = Attention(cfg, layer_id, ratio, quantized)
+        self.ffn = MoE(cfg, hash_routed, quantized)
 
     def forward(self, X, input_ids, positions, backend, meta):
         pre, post, C = hc_mix_weights(self.cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
@@ -505,11 +519,11 @@ class MTPBlock(Block):
     Its weights load with the model; the engine does not run speculative decoding yet, and
     running it needs a KV cache of its own, so :meth:`DSV4Model.forward` never calls it."""
 
-    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int):
-        super().__init__(cfg, layer_id, ratio, hash_routed=False)
+    def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int, quantized: bool = False):
+        super().__init__(cfg, layer_id, ratio, hash_routed=False, quantized=quantized)
         D, hc = cfg.hidden_size, cfg.hc_mult
-        self.e_proj = Linear(D, D)
-        self.h_proj = Linear(D, D)
+        self.e_proj = fp8_linear(D, D, quantized)
+        self.h_proj = fp8_linear(D, D, quantized)
         self.enorm = RMSNorm(D, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -534,13 +548,14 @@ class DSV4Model(nn.Module):
 
     ``dtype`` is the compute dtype (float64, float32 or bfloat16); parameters take the dtype
     ``weights.param_dtype`` gives their name (fp32 parameters stay fp32 unless float64).
+    ``quantized=True`` keeps the FP8 / FP4 weights in their stored form (``weights.model_tensors``).
     """
 
     def __init__(self, cfg: DSV4Config, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", include_mtp: bool = True):
+                 device: str | torch.device = "cpu", include_mtp: bool = True, quantized: bool = False):
         super().__init__()
         D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.quantized = cfg, dtype, quantized
         self.embed = Embedding(V, D)
         self.head = Linear(D, V)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -548,34 +563,54 @@ class DSV4Model(nn.Module):
         self.hc_head_base = nn.Parameter(torch.empty(hc), requires_grad=False)
         self.hc_head_scale = nn.Parameter(torch.empty(1), requires_grad=False)
         self.layers = nn.ModuleList(
-            Block(cfg, i, r, cfg.is_hash_layer(i)) for i, r in enumerate(cfg.layer_ratios))
+            Block(cfg, i, r, cfg.is_hash_layer(i), quantized) for i, r in enumerate(cfg.layer_ratios))
         n_main = cfg.num_hidden_layers
         self.mtp = nn.ModuleList(
-            MTPBlock(cfg, n_main + j, r) for j, r in enumerate(cfg.mtp_ratios)) if include_mtp else None
+            MTPBlock(cfg, n_main + j, r, quantized) for j, r in enumerate(cfg.mtp_ratios)) if include_mtp else None
         self._place(include_mtp, dtype, torch.device(device))
 
     def _place(self, include_mtp: bool, dtype: torch.dtype, device: torch.device) -> None:
         """Give every tensor its spec's shape check and dtype; names must equal the specs'."""
-        specs = {s.name: s for s in weight_specs(self.cfg, include_mtp)}
+        specs = {s.name: s for s in model_tensors(self.cfg, dtype, include_mtp, self.quantized)}
         own = dict(self.named_parameters())
         own.update(dict(self.named_buffers()))
         missing, extra = sorted(set(specs) - set(own)), sorted(set(own) - set(specs))
         if missing or extra:
             raise RuntimeError(f"DSV4Model tensor names differ from weight_specs: "
                                f"missing {missing[:8]}, unexpected {extra[:8]}")
-        stack = _stack_experts_for(device, dtype)
+        stack = self.quantized or _stack_experts_for(device, dtype)
         for name, t in own.items():
             spec = specs[name]
             if tuple(t.shape) != spec.shape:
                 raise RuntimeError(f"{name}: model shape {tuple(t.shape)} != spec {spec.shape}")
             if stack and ".ffn.experts." in name:
                 continue  # allocated below, as slices of the stacks
-            t.data = torch.empty(spec.shape, dtype=param_dtype(name, spec.kind, dtype), device=device)
+            t.data = torch.empty(spec.shape, dtype=spec.dtype, device=device)
         if stack:
             for mod_name, mod in self.named_modules():
-                if isinstance(mod, MoE):
-                    name = f"{mod_name}.experts.0.w1.weight"
-                    mod.stack_experts(param_dtype(name, specs[name].kind, dtype), device)
+                if isinstance(mod, MoE) and self.quantized:
+                    mod.fp4 = Fp4ExpertStack(mod.experts, device)
+                elif isinstance(mod, MoE):
+                    mod.stack_experts(specs[f"{mod_name}.experts.0.w1.weight"].dtype, device)
+
+    @torch.no_grad()
+    def load_stream(self, tensors) -> None:
+        """Copy ``(name, tensor)`` pairs (e.g. ``CheckpointReader.stream()``) into the model one at a
+        time, so only one loaded tensor exists beside the model; every tensor must come exactly once."""
+        own = dict(self.named_parameters())
+        own.update(dict(self.named_buffers()))
+        seen: set[str] = set()
+        for name, t in tensors:
+            if name not in own or name in seen:
+                raise KeyError(f"load_stream: {'duplicate' if name in seen else 'unexpected'} tensor {name}")
+            dst = own[name]
+            if tuple(dst.shape) != tuple(t.shape):
+                raise ValueError(f"load_stream: {name} has shape {list(t.shape)}, the model {list(dst.shape)}")
+            dst.copy_(t)
+            seen.add(name)
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise KeyError(f"load_stream: {len(missing)} tensor(s) never came, e.g. {missing[:4]}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
         """Run the main layers over the step's tokens. ``input_ids, positions: [T]``;

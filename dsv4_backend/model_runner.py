@@ -24,6 +24,7 @@ from memory.pools import DSV4KVPools
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
 from .flashmla_backend import FLASHMLA_PAGE_ALIGN, resolve_attention_kernel  # registers "flashmla"
 from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
+from .checkpoint import WeightStream
 from .cuda_graph import DecodeGraphs, GraphUnavailable, cuda_graph_default, graphs_supported
 from .config import DSV4Config
 from .model import DSV4Model, hi_dtype
@@ -65,11 +66,15 @@ class ModelRunner:
     pools were built with ``page_align=FLASHMLA_PAGE_ALIGN``, else Triton (on the CPU and in
     float64: the PyTorch path). ``attention_kernel`` / ``attention_kernel_reason`` say what ran and why.
 
+    ``weights``: a dict of release names (a quantised model when it holds e4m3 tensors, as
+    ``load_checkpoint(..., keep_quantized=True)`` gives) or a ``WeightStream`` (a ``CheckpointReader``),
+    streamed into the model tensor by tensor.
+
     ``forward`` returns per request logits ``[n, vocab]`` (float32, float64 in float64 mode):
     n = 1 for ``"last"``, ``len(input_ids)`` for ``"all"``, 0 for ``"none"``.
     """
 
-    def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor], pools: DSV4KVPools,
+    def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor] | WeightStream, pools: DSV4KVPools,
                  allocator: KVAllocator, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  backend: Optional[str] = None, dense: bool = False, cuda_graph: Optional[bool] = None,
                  cuda_graph_max_bs: Optional[int] = None, attention_kernel: str = "auto"):
@@ -77,9 +82,17 @@ class ModelRunner:
         self.device, self.dtype, self.dense = torch.device(device), dtype, dense
         if dense != bool(pools.plan.dense):
             raise ValueError(f"ModelRunner(dense={dense}) needs pools planned with dense={dense}")
-        include_mtp = any(name.startswith("mtp.") for name in weights)
-        self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=include_mtp)
-        self.model.load_state_dict(weights, strict=True)
+        if not isinstance(weights, dict):
+            # streamed into the model: no second copy of the weights at any time
+            self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=weights.include_mtp,
+                                   quantized=weights.quantized)
+            self.model.load_stream(weights.stream())
+        else:
+            include_mtp = any(name.startswith("mtp.") for name in weights)
+            quantized = any(t.dtype == torch.float8_e4m3fn for t in weights.values())
+            self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=include_mtp,
+                                   quantized=quantized)
+            self.model.load_state_dict(weights, strict=True)
         self.model.eval()
         if backend is None:
             backend, why = resolve_attention_kernel(attention_kernel, self.device, dtype, config.num_attention_heads)

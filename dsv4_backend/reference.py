@@ -12,6 +12,13 @@ the gate, SwiGLU, the attention softmax and the logits run in float32. Whatever 
 RoPE angles are float32 products ``t * inv_freq`` and the FP8 / FP4 roundings are simulated
 exactly (dequantised values equal what a real FP8 cache returns).
 
+``act_quant=True`` also rounds the input of every FP8/FP4-weight matmul as the release does
+(DSV4.md section 4): wq_a, wkv, wq_b, indexer.wq_b, wo_b, every expert's w1/w3 (their input) and
+w2 (the SwiGLU output after the routing weight), routed and shared, mtp e_proj / h_proj; to e4m3
+per 1 x 128 block along K with a power-of-two scale (amax floored at 1e-4). Not wo_a, the
+compressors, weights_proj, the gate or the head. Every e4m3 rounding here (KV rows, indexer
+rows, activations) goes through float32, as torch's float64 -> e4m3 cast does: one rule.
+
 Public entry points: ``reference_forward`` (logits, optionally the hidden streams) and
 ``reference_mtp_forward`` (the MTP module's logits). The building blocks below are module-level
 functions so tests can check each one against a direct formula.
@@ -134,6 +141,19 @@ def _pow2_scale(amax: torch.Tensor, qmax: float, floor: float) -> torch.Tensor:
 def _e4m3_round(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     q = (x / scale).to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.to(x.dtype) * scale
+
+
+def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """A quantised matmul's input rounded as the release does: e4m3 per 1 x 128 block along the
+    last dim, scale ``2^ceil(log2(max(amax, 1e-4) / 448))``; same dtype and shape."""
+    blocks = x.unflatten(-1, (-1, 128)).to(_acc(x.dtype))
+    scale = _pow2_scale(blocks.abs().amax(-1, keepdim=True), FP8_MAX, AMAX_FLOOR)
+    return _e4m3_round(blocks, scale).flatten(-2).to(x.dtype)
+
+
+def _qmm(x: torch.Tensor, w: torch.Tensor, act_quant: bool) -> torch.Tensor:
+    """``x @ w^T`` of an FP8/FP4-weight matmul, its input rounded when ``act_quant``."""
+    return (act_fake_quant(x) if act_quant else x) @ w.T
 
 
 def kv_fake_quant(kv: torch.Tensor) -> torch.Tensor:
@@ -279,31 +299,34 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: 
     return torch.einsum("hts,sd->thd", p, kv.to(work)).to(q.dtype)
 
 
-def grouped_output_projection(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_output_projection(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor | None,
+                              groups: int) -> torch.Tensor:
     """Grouped low-rank output projection.
 
     o: ``[T, H, 512]``; wo_a: ``[G*R, H*512/G]`` (rows g*R..(g+1)*R-1 are group g's); wo_b:
     ``[D, G*R]``. Group g maps its heads' concatenated outputs to R dims with its own block of
-    wo_a (no mixing between groups); the G results, concatenated group-major, go through wo_b.
+    wo_a (no mixing between groups); the G results, concatenated group-major, go through wo_b
+    (``wo_b=None``: the ``[T, G*R]`` input of wo_b).
     """
     T = o.shape[0]
     og = o.reshape(T, groups, -1)                             # [T, G, H/G*512]
     wa = wo_a.view(groups, -1, og.shape[-1])                   # [G, R, H/G*512]
-    return torch.einsum("tgk,grk->tgr", og, wa).flatten(1) @ wo_b.T
+    z = torch.einsum("tgk,grk->tgr", og, wa).flatten(1)
+    return z if wo_b is None else z @ wo_b.T
 
 
 def _attention(cfg: DSV4Config, w: dict, p: str, ratio: int, x: torch.Tensor, pos: torch.Tensor,
-               indexer_quant: str) -> torch.Tensor:
+               indexer_quant: str, aq: bool = False) -> torch.Tensor:
     """One attention sub-layer over a whole sequence. x: ``[T, D]`` -> ``[T, D]``."""
     T, H, hd, eps = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
     a = p + "attn."
     inv = rope_inv_freq(cfg, compressed=ratio != 0)
 
-    qr = rms_norm(x @ w[a + "wq_a.weight"].T, w[a + "q_norm.weight"], eps)       # [T, q_lora]
-    q = (qr @ w[a + "wq_b.weight"].T).view(T, H, hd)
+    qr = rms_norm(_qmm(x, w[a + "wq_a.weight"], aq), w[a + "q_norm.weight"], eps)  # [T, q_lora]
+    q = _qmm(qr, w[a + "wq_b.weight"], aq).view(T, H, hd)
     q = apply_rope(rms_norm(q, None, eps), pos, inv)                              # [T, H, 512]
 
-    kv = rms_norm(x @ w[a + "wkv.weight"].T, w[a + "kv_norm.weight"], eps)       # [T, 512]
+    kv = rms_norm(_qmm(x, w[a + "wkv.weight"], aq), w[a + "kv_norm.weight"], eps)  # [T, 512]
     kv = kv_fake_quant(apply_rope(kv, pos, inv))
 
     keys, mask = kv, window_mask(T, cfg.sliding_window)
@@ -312,12 +335,15 @@ def _attention(cfg: DSV4Config, w: dict, p: str, ratio: int, x: torch.Tensor, po
         rows = kv_fake_quant(rows)
         seen = visible_rows(T, rows.shape[0], ratio)
         if ratio == 4:
-            seen = _indexer_select(cfg, w, a + "indexer.", x, qr, pos, inv, seen, indexer_quant)
+            seen = _indexer_select(cfg, w, a + "indexer.", x, qr, pos, inv, seen, indexer_quant, aq)
         keys, mask = torch.cat((kv, rows)), torch.cat((mask, seen), 1)
 
     o = sink_attention(q, keys, mask, w[a + "attn_sink"], cfg.softmax_scale)     # [T, H, 512]
     o = apply_rope(o, pos, inv, inverse=True)
-    return grouped_output_projection(o, w[a + "wo_a.weight"], w[a + "wo_b.weight"], cfg.o_groups)
+    if not aq:
+        return grouped_output_projection(o, w[a + "wo_a.weight"], w[a + "wo_b.weight"], cfg.o_groups)
+    z = grouped_output_projection(o, w[a + "wo_a.weight"], None, cfg.o_groups)
+    return _qmm(z, w[a + "wo_b.weight"], aq)
 
 
 def _compressed_rows(cfg: DSV4Config, w: dict, c: str, ratio: int, x: torch.Tensor,
@@ -333,11 +359,12 @@ def _compressed_rows(cfg: DSV4Config, w: dict, c: str, ratio: int, x: torch.Tens
 
 
 def _indexer_select(cfg: DSV4Config, w: dict, ix: str, x: torch.Tensor, qr: torch.Tensor,
-                    pos: torch.Tensor, inv: torch.Tensor, visible: torch.Tensor, mode: str) -> torch.Tensor:
+                    pos: torch.Tensor, inv: torch.Tensor, visible: torch.Tensor, mode: str,
+                    aq: bool = False) -> torch.Tensor:
     """The CSA indexer: ``[T, n]`` mask of the top-k visible compressed rows per query."""
     T, Hi, di = x.shape[0], cfg.index_n_heads, cfg.index_head_dim
     k = indexer_fake_quant(hadamard_128(_compressed_rows(cfg, w, ix + "compressor.", 4, x, inv)), mode)
-    q = (qr @ w[ix + "wq_b.weight"].T).view(T, Hi, di)
+    q = _qmm(qr, w[ix + "wq_b.weight"], aq).view(T, Hi, di)
     q = indexer_fake_quant(hadamard_128(apply_rope(q, pos, inv)), mode)         # [T, Hi, 128]
     hw = (x @ w[ix + "weights_proj.weight"].T) * (di ** -0.5 * Hi ** -0.5)     # [T, Hi]
     work = _acc(x.dtype)
@@ -396,19 +423,19 @@ def _hc_sublayer(cfg: DSV4Config, w: dict, p: str, sub: str, norm: str, X: torch
 
 
 def _expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
-            weight: torch.Tensor | None) -> torch.Tensor:
+            weight: torch.Tensor | None, aq: bool = False) -> torch.Tensor:
     """Clamped SwiGLU (float32 or wider), routing weight applied before w2."""
     work = _acc(x.dtype)
-    g = (x @ w1.T).to(work)
-    u = (x @ w3.T).to(work)
+    g = _qmm(x, w1, aq).to(work)
+    u = _qmm(x, w3, aq).to(work)
     h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
     if weight is not None:
         h = h * weight[:, None].to(work)
-    return h.to(x.dtype) @ w2.T
+    return _qmm(h.to(x.dtype), w2, aq)
 
 
 def moe(cfg: DSV4Config, weights: dict, prefix: str, x: torch.Tensor,
-        input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        input_ids: torch.Tensor | None = None, act_quant: bool = False) -> torch.Tensor:
     """The MoE sub-layer of the block at ``prefix`` (e.g. ``"layers.0."``). x: ``[T, D]`` -> ``[T, D]``.
 
     Scores ``s = sqrt(softplus(x Wg^T))`` (float32 or wider). A block holding ``ffn.gate.tid2eid``
@@ -438,21 +465,21 @@ def moe(cfg: DSV4Config, weights: dict, prefix: str, x: torch.Tensor,
             continue
         ew = f"{f}experts.{e}."
         y = _expert(x[tok], weights[ew + "w1.weight"], weights[ew + "w3.weight"], weights[ew + "w2.weight"],
-                    limit, gw[tok, slot])
+                    limit, gw[tok, slot], act_quant)
         out = out.index_add(0, tok, y)
     sh = f + "shared_experts."
     return out + _expert(x, weights[sh + "w1.weight"], weights[sh + "w3.weight"], weights[sh + "w2.weight"],
-                         limit, None)
+                         limit, None, act_quant)
 
 
 # ---- blocks, heads, entry points -----------------------------------------------------------
 
 
 def _block(cfg: DSV4Config, w: dict, p: str, ratio: int, X: torch.Tensor, ids: torch.Tensor,
-           pos: torch.Tensor, indexer_quant: str) -> torch.Tensor:
+           pos: torch.Tensor, indexer_quant: str, aq: bool = False) -> torch.Tensor:
     X = _hc_sublayer(cfg, w, p, "attn", "attn_norm.weight", X,
-                     lambda y: _attention(cfg, w, p, ratio, y, pos, indexer_quant))
-    return _hc_sublayer(cfg, w, p, "ffn", "ffn_norm.weight", X, lambda y: moe(cfg, w, p, y, ids))
+                     lambda y: _attention(cfg, w, p, ratio, y, pos, indexer_quant, aq))
+    return _hc_sublayer(cfg, w, p, "ffn", "ffn_norm.weight", X, lambda y: moe(cfg, w, p, y, ids, aq))
 
 
 def _lm_head(cfg: DSV4Config, w: dict, p: str, X: torch.Tensor) -> torch.Tensor:
@@ -483,12 +510,13 @@ def _check_ids(cfg: DSV4Config, input_ids) -> torch.Tensor:
 
 
 def reference_forward(cfg: DSV4Config, weights: dict, input_ids, *, dtype: torch.dtype = torch.float64,
-                      indexer_quant: str = "fp8", return_hidden: bool = False):
+                      indexer_quant: str = "fp8", return_hidden: bool = False, act_quant: bool = False):
     """Logits of the main model for one sequence starting at position 0.
 
     weights: names from ``weights.weight_specs`` (dequantised tensors, e.g. ``random_weights``);
     float tensors are cast to ``dtype`` (fp32 parameters stay fp32 in bf16 mode), int tables kept.
-    input_ids: ``[T]``. indexer_quant: ``"fp8"`` (default) or ``"fp4"``.
+    input_ids: ``[T]``. indexer_quant: ``"fp8"`` (default) or ``"fp4"``. act_quant: round the
+    inputs of the FP8/FP4 matmuls (see the module docstring), as a quantised checkpoint runs.
     Returns logits ``[T, vocab]`` in ``dtype`` (float32 in bf16 mode, as the release's head), or
     with ``return_hidden=True`` a ``ReferenceOutput(logits, hidden [T, hc, D])``.
     """
@@ -501,7 +529,7 @@ def reference_forward(cfg: DSV4Config, weights: dict, input_ids, *, dtype: torch
 
     X = w["embed.weight"][ids][:, None, :].expand(T, cfg.hc_mult, cfg.hidden_size).clone()  # [T, hc, D]
     for i, ratio in enumerate(cfg.layer_ratios):
-        X = _block(cfg, w, f"layers.{i}.", ratio, X, ids, pos, indexer_quant)
+        X = _block(cfg, w, f"layers.{i}.", ratio, X, ids, pos, indexer_quant, act_quant)
     logits = _lm_head(cfg, w, "", X)
     if dtype != torch.bfloat16:
         logits = logits.to(dtype)
@@ -509,7 +537,8 @@ def reference_forward(cfg: DSV4Config, weights: dict, input_ids, *, dtype: torch
 
 
 def reference_mtp_forward(cfg: DSV4Config, weights: dict, input_ids, hidden_streams: torch.Tensor, *,
-                          dtype: torch.dtype = torch.float64, indexer_quant: str = "fp8") -> torch.Tensor:
+                          dtype: torch.dtype = torch.float64, indexer_quant: str = "fp8",
+                          act_quant: bool = False) -> torch.Tensor:
     """Logits of the MTP module ``mtp.0``: ``[T-1, vocab]``, position t predicting token t+2.
 
     hidden_streams: the main model's ``[T, hc, D]`` (``reference_forward(..., return_hidden=True)``).
@@ -532,9 +561,11 @@ def reference_mtp_forward(cfg: DSV4Config, weights: dict, input_ids, hidden_stre
     w = _prepare(weights, dtype, names)
     eps = cfg.rms_norm_eps
 
-    e = rms_norm(w["embed.weight"][ids[1:]], w[p + "enorm.weight"], eps) @ w[p + "e_proj.weight"].T   # [T-1, D]
-    h = rms_norm(hidden_streams[:-1].to(dtype), w[p + "hnorm.weight"], eps) @ w[p + "h_proj.weight"].T
+    e = _qmm(rms_norm(w["embed.weight"][ids[1:]], w[p + "enorm.weight"], eps), w[p + "e_proj.weight"],
+             act_quant)                                                         # [T-1, D]
+    h = _qmm(rms_norm(hidden_streams[:-1].to(dtype), w[p + "hnorm.weight"], eps), w[p + "h_proj.weight"],
+             act_quant)
     X = h + e[:, None, :]                                                       # [T-1, hc, D]
-    X = _block(cfg, w, p, cfg.mtp_ratios[0], X, ids[1:], torch.arange(T - 1), indexer_quant)
+    X = _block(cfg, w, p, cfg.mtp_ratios[0], X, ids[1:], torch.arange(T - 1), indexer_quant, act_quant)
     logits = _lm_head(cfg, w, p, X)
     return logits if dtype == torch.bfloat16 else logits.to(dtype)

@@ -8,13 +8,19 @@ forward all read this list, so a name is spelled in exactly one place.
 ``random_weights(cfg, seed)`` gives seeded random weights: each tensor is drawn in fp32
 from a generator seeded by (seed, name), so the float32 and float64 models of one seed
 hold the same numbers, and adding a tensor never changes the others.
+
+``model_tensors(cfg, dtype, quantized=...)`` is what a model holds in memory: every spec in its
+compute dtype, or with ``quantized=True`` the FP8 kinds kept as e4m3 + an fp32 block scale and
+the routed experts as e2m1 bytes + e8m0 scale bytes, under the release's names.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +34,12 @@ class WeightKind(enum.Enum):
     FP32 = "fp32"    # small parameters kept in fp32 (norm weights are bf16 in the release; see below)
     INT64 = "int64"  # the hash-routing table
 
+
+FP8_BLOCK = 128         # FP8 weight scale block (128 x 128)
+FP4_BLOCK = 32          # FP4 weight scale block along K
+# FP8 in the release but dequantised at load: its grouped matmul runs in the compute dtype
+# (the release's converter folds its scale in the same way).
+DEQUANTIZED_FP8 = ("attn.wo_a.weight",)
 
 # Parameters that stay fp32 whatever the compute dtype (float64 runs promote them to float64).
 FP32_PARAMS = ("attn_sink", "ape", "gate.bias", "hc_")
@@ -190,4 +202,65 @@ def random_weights(
             t = torch.randn(spec.shape, generator=g, dtype=torch.float32, device=gen_device)
             t = t.mul_(spec.init_std).add_(spec.init_mean)
         out[spec.name] = t.to(device=device, dtype=param_dtype(spec.name, spec.kind, dtype))
+    return out
+
+
+# ---- the quantised in-memory layout ------------------------------------------------------------
+
+def scale_name(weight_name: str) -> str:
+    """Scales are named after the module: ``a.b.wq_a.weight`` -> ``a.b.wq_a.scale``."""
+    return weight_name.removesuffix(".weight") + ".scale"
+
+
+def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    out, inn = shape
+    return (math.ceil(out / FP8_BLOCK), math.ceil(inn / FP8_BLOCK))
+
+
+def fp4_packed_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    out, inn = shape
+    return (out, inn // 2)
+
+
+def fp4_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    out, inn = shape
+    return (out, inn // FP4_BLOCK)
+
+
+def keeps_quantized(spec: WeightSpec) -> bool:
+    """Whether a quantised model keeps this weight in its stored FP8 / FP4 form."""
+    if spec.kind is WeightKind.FP4:
+        return True
+    return spec.kind is WeightKind.FP8 and not spec.name.endswith(DEQUANTIZED_FP8)
+
+
+class ModelTensor(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def model_tensors(cfg: DSV4Config, dtype: torch.dtype, include_mtp: bool = True,
+                  quantized: bool = False) -> list[ModelTensor]:
+    """Every tensor a model of compute dtype ``dtype`` holds, with the dtype it holds it in.
+
+    ``quantized=False``: the specs, dtypes per :func:`param_dtype`. ``quantized=True``: FP8
+    kinds (but ``wo_a``) as ``float8_e4m3fn [out, in]`` + ``<module>.scale float32
+    [ceil(out/128), ceil(in/128)]``; routed experts as ``uint8 [out, in/2]`` e2m1 pairs +
+    ``<module>.scale uint8 [out, in/32]`` e8m0 bytes; the rest as without quantisation.
+    """
+    out: list[ModelTensor] = []
+    for spec in weight_specs(cfg, include_mtp):
+        if quantized and keeps_quantized(spec) and spec.kind is WeightKind.FP8:
+            out += [ModelTensor(spec.name, spec.shape, torch.float8_e4m3fn),
+                    ModelTensor(scale_name(spec.name), fp8_scale_shape(spec.shape), torch.float32)]
+        elif quantized and keeps_quantized(spec):
+            out += [ModelTensor(spec.name, fp4_packed_shape(spec.shape), torch.uint8),
+                    ModelTensor(scale_name(spec.name), fp4_scale_shape(spec.shape), torch.uint8)]
+        else:
+            out.append(ModelTensor(spec.name, spec.shape, param_dtype(spec.name, spec.kind, dtype)))
     return out

@@ -3,6 +3,11 @@
     python -m memory.plan --preset flash --budget-gb 100
     python -m memory.plan --preset pro --gpu-mem-gb 140 --mem-fraction 0.88 --weights-gb 80 --json
     python -m memory.plan --config path/to/config.json --speculative --plot split.png
+    python -m memory.plan --model-path /models/DeepSeek-V4-Flash --gpu-mem-gb 139
+
+``--model-path DIR`` reads the checkpoint's config.json and counts its weights as the server
+keeps them on the GPU (bf16, an FP8 release kept quantised: its real e4m3 / e2m1 bytes plus
+scales, ``wo_a`` in bf16, MTP not loaded), from the safetensors headers alone.
 
 Sizes are GiB (2^30 bytes). The budget is ``--budget-gb``, or ``gpu_mem * mem_fraction - weights``
 (SGLang's static fraction covers weights and KV). The env flags
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from memory.configurator import (CONTEXT_1M, CONTEXT_128K, GIB, KV_ROW_BYTES, TERM_NAMES, DSV4PoolConfigurator,
@@ -28,12 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=("flash", "pro", "tiny"), help="a built-in model shape")
     src.add_argument("--config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
+    src.add_argument("--model-path", metavar="DIR", help="a checkpoint directory: its config and its weights' "
+                     "size as loaded (with --gpu-mem-gb, instead of --weights-gb)")
     p.add_argument("--budget-gb", type=float, help=f"KV budget in GiB (default {DEFAULT_BUDGET_GB:g} "
                    "unless --gpu-mem-gb is given)")
     p.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB; budget = gpu_mem * mem_fraction - weights")
     p.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION,
                    help="static memory fraction (weights + KV), with --gpu-mem-gb")
-    p.add_argument("--weights-gb", type=float, default=0.0, help="weights in GiB, with --gpu-mem-gb")
+    p.add_argument("--weights-gb", type=float, default=None,
+                   help="weights in GiB, with --gpu-mem-gb (default 0, or the checkpoint's with --model-path)")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--swa-ratio", type=float, default=0.1, help="SWA tokens per full token")
     p.add_argument("--speculative", action="store_true", help="MTP speculative decoding (doubles the rings)")
@@ -49,10 +58,11 @@ def budget_bytes(args: argparse.Namespace) -> int:
     if args.gpu_mem_gb is not None:
         if args.budget_gb is not None:
             raise PlanError("give either --budget-gb or --gpu-mem-gb (with --mem-fraction / --weights-gb), not both")
-        gb = args.gpu_mem_gb * args.mem_fraction - args.weights_gb
+        weights_gb = args.weights_gb or 0.0
+        gb = args.gpu_mem_gb * args.mem_fraction - weights_gb
         if gb <= 0:
             raise PlanError(f"--gpu-mem-gb {args.gpu_mem_gb:g} x --mem-fraction {args.mem_fraction:g} leaves nothing "
-                            f"after --weights-gb {args.weights_gb:g}; raise the fraction or the GPU memory")
+                            f"after {weights_gb:g} GiB of weights; raise the fraction or the GPU memory")
         return int(gb * GIB)
     return int((DEFAULT_BUDGET_GB if args.budget_gb is None else args.budget_gb) * GIB)
 
@@ -96,23 +106,50 @@ def plot(plan: PoolPlan, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    # The one place memory/ imports dsv4_backend: resolving --preset / --config for this CLI.
+def checkpoint_weights(model_path: str):
+    """A checkpoint's config and the device bytes of its weights as the server loads them (bf16,
+    an FP8 release kept quantised, no MTP), from the headers alone."""
+    import torch
+
+    from dsv4_backend.checkpoint import CheckpointReader
     from dsv4_backend.config import DSV4Config
 
+    fp8 = DSV4Config.from_json(Path(model_path) / "config.json").quantization == "fp8"
+    reader = CheckpointReader(model_path, dtype=torch.bfloat16, include_mtp=False, keep_quantized=fp8)
+    return reader.config, reader.nbytes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # The one place memory/ imports dsv4_backend (with checkpoint_weights): resolving
+    # --preset / --config / --model-path for this CLI.
+    from dsv4_backend.config import DSV4Config
+
+    weights_bytes = None
     try:
-        model = DSV4Config.preset(args.preset) if args.preset else DSV4Config.from_json(args.config)
+        if args.model_path:
+            model, weights_bytes = checkpoint_weights(args.model_path)
+            if args.weights_gb is None:
+                args.weights_gb = weights_bytes / GIB
+        elif args.preset:
+            model = DSV4Config.preset(args.preset)
+        else:
+            model = DSV4Config.from_json(args.config)
         configurator = DSV4PoolConfigurator(
             model, max_running_requests=args.max_running_requests, swa_ratio=args.swa_ratio,
             speculative=args.speculative, c4_shrink_factor=args.hisparse_ratio)
         plan = configurator.plan_for_budget(budget_bytes(args))
-    except ValueError as e:  # PlanError, a bad env flag, or a config that is not DSV4's
+    except (ValueError, OSError) as e:  # PlanError, a bad env flag, a config that is not DSV4's, a bad path
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        d = plan.to_dict()
+        if weights_bytes is not None:
+            d["weights_bytes"] = weights_bytes
+        print(json.dumps(d, indent=2))
     else:
+        if weights_bytes is not None:
+            print(f"weights: {weights_bytes / GIB:.3f} GiB as loaded from {args.model_path}")
         print(plan.table())
     if args.plot:
         plot(plan, args.plot)

@@ -24,11 +24,12 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
-from dsv4_backend.checkpoint import load_checkpoint
+from dsv4_backend.checkpoint import CheckpointReader, WeightStream
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model_runner import ModelRunner, pool_page_align, resolve_attention_kernel
 from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
@@ -78,6 +79,19 @@ def _available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
 
 
+def weight_nbytes(weights: Union[dict[str, torch.Tensor], WeightStream]) -> int:
+    """Bytes the model's weights take on the device (a checkpoint's as it will be kept)."""
+    if not isinstance(weights, dict):
+        return weights.nbytes
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def _is_fp8(model_path: str) -> bool:
+    """Whether config.json marks a quantised release (its FP8 / FP4 weights are then kept so)."""
+    cfg = Path(model_path) / "config.json"   # a missing one is CheckpointReader's error to report
+    return cfg.exists() and DSV4Config.from_json(cfg).quantization == "fp8"
+
+
 class Engine:
     """A DeepSeek-V4 model served with paged compressed-KV pools and continuous batching.
 
@@ -92,6 +106,9 @@ class Engine:
     ``cuda_graph=False`` (or ``DSV4_CUDA_GRAPH=0``) runs every step eagerly.
     ``attention_kernel``: ``auto`` (FlashMLA on an sm90 / sm100 GPU where ``flash_mla`` imports,
     else Triton), ``flashmla`` or ``triton``; the one chosen is logged and in :meth:`stats`.
+    A checkpoint (``model_path``) is checked, then streamed into the model tensor by tensor; an
+    FP8 release (``quantization_config`` in its config.json) stays quantised (FP8 linears, FP4
+    experts). ``weight_stream`` gives any such stream instead (benchmarks that synthesise weights).
     """
 
     def __init__(
@@ -116,6 +133,7 @@ class Engine:
         cuda_graph: Optional[bool] = None,
         cuda_graph_max_bs: Optional[int] = None,
         attention_kernel: str = "auto",
+        weight_stream: Optional[WeightStream] = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -128,6 +146,9 @@ class Engine:
         torch.manual_seed(random_seed)
 
         self._weights_on_device = random_weights_on_device
+        if weight_stream is not None and model_path is not None:
+            raise ValueError("pass model_path or weight_stream, not both")
+        self._weight_stream = weight_stream
         self.config, weights = self._load_model(model_path, preset, random_seed, config_overrides or {})
         self.model_name = str(model_path) if model_path else f"dsv4-{preset}"
         self.context_length = int(context_length or self.config.max_position_embeddings)
@@ -176,13 +197,17 @@ class Engine:
 
     # ---- construction ---------------------------------------------------------------
 
-    def _load_model(self, model_path: Optional[str], preset: str, seed: int,
-                    overrides: dict[str, Any]) -> tuple[DSV4Config, dict[str, torch.Tensor]]:
+    def _load_model(self, model_path: Optional[str], preset: str, seed: int, overrides: dict[str, Any]
+                    ) -> tuple[DSV4Config, Union[dict[str, torch.Tensor], WeightStream]]:
+        if self._weight_stream is not None:
+            return self._weight_stream.config, self._weight_stream
         if model_path is not None:
             if overrides:
                 raise ValueError("config_overrides apply to presets only, not to a checkpoint")
-            ck = load_checkpoint(model_path, dtype=self.dtype, device=self.device, include_mtp=False)
-            return ck.config, ck.weights
+            # checked now, streamed into the model by the runner; an FP8 release stays quantised
+            reader = CheckpointReader(model_path, dtype=self.dtype, device=self.device, include_mtp=False,
+                                      keep_quantized=_is_fp8(model_path))
+            return reader.config, reader
         cfg = DSV4Config.preset(preset, **overrides)
         logger.warning("no model path: the built-in %r preset has SEEDED RANDOM WEIGHTS (seed %d), so its "
                        "output is meaningless text; pass a real DeepSeek-V4 checkpoint (model_path / "
@@ -190,7 +215,7 @@ class Engine:
         return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False,
                                    draw_on_device=self._weights_on_device)
 
-    def _plan(self, conf: DSV4PoolConfigurator, weights: dict[str, torch.Tensor],
+    def _plan(self, conf: DSV4PoolConfigurator, weights: Union[dict[str, torch.Tensor], WeightStream],
               max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:
         if max_total_tokens is not None and mem_fraction_static is not None:
             raise ValueError("pass max_total_tokens or mem_fraction_static, not both")
@@ -201,7 +226,7 @@ class Engine:
                 mem_fraction_static = DEFAULT_GPU_MEM_FRACTION
         if max_total_tokens is not None:
             return conf.plan_for_tokens(max_total_tokens)
-        weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        weight_bytes = weight_nbytes(weights)
         budget = int(_available_bytes(self.device) * mem_fraction_static) - weight_bytes
         if budget <= 0:
             raise ValueError(f"mem_fraction_static={mem_fraction_static} leaves no memory for the KV pools "

@@ -242,3 +242,29 @@ def test_sass_report_compiles_the_decode_kernel_for_hopper(tmp_path):
     indexer = lines["indexer_pages_bf16"]
     assert int(indexer["UTMALDG"]) > 0 and int(indexer["HGMMA"]) > 0 and indexer["spill"] == "0B"
     assert "HGMMA" in (tmp_path / "decode_64-64-8-1-word-True.sass").read_text()
+
+
+def test_bench_quant_model_tiny_cpu(tmp_path):
+    """The quantised-model benchmark end to end at the tiny shape: a 1-layer checkpoint written and
+    streamed back, the other layers made in the same format, kernels, decode, prefill, per layer."""
+    from bench import bench_quant_model
+
+    out = tmp_path / "quant.json"
+    rep = bench_quant_model.main([
+        "--preset", "tiny", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"), "--contexts", "256",
+        "--batches", "1,max", "--max-batch", "2", "--prefill-context", "256", "--prefill-chunk", "128",
+        "--steps", "1", "--warmup", "0", "--gemm-m", "1", "--moe-tokens", "2", "--kernel-iters", "1",
+        "--out", str(out)])
+    assert json.loads(out.read_text())["weights"]["disk_layers"] == 1
+    w = rep["weights"]
+    assert w["layers"] == 4 and w["checkpoint_bytes"] > 0 and not (tmp_path / "ckpt").exists()
+    assert {r["kernel"] for r in rep["kernels"]} == {"fp8_linear", "fp4_moe"}
+    assert all(r["impl"] == "torch" and r["ms"] > 0 and r["floor_ms"] > 0 for r in rep["kernels"])
+    checks = rep["kernel_check"]   # the torch path against the spec: within the bound, MoE identical
+    assert all(c["worst_err_over_bound"] <= 1 for c in checks if c["kernel"] == "fp8_linear")
+    assert all(c["relative_error_norm"] == 0 for c in checks if c["kernel"] == "fp4_moe")
+    assert [(d["batch"], d["status"]) for d in rep["decode"]] == [(1, "ok"), (2, "ok")]
+    assert all(d["tokens_per_s"] > 0 and d["floor_ms"] > 0 for d in rep["decode"])
+    assert rep["prefill"]["status"] == "complete" and rep["prefill"]["tokens_done"] == 256
+    pl = rep["per_layer"]
+    assert pl["per_layer_floor_ms"] > 0 and pl["derived_layers"] == 4 and pl["derived_step_ms"] > 0

@@ -396,3 +396,125 @@ def test_index_naming_an_absent_tensor_is_reported(cfg, weights, tmp_path):
 def test_writer_rejects_unknown_format(cfg, weights, tmp_path):
     with pytest.raises(ValueError, match="fp16"):
         save_checkpoint(tmp_path, cfg, weights, fmt="fp16")
+
+
+# ---- kept quantised (keep_quantized=True) ---------------------------------------------------
+
+def test_quantized_load_keeps_the_stored_bytes(cfg, weights, ckpt):
+    """e4m3 codes, scale exponents and packed nibbles are the bytes the writer stored; wo_a is
+    dequantised (its scale folded in); everything else loads as without quantisation."""
+    d = ckpt["fp8", True]
+    stored = {}
+    for f in sorted(d.glob("model-*.safetensors")):
+        stored.update(load_file(f))
+    got = load_checkpoint(d, keep_quantized=True, dtype=torch.bfloat16)
+    plain = load_checkpoint(d, keep_quantized=False, dtype=torch.bfloat16).weights
+    assert got.quantized
+    kinds = {s.name: s.kind for s in weight_specs(cfg)}
+    for name, kind in kinds.items():
+        scale = name.removesuffix(".weight") + ".scale"
+        if kind is WeightKind.FP8 and not name.endswith("attn.wo_a.weight"):
+            w, s = got.weights[name], got.weights[scale]
+            assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32, name
+            assert torch.equal(w.view(torch.uint8), stored[name].view(torch.uint8)), name
+            exps = stored[scale].view(torch.uint8).double() - 127
+            assert torch.equal(s.double(), torch.exp2(exps)), scale
+        elif kind is WeightKind.FP4:
+            w, s = got.weights[name], got.weights[scale]
+            assert w.dtype == torch.uint8 and s.dtype == torch.uint8, name
+            assert torch.equal(w, stored[name].view(torch.uint8)), name
+            assert torch.equal(s, stored[scale].view(torch.uint8)), scale
+        else:
+            assert scale not in got.weights
+            assert got.weights[name].dtype == plain[name].dtype and torch.equal(got.weights[name], plain[name]), name
+    wo_a = "layers.1.attn.wo_a.weight"
+    assert torch.equal(got.weights[wo_a].double(), ref_fp8_dequant(weights[wo_a]).to(torch.bfloat16).double())
+    fp4 = "layers.2.ffn.experts.5.w2.weight"   # the nibbles decode to the writer's rounding
+    b = got.weights[fp4]
+    codes = torch.stack([b & 15, b >> 4], -1).flatten(-2).long()
+    mag = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0).double()
+    s = torch.exp2(got.weights[fp4.replace("weight", "scale")].double() - 127).repeat_interleave(32, 1)
+    assert torch.equal(mag * s, ref_fp4_dequant(weights[fp4]))
+
+
+def test_quantized_load_refuses_unquantized_storage(cfg, weights, ckpt, tmp_path):
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ckpt["bf16", False], keep_quantized=True)
+    msg = str(e.value)
+    assert "dtype: layers.0.attn.wq_a.weight is stored as BF16; a quantised load keeps it as F8_E4M3" in msg
+    assert "dtype: layers.3.ffn.experts.7.w2.weight is stored as BF16" in msg
+    assert "wo_a" not in msg and "embed" not in msg      # those are not kept quantised
+    # an FP4 scale must be the release's e8m0 bytes when kept (a float scale is decoded only)
+    t = load_file(ckpt["fp8", False] / "model.safetensors")
+    name = "layers.1.ffn.experts.2.w3.scale"
+    t[name] = t[name].float()
+    save_checkpoint(tmp_path, cfg, {}, fmt="fp8")
+    save_file(t, str(tmp_path / "model.safetensors"))
+    load_checkpoint(tmp_path, keep_quantized=False)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path, keep_quantized=True)
+    assert len(e.value.problems) == 1 and f"dtype: {name} is stored as F32" in str(e.value)
+
+
+def test_default_keeps_quantized_only_on_cuda(ckpt):
+    from dsv4_backend.checkpoint import CheckpointReader
+    assert not CheckpointReader(ckpt["fp8", False]).quantized
+    assert CheckpointReader(ckpt["fp8", False], device="cuda").quantized     # headers only: no GPU used
+    assert not CheckpointReader(ckpt["bf16", False], device="cuda").quantized
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["quantized", "dequantized"])
+def test_loading_streams_one_tensor_at_a_time(ckpt, monkeypatch, keep):
+    """Shard by shard: each shard opened once, in order, one more only for a scale the writer
+    put in the next shard; at most a weight and its scale read from the files are alive when a
+    tensor is handed over (a 160 GB release never sits in host memory)."""
+    import weakref
+
+    import dsv4_backend.checkpoint as C
+
+    opened, open_now, alive, worst = [], [0], weakref.WeakSet(), {"open": 0, "alive": 0}
+
+    class Handle:
+        def __init__(self, path, **kw):
+            self.h = safe_open(path, **kw)
+
+        def __enter__(self):
+            opened.append((self.path_name, open_now[0]))    # (shard, handles already open)
+            open_now[0] += 1
+            self.inner = self.h.__enter__()
+            return self
+
+        def __exit__(self, *a):
+            open_now[0] -= 1
+            return self.h.__exit__(*a)
+
+        def get_tensor(self, name):
+            t = self.inner.get_tensor(name)
+            alive.add(t)
+            return t
+
+    def fake_open(path, **kw):
+        h = Handle(path, **kw)
+        h.path_name = path.rsplit("/", 1)[-1]
+        return h
+
+    reader = C.CheckpointReader(ckpt["fp8", True], keep_quantized=keep)
+    monkeypatch.setattr(C, "safe_open", fake_open)
+    names = []
+    for name, t in reader.stream():
+        worst["open"] = max(worst["open"], open_now[0])
+        worst["alive"] = max(worst["alive"], len([x for x in alive if x is not t]))
+        names.append(name)
+        del t
+    shards = sorted(p.name for p in ckpt["fp8", True].glob("model-*.safetensors"))
+    assert len(shards) > 3
+    assert [n for n, depth in opened if depth == 0] == shards       # each shard once, in order
+    assert worst["open"] <= 2 and worst["alive"] <= 2, worst
+    assert len(names) == len(set(names)) == len(reader.tensor_names())
+
+
+def test_e8m0_scale_bytes_decode_to_powers_of_two():
+    from dsv4_backend.checkpoint import _scale_values
+    got = _scale_values(torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu), torch.float64)
+    assert got[:255].tolist() == [math.ldexp(1.0, b - 127) for b in range(255)]
+    assert math.isnan(got[255].item())

@@ -1,0 +1,134 @@
+"""Modules that keep release weights quantised: ``Fp8Linear`` and the FP4 routed-expert stack.
+
+Both hold the stored bytes under the release's names (``<module>.weight`` and ``<module>.scale``,
+as buffers, so ``load_state_dict`` and the loader fill them) and run the maths of
+:mod:`dsv4_backend.layers.quant`: on CUDA through the Triton kernels (``kernels/fp8_gemm.py``,
+``kernels/fp4_moe.py``, imported on first use), elsewhere (and when those kernels cannot be
+imported) through the torch reference, which is also the float64 path. Off the GPU the torch
+path keeps the weights it dequantised (in the compute dtype) until the stored bytes change: the
+CPU only runs small models, and dequantising on every step would dominate their run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..weights import fp4_packed_shape, fp4_scale_shape, fp8_scale_shape
+from .quant import compute_dtype, dequant_fp4, dequant_fp8, fp4_moe_ref, linear_act_quant, moe_act_quant
+
+logger = logging.getLogger(__name__)
+_KERNELS: dict[str, Optional[Callable]] = {}
+
+
+def _kernel(module: str, name: str) -> Optional[Callable]:
+    """``dsv4_backend.kernels.<module>.<name>``, or None (logged once) when it cannot be imported."""
+    key = f"{module}.{name}"
+    if key not in _KERNELS:
+        try:
+            _KERNELS[key] = getattr(importlib.import_module(f"dsv4_backend.kernels.{module}"), name)
+        except (ImportError, AttributeError) as e:
+            logger.warning("%s unavailable (%s): the torch reference runs instead", key, e)
+            _KERNELS[key] = None
+    return _KERNELS[key]
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float32)
+
+
+class _DequantCache:
+    """The last dequantisation of some stored tensors, valid while their bytes are unchanged."""
+
+    def __init__(self):
+        self.key, self.value = None, None
+
+    def get(self, tensors: tuple[torch.Tensor, ...], dtype: torch.dtype, make: Callable[[], object]):
+        key = (dtype,) + tuple((t.data_ptr(), t._version) for t in tensors)
+        if key != self.key:
+            self.key, self.value = key, make()
+        return self.value
+
+
+class Fp8Linear(nn.Module):
+    """``y = x @ W^T`` with W e4m3 ``[out, in]`` and fp32 power-of-two block scales
+    ``[ceil(out/128), ceil(in/128)]``; x is rounded to e4m3 in 1 x 128 blocks first (W8A8)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty(fp8_scale_shape((out_features, in_features)),
+                                                  dtype=torch.float32))
+        self._cache = _DequantCache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out] in x's dtype
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        fn = _kernel("fp8_gemm", "fp8_linear") if _on_gpu(x) else None
+        if fn is not None:
+            y = fn(x2, self.weight, self.scale)
+        else:
+            c = compute_dtype(x.dtype)
+            deq = lambda: dequant_fp8(self.weight, self.scale, c)  # noqa: E731
+            w = deq() if x.is_cuda else self._cache.get((self.weight, self.scale), c, deq)
+            y = linear_act_quant(x2, w)
+        return y.view(*lead, y.shape[-1])
+
+
+class Fp4Slot(nn.Module):
+    """One routed expert projection's stored bytes, a view into its MoE layer's stack:
+    ``weight uint8 [out, in/2]`` (e2m1 pairs), ``scale uint8 [out, in/32]`` (e8m0)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        shape = (out_features, in_features)
+        self.register_buffer("weight", torch.empty(fp4_packed_shape(shape), dtype=torch.uint8))
+        self.register_buffer("scale", torch.empty(fp4_scale_shape(shape), dtype=torch.uint8))
+
+
+class Fp4Expert(nn.Module):
+    """Names of one routed expert (``w1``, ``w3``, ``w2``); it runs only as part of the stack."""
+
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.w1 = Fp4Slot(dim, inter)
+        self.w3 = Fp4Slot(dim, inter)
+        self.w2 = Fp4Slot(inter, dim)
+
+
+class Fp4ExpertStack:
+    """A MoE layer's routed experts as four stacked tensors, the per-expert buffers their slices:
+    ``w13 [E, 2I, D/2]``, ``w13_scale [E, 2I, D/32]``, ``w2 [E, D, I/2]``, ``w2_scale [E, D, I/32]``."""
+
+    def __init__(self, experts: nn.ModuleList, device: torch.device):
+        E = len(experts)
+        inter, half_d = experts[0].w1.weight.shape
+        dim = experts[0].w2.weight.shape[0]
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.w13 = torch.empty(E, 2 * inter, half_d, **u8)
+        self.w13_scale = torch.empty(E, 2 * inter, 2 * half_d // 32, **u8)
+        self.w2 = torch.empty(E, dim, inter // 2, **u8)
+        self.w2_scale = torch.empty(E, dim, inter // 32, **u8)
+        self.inter = inter
+        self._cache = _DequantCache()
+        for e, ex in enumerate(experts):
+            ex.w1.weight, ex.w1.scale = self.w13[e, :inter], self.w13_scale[e, :inter]
+            ex.w3.weight, ex.w3.scale = self.w13[e, inter:], self.w13_scale[e, inter:]
+            ex.w2.weight, ex.w2.scale = self.w2[e], self.w2_scale[e]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+        """Routed experts only: ``x [T, D]``, ``ids [T, k]``, ``weights [T, k]`` -> ``[T, D]`` in x's dtype."""
+        fn = _kernel("fp4_moe", "fp4_moe") if x.is_cuda and x.dtype == torch.bfloat16 else None
+        if fn is not None:
+            return fn(x, ids, weights.to(torch.float32), self.w13, self.w13_scale, self.w2, self.w2_scale, limit)
+        if x.is_cuda:   # no dequantised copy of a GPU-sized stack
+            return fp4_moe_ref(x, ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, limit)
+        c = compute_dtype(x.dtype)
+        w13, w2 = self._cache.get((self.w13, self.w13_scale, self.w2, self.w2_scale), c, lambda: (
+            dequant_fp4(self.w13, self.w13_scale, c), dequant_fp4(self.w2, self.w2_scale, c)))
+        return moe_act_quant(x, ids, weights, w13.__getitem__, w2.__getitem__, limit)

@@ -457,9 +457,13 @@ class StreamSplitter:
 
 def engine_error(out: RequestOutput) -> APIError:
     if out.error == SHUTDOWN_ERROR:
-        return APIError(503, SHUTDOWN_ERROR, type="server_overloaded", code="shutting_down",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+        return shutting_down()
     return APIError(500, f"generation failed: {out.error}", type="internal_server_error")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, SHUTDOWN_ERROR, type="server_overloaded", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def stream_failure(e: Exception, unfinished: Iterable[int], finish_chunk: Callable[[int], str]) -> Iterable[str]:
@@ -623,8 +627,7 @@ class ServerState:
     def start(self, reqs: list[GenerateRequest]) -> "Running":
         """Submit ``reqs`` now: every refusal (400, 503) is raised here, before a response starts."""
         if self.draining:
-            raise APIError(503, SHUTDOWN_ERROR, type="server_overloaded", code="shutting_down",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise shutting_down()
         if self.bridge is None:
             self.bridge = EngineBridge(self.engine, asyncio.get_running_loop())
         running = Running(self, reqs, self.bridge.submit(reqs))
@@ -744,7 +747,7 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.draining:
-            raise APIError(503, SHUTDOWN_ERROR, type="server_overloaded", code="shutting_down")
+            raise shutting_down()
         return {"status": "ok"}
 
     @app.get("/v1/models")

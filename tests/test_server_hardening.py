@@ -175,6 +175,16 @@ def test_refusals_are_the_same_streamed_or_not(server, path, body, param):
     assert assert_error(streamed, 400, param) == plain.json()["error"]
 
 
+def test_openai_client_sees_streamed_refusals_as_errors(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2, stream=True, extra_body={"top_k": 10 ** 12})
+    assert e.value.body["param"] == "top_k"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=CONTEXT, stream=True)
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_queue_full_is_a_503_before_the_stream_starts(server):
     long = {"prompt": list(range(900, 920)), "max_tokens": CONTEXT - 30, "ignore_eos": True, "stream": True}
 
@@ -204,7 +214,7 @@ def test_queue_full_is_a_503_before_the_stream_starts(server):
 
 def test_duplicate_rid_is_refused_and_the_first_is_untouched(server):
     first = {"input_ids": [11, 12, 13], "rid": "dup", "stream": True,
-             "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}
+             "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}      # long enough to be running
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/generate", json=first) as r1:
             lines = r1.iter_lines()
@@ -214,7 +224,7 @@ def test_duplicate_rid_is_refused_and_the_first_is_untouched(server):
     assert_error(second, 400, "rid")
     assert rest[-1] == "data: [DONE]"
     final = json.loads(rest[-2][6:])
-    assert final["meta_info"]["id"] == "dup" and len(final["output_ids"]) == 24
+    assert final["meta_info"]["id"] == "dup" and len(final["output_ids"]) == 64
     assert final["meta_info"]["finish_reason"]["type"] == "length"
 
 
@@ -367,7 +377,8 @@ def test_fuzz_request_bodies_from_the_schema(server):
 
 
 def test_sigterm_drains_then_ends_the_rest_and_exits_0():
-    s = LiveServer(["--context-length", str(CONTEXT), "--max-total-tokens", "4096", "--graceful-shutdown-timeout", "3",
+    # the long stream needs thousands of steps: far more than the 1.5 s it is given, on any CPU
+    s = LiveServer(["--context-length", "4096", "--max-total-tokens", "8192", "--graceful-shutdown-timeout", "1.5",
                     "--log-level", "info"])
     try:
         client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -388,7 +399,7 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_0():
 
         async def go():
             started = [asyncio.Event() for _ in range(3)]
-            tasks = [asyncio.create_task(stream(n, ev)) for n, ev in zip((3, 3, CONTEXT - 40), started)]
+            tasks = [asyncio.create_task(stream(n, ev)) for n, ev in zip((2, 2, 4000), started)]
             await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
             s.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)

@@ -44,7 +44,7 @@ from dsv4_backend.encoding import EncodingError, encode_messages, parse_message_
 from dsv4_backend.encoding import EOS, THINK_END, TOOL_CALLS_START
 from scheduler_hooks.io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
 from serving_protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerateReqInput,
-                              RequestLimits, _SamplingFields, add_request_bodies, bad_request, read_body, sse,
+                              RequestLimits, SamplingFields, add_request_bodies, bad_request, read_body, sse,
                               validation_error)
 
 logger = logging.getLogger("dsv4.server")
@@ -515,7 +515,7 @@ class EventStream(StreamingResponse):
 # ---- request preparation --------------------------------------------------------------------------
 
 
-def _sampling_params(body: _SamplingFields, max_new_tokens: int, seed_offset: int = 0) -> SamplingParams:
+def _sampling_params(body: SamplingFields, max_new_tokens: int, seed_offset: int = 0) -> SamplingParams:
     """OpenAI fields -> SamplingParams (validated; an invalid field becomes a 400 naming it)."""
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")

@@ -57,7 +57,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     """OpenAI sampling fields plus SGLang's extras (top_k, min_p, ignore_eos, ...)."""
 
     model: Optional[str] = None
@@ -81,7 +81,7 @@ class _SamplingFields(_Body):
     user: Optional[str] = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -94,7 +94,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[dict[str, Any]] = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     echo: bool = False

@@ -10,8 +10,8 @@ Online (the HTTP server): ``start()`` runs the scheduler loop in a background th
 ``submit(req, callback)`` validates at once and the callback receives a ``RequestOutput``
 from the engine thread after every step that produced tokens for the request, and once with
 ``finished=True``; ``abort(rid)`` finishes a request wherever it is. Request ids must be unique
-among the requests in flight (``submit`` refuses a duplicate with ``InvalidRequest``). ``generate`` also works
-while the loop runs (it then goes through ``submit``).
+among the requests in flight (``submit`` refuses a duplicate with ``InvalidRequest``).
+``generate`` also works while the loop runs (it then goes through ``submit``).
 
 Benchmarks: ``add_synthetic_request(context_len, ...)`` queues a request whose context is
 admitted by the scheduler without a prefill (its pages taken as a prefill would take them,

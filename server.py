@@ -624,10 +624,15 @@ class ServerState:
 
     # -- running requests --
 
-    def start(self, reqs: list[GenerateRequest]) -> "Running":
-        """Submit ``reqs`` now: every refusal (400, 503) is raised here, before a response starts."""
+    def start(self, reqs: list[GenerateRequest], param: str = "n") -> "Running":
+        """Submit ``reqs`` now: every refusal (400, 503) is raised here, before a response starts.
+        ``param`` names the field that made the group (n, or a batch of prompts)."""
         if self.draining:
             raise shutting_down()
+        queue_size = getattr(self.engine, "max_queued_requests", None)
+        if queue_size is not None and len(reqs) > queue_size:  # a retry could never succeed: 400, not 503
+            raise bad_request(f"the request makes {len(reqs)} generations (n x prompts) but at most {queue_size} "
+                              f"can wait (--max-queued-requests)", param)
         if self.bridge is None:
             self.bridge = EngineBridge(self.engine, asyncio.get_running_loop())
         running = Running(self, reqs, self.bridge.submit(reqs))
@@ -1008,7 +1013,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     model = body.model or state.args.model_name
     rid = reqs[0].rid
     prompt_tokens = sum(len(p) for p in prompts)
-    running = state.start(reqs)
+    running = state.start(reqs, "n" if body.n > 1 else "prompt")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(_completion_stream(state, request, running, prompt_of, body, model, created,
@@ -1112,7 +1117,7 @@ async def _generate(state: ServerState, body: GenerateReqInput, request: Request
                                     rid=body.rid if (body.rid and not batched) else uuid.uuid4().hex,
                                     return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
                                     top_logprobs_num=body.top_logprobs_num, stream=body.stream))
-    running = state.start(reqs)
+    running = state.start(reqs, "text" if body.text is not None else "input_ids")
     if body.stream:
         async def stream():
             rid, done = reqs[0].rid, False

@@ -164,6 +164,8 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": USER, "max_tokens": CONTEXT}, "max_tokens"),
     ("/v1/completions", {"prompt": [5, 6], "top_k": 10 ** 12}, "top_k"),
     ("/v1/completions", {"prompt": [5, 6], "temperature": -1}, "temperature"),
+    # more choices than the queue holds could never be admitted: 400, not a 503 to retry (found by the fuzzer)
+    ("/v1/completions", {"prompt": [5, 6], "n": 7}, "n"),
 ]
 
 
@@ -190,15 +192,30 @@ def test_queue_full_is_a_503_before_the_stream_starts(server):
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
-            streams = [asyncio.create_task(c.post("/v1/completions", json=long)) for _ in range(12)]
+            stop = asyncio.Event()
+
+            async def filler():         # keeps the 4 slots and the 6 places of the queue taken
+                while not stop.is_set():
+                    try:
+                        r = await c.post("/v1/completions", json=long)
+                    except httpx.HTTPError:
+                        continue
+                    if r.status_code == 503:
+                        await asyncio.sleep(0.05)
+
+            fillers = [asyncio.create_task(filler()) for _ in range(12)]
             deadline = time.time() + 60
-            while metrics(server.url)["dsv4_num_waiting_reqs"] < 6 and time.time() < deadline:
+            while time.time() < deadline:
+                if metrics(server.url)["dsv4_num_waiting_reqs"] >= 6:
+                    streamed = await c.post("/v1/completions", json={**long, "max_tokens": 2})
+                    plain = await c.post("/v1/completions", json={**long, "max_tokens": 2, "stream": False})
+                    if streamed.status_code == plain.status_code == 503:
+                        break           # (else a slot freed in between: a filler takes it again)
                 await asyncio.sleep(0.1)
-            streamed = await c.post("/v1/completions", json={**long, "max_tokens": 2})
-            plain = await c.post("/v1/completions", json={**long, "max_tokens": 2, "stream": False})
-            for t in streams:
+            stop.set()
+            for t in fillers:
                 t.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
+            await asyncio.gather(*fillers, return_exceptions=True)
             return streamed, plain
 
     streamed, plain = asyncio.run(go())
@@ -207,6 +224,8 @@ def test_queue_full_is_a_503_before_the_stream_starts(server):
         assert int(r.headers["retry-after"]) >= 1
     assert streamed.json() == plain.json()
     assert_idle_and_empty(server.url, timeout=60)
+    # a batch larger than the queue could never be admitted: 400 naming the field, not a 503 to retry
+    assert_error(post(server.url, "/generate", {"input_ids": [[5]] * 7}), 400, "input_ids")
 
 
 # ---- 3. duplicate rids ------------------------------------------------------------------------------

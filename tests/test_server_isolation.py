@@ -6,7 +6,7 @@ retraction (docs/engine.md, "Correctness"), so "the others are untouched" is che
 "the others produce exactly the tokens of a run without the failing request". Failures are
 injected into one request mid-batch by wrapping the model runner's forward: NaN logits for
 its row (a sampling failure) or an exception from the whole forward.
-Whole file: about 15 s.
+Whole file: about 5 s.
 """
 
 from __future__ import annotations

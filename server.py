@@ -8,9 +8,14 @@ tokens leave as Server-Sent Events the moment a step decodes them.
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /generate`` (SGLang's native shape),
 plus ``GET /get_model_info`` and ``GET /get_server_info`` for SGLang tooling.
-Errors follow OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for an invalid
-parameter, 404 for an unknown model, 503 with ``Retry-After`` when the queue is full. A client
-that disconnects aborts its requests, which frees their pages.
+Errors follow OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (serving_protocol.py):
+400 for an invalid parameter or a limit exceeded, 404 for an unknown model, 503 with
+``Retry-After`` when the queue is full or the server is shutting down. Every refusal comes
+before the first byte, streamed or not (a stream's requests are submitted before its response
+starts); a failure after that ends the stream with an error event, a ``finish_reason`` and
+``[DONE]``. A client that disconnects aborts its requests, which frees their pages. SIGTERM
+drains: admission stops (503), running requests get ``--graceful-shutdown-timeout`` seconds to
+finish, the rest are ended with an error event, the pools are freed and the process exits 0.
 """
 
 from __future__ import annotations
@@ -24,25 +29,31 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_backend.encoding import EncodingError, encode_messages, parse_message_from_completion_text
 from dsv4_backend.encoding import EOS, THINK_END, TOOL_CALLS_START
 from scheduler_hooks.io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
+from serving_protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerateReqInput,
+                              RequestLimits, SamplingFields, add_request_bodies, bad_request, read_body, sse,
+                              validation_error)
 
 logger = logging.getLogger("dsv4.server")
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5
 SEED_LIMIT = 2 ** 63        # torch generators take 64-bit seeds
+SHUTDOWN_ERROR = "the server is shutting down"
+STREAM_END_GRACE_S = 5.0    # after ending the requests at shutdown: time for their streams to close
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -71,6 +82,14 @@ class ServerArgs:
     cuda_graph_max_bs: Optional[int] = None
     attention_kernel: str = "auto"
     log_level: str = "info"
+    # limits on one request (serving_protocol.RequestLimits; None: derived from the model)
+    max_request_bytes: int = 32 * 2 ** 20
+    max_json_depth: int = 64
+    max_prompt_chars: Optional[int] = None      # None: the token limit x the longest token's length
+    max_stop_strings: int = 16
+    max_top_logprobs: int = 20
+    max_top_k: Optional[int] = None             # None: the vocabulary size
+    graceful_shutdown_timeout: float = 30.0
 
     @property
     def model_name(self) -> str:
@@ -136,7 +155,29 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
     p.add_argument("--attention-kernel", default=d.attention_kernel, choices=["auto", "flashmla", "triton"],
                    help="GPU sparse attention: auto = FlashMLA on sm90/sm100 where flash_mla imports, else Triton")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    lim = p.add_argument_group("limits on one request (each refusal is a 400 naming the field)")
+    lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                     help="largest request body; larger ones get 413 before they are read")
+    lim.add_argument("--max-json-depth", type=int, default=d.max_json_depth,
+                     help="deepest nesting of the JSON body (the body object is level 1)")
+    lim.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                     help="longest prompt text, checked before tokenizing (default: the context length "
+                          "times the longest token, so only text that cannot fit is refused)")
+    lim.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                     help="most entries in stop, and in stop_token_ids")
+    lim.add_argument("--max-top-logprobs", type=int, default=d.max_top_logprobs,
+                     help="largest top_logprobs / logprobs / top_logprobs_num")
+    lim.add_argument("--max-top-k", type=int, default=d.max_top_k,
+                     help="largest top_k (default: the vocabulary size)")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
+                   help="on SIGTERM: seconds running requests may take to finish before they are ended")
     ns = p.parse_args(argv)
+    for name in ("max_request_bytes", "max_json_depth", "max_prompt_chars", "max_stop_strings", "max_top_k"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if ns.max_top_logprobs < 0 or ns.graceful_shutdown_timeout < 0:
+        p.error("--max-top-logprobs and --graceful-shutdown-timeout must be >= 0")
     if ns.json_model_override_args is not None:
         try:
             overrides = json.loads(ns.json_model_override_args)
@@ -147,101 +188,6 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
         if ns.model_path is not None:
             p.error("--json-model-override-args applies to --preset models, not to a checkpoint")
     return ServerArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)})
-
-
-# ---- errors ---------------------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(message: str, param: Optional[str] = None) -> APIError:
-    return APIError(400, message, param=param)
-
-
-# ---- request bodies -------------------------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    # Unknown fields are ignored (SGLang does the same), so clients with extra_body keys still work.
-    model_config = ConfigDict(extra="allow")
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _SamplingFields(_Body):
-    """OpenAI sampling fields plus SGLang's extras (top_k, min_p, ignore_eos, ...)."""
-
-    model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    logit_bias: Optional[dict[str, float]] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    reasoning_effort: Optional[str] = None
-    response_format: Optional[dict[str, Any]] = None
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    echo: bool = False
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
-
-
-class GenerateReqInput(_Body):
-    """SGLang's native /generate request."""
-
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[dict[str, Any]] = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    stream: bool = False
-    rid: Optional[str] = None
 
 
 # ---- the bridge from the engine thread to asyncio -------------------------------------------------
@@ -284,10 +230,11 @@ class EngineBridge:
                             code="queue_full", headers={"Retry-After": str(retry)})
         return e
 
-    def abort(self, rids: Iterable[str]) -> None:
+    def abort(self, rids: Iterable[str], error: Optional[str] = None) -> None:
+        """Abort ``rids``; with ``error`` their final outputs carry it (the server ended them)."""
         for rid in rids:
             try:
-                self.engine.abort(rid)
+                self.engine.abort(rid, error)
             except Exception:  # aborting a request that just finished is harmless
                 logger.debug("abort(%s) failed", rid, exc_info=True)
 
@@ -514,7 +461,24 @@ class StreamSplitter:
 
 
 def engine_error(out: RequestOutput) -> APIError:
+    if out.error == SHUTDOWN_ERROR:
+        return shutting_down()
     return APIError(500, f"generation failed: {out.error}", type="internal_server_error")
+
+
+def shutting_down() -> APIError:
+    return APIError(503, SHUTDOWN_ERROR, type="server_overloaded", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def stream_failure(e: Exception, unfinished: Iterable[int], finish_chunk: Callable[[int], str]) -> Iterable[str]:
+    """The end of a stream that failed after it started: an error event, a final chunk with
+    ``finish_reason`` for every choice still open, ``[DONE]``."""
+    logger.exception("stream failed after it started")
+    yield sse(APIError(500, f"internal server error: {type(e).__name__}: {e}", type="internal_server_error").body())
+    for index in unfinished:
+        yield finish_chunk(index)
+    yield SSE_DONE
 
 
 def check_finished(finals: dict[int, RequestOutput], n: int) -> None:
@@ -531,33 +495,32 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
 class EventStream(StreamingResponse):
-    """An SSE response that always closes its generator, so a vanished client's requests are aborted.
+    """An SSE response over already submitted requests that always lets go of them.
 
-    Starlette stops iterating when a send fails but leaves the generator suspended; closing it
-    runs the ``finally`` that aborts whatever is still running.
+    Starlette stops iterating when a send fails but leaves the generator suspended (or never
+    started, if the client left before the first byte); closing it and then ``running``
+    aborts whatever is still running.
     """
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], running: "Running"):
+        super().__init__(content, media_type=self.media_type)
+        self.running = running
 
     async def stream_response(self, send) -> None:
         try:
             await super().stream_response(send)
         finally:
             await self.body_iterator.aclose()
+            self.running.close()
 
 
 # ---- request preparation --------------------------------------------------------------------------
 
 
-def _sampling_params(body: _SamplingFields, max_new_tokens: int, seed_offset: int = 0) -> SamplingParams:
+def _sampling_params(body: SamplingFields, max_new_tokens: int, seed_offset: int = 0) -> SamplingParams:
     """OpenAI fields -> SamplingParams (validated; an invalid field becomes a 400 naming it)."""
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
@@ -616,9 +579,12 @@ class ServerState:
         # The longest prompt + output one request may have: the context, or the pools if smaller.
         self.token_limit = min(self.context_length, int(getattr(engine, "max_total_tokens", None) or self.context_length))
         self.vocab_size = int(engine.vocab_size)
+        self.limits = request_limits(args, self.token_limit, self.vocab_size, self.tokenizer)
         self.metrics = ServerMetrics(engine)
         self.bridge: Optional[EngineBridge] = None
         self.created = _now()
+        self.live: set[Running] = set()     # submitted groups not yet closed
+        self.draining = False               # SIGTERM came: admit nothing more
 
     # -- checks shared by the routes --
 
@@ -657,21 +623,63 @@ class ServerState:
                               f"context length of {self.token_limit} tokens", param)
         return requested
 
+    def check_sampling(self, p: SamplingParams, prefix: str = "") -> SamplingParams:
+        self.limits.check_sampling(p, prefix)
+        return p
+
     # -- running requests --
 
-    async def run(self, request: Request, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Submit ``reqs`` and yield ``(index, output)`` until all finish; abort them if the client leaves."""
+    def start(self, reqs: list[GenerateRequest], param: str = "n") -> "Running":
+        """Submit ``reqs`` now: every refusal (400, 503) is raised here, before a response starts.
+        ``param`` names the field that made the group (n, or a batch of prompts)."""
+        if self.draining:
+            raise shutting_down()
+        queue_size = getattr(self.engine, "max_queued_requests", None)
+        if queue_size is not None and len(reqs) > queue_size:  # a retry could never succeed: 400, not 503
+            raise bad_request(f"the request makes {len(reqs)} generations (n x prompts) but at most {queue_size} "
+                              f"can wait (--max-queued-requests)", param)
         if self.bridge is None:
             self.bridge = EngineBridge(self.engine, asyncio.get_running_loop())
-        queue = self.bridge.submit(reqs)
+        running = Running(self, reqs, self.bridge.submit(reqs))
+        self.live.add(running)
+        return running
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admission; let running requests finish for ``timeout`` s, then end the rest with
+        ``SHUTDOWN_ERROR`` and give their streams a moment to send it."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        logger.warning("shutting down: refusing new requests; %d running get up to %.1f s to finish",
+                       len(self.live), timeout)
+        deadline = loop.time() + timeout
+        while self.live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.live:
+            logger.warning("ending %d request group(s) still running", len(self.live))
+            for running in list(self.live):
+                running.end(SHUTDOWN_ERROR)
+            deadline = loop.time() + STREAM_END_GRACE_S
+            while self.live and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+
+
+class Running:
+    """Submitted requests (the ``n`` choices, or a batch's prompts) and the queue of their outputs."""
+
+    def __init__(self, state: ServerState, reqs: list[GenerateRequest], queue: asyncio.Queue):
+        self.state, self.reqs, self.queue = state, reqs, queue
+        self.remaining = set(range(len(reqs)))
+
+    async def outputs(self, request: Request) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield ``(index, output)`` until all finish; abort the rest if the client leaves."""
+        metrics = self.state.metrics
         t0 = time.perf_counter()
         first: dict[int, float] = {}
-        remaining = set(range(len(reqs)))
         next_check = t0 + DISCONNECT_POLL_S
         try:
-            while remaining:
+            while self.remaining:
                 try:
-                    index, out = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                    index, out = await asyncio.wait_for(self.queue.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     out = None
                 now = time.perf_counter()
@@ -683,16 +691,38 @@ class ServerState:
                     continue
                 if out.delta_ids and index not in first:
                     first[index] = now
-                    self.metrics.ttft.observe(now - t0)
+                    metrics.ttft.observe(now - t0)
                 if out.finished:
-                    remaining.discard(index)
-                    self.metrics.e2e.observe(now - t0)
+                    self.remaining.discard(index)
+                    metrics.e2e.observe(now - t0)
                     if index in first and out.completion_tokens > 1:
-                        self.metrics.tpot.observe((now - first[index]) / (out.completion_tokens - 1))
+                        metrics.tpot.observe((now - first[index]) / (out.completion_tokens - 1))
                 yield index, out
         finally:
-            if remaining:
-                self.bridge.abort(reqs[i].rid for i in remaining)
+            self.close()
+
+    def close(self) -> None:
+        """Abort what has not finished (its client is gone); idempotent."""
+        if self.remaining:
+            self.state.bridge.abort(self.reqs[i].rid for i in self.remaining)
+            self.remaining = set()
+        self.state.live.discard(self)
+
+    def end(self, error: str) -> None:
+        """The server ends the unfinished requests: their final outputs arrive carrying ``error``."""
+        self.state.bridge.abort((self.reqs[i].rid for i in self.remaining), error)
+
+
+def request_limits(args: ServerArgs, token_limit: int, vocab_size: int, tokenizer: Any) -> RequestLimits:
+    """The limits from the flags; unset ones from the model (a token covers at most as many
+    characters as its longest vocabulary entry has bytes, so longer text cannot fit)."""
+    max_chars = args.max_prompt_chars
+    if max_chars is None:
+        vocab = tokenizer.hf.get_vocab(with_added_tokens=True) if hasattr(tokenizer, "hf") else {}
+        max_chars = token_limit * max((len(t) for t in vocab), default=64)
+    return RequestLimits(max_request_bytes=args.max_request_bytes, max_json_depth=args.max_json_depth,
+                         max_prompt_chars=max_chars, max_stop_strings=args.max_stop_strings,
+                         max_top_logprobs=args.max_top_logprobs, max_top_k=args.max_top_k or vocab_size)
 
 
 # ---- the app --------------------------------------------------------------------------------------
@@ -715,7 +745,7 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return APIError(e.status_code, str(e.detail), type=kind).response()
+        return APIError(e.status_code, str(e.detail), type=kind, headers=e.headers).response()  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception):
@@ -726,6 +756,8 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            raise shutting_down()
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -735,7 +767,7 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
             "root": args.model_name, "max_model_len": state.context_length,
         }]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -752,44 +784,26 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _chat(state, await read_body(request, ChatCompletionRequest), request)
+        return await _chat(state, await read_body(request, ChatCompletionRequest, state.limits), request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _completions(state, await read_body(request, CompletionRequest), request)
+        return await _completions(state, await read_body(request, CompletionRequest, state.limits), request)
 
     @app.post("/generate")
     async def generate(request: Request):
-        return await _generate(state, await read_body(request, GenerateReqInput), request)
+        return await _generate(state, await read_body(request, GenerateReqInput, state.limits), request)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_request_bodies(
+                get_openapi(title=app.title, version=app.version, routes=app.routes),
+                {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                 "/generate": GenerateReqInput})
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
-
-
-def validation_error(errs: list[dict[str, Any]]) -> APIError:
-    """A pydantic validation failure as a 400 naming the first offending field."""
-    loc = [str(x) for x in (errs[0].get("loc", ()) if errs else ()) if x != "body"]
-    msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
-                    for er in errs[:5])
-    return bad_request(f"invalid request: {msg}", loc[0] if loc else None)
-
-
-def _reject_non_finite(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-async def read_body(request: Request, model: type[BaseModel]) -> Any:
-    """The JSON body as ``model``, whatever the Content-Type (curl -d sends form encoding)."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw, parse_constant=_reject_non_finite)
-    except ValueError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}")
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e.errors())
 
 
 def _jsonable(x: Any) -> Any:
@@ -845,14 +859,14 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _ChatPlan:
                                  reasoning_effort=effort_map[effort], tools=tools)
     except EncodingError as e:
         raise bad_request(str(e), "messages")
+    state.limits.check_prompt_chars(len(prompt), "messages")
     return _ChatPlan(state.tokenizer.encode(prompt), thinking, tools is not None)
 
 
 async def _chat(state: ServerState, body: ChatCompletionRequest, request: Request):
     state.check_model(body.model)
     state.check_n(body.n)
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-        raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
+    state.limits.check_top_logprobs(body.top_logprobs, "top_logprobs")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     plan = _plan_chat(state, body)
@@ -860,19 +874,20 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_new = state.max_new_tokens(len(plan.prompt_ids), requested, SamplingParams().max_new_tokens, param)
     n_top = body.top_logprobs or 0
-    reqs = [GenerateRequest(input_ids=list(plan.prompt_ids), sampling_params=_sampling_params(body, max_new, i),
+    reqs = [GenerateRequest(input_ids=list(plan.prompt_ids),
+                            sampling_params=state.check_sampling(_sampling_params(body, max_new, i)),
                             rid=f"chatcmpl-{uuid.uuid4().hex}", return_logprob=body.logprobs,
                             top_logprobs_num=n_top, stream=body.stream) for i in range(body.n)]
     rid = reqs[0].rid
     created = _now()
+    running = state.start(reqs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_chat_stream(state, request, reqs, plan, body.model or state.args.model_name,
-                                              created, include_usage, n_top, body.logprobs),
-                                 media_type="text/event-stream")
+        return EventStream(_chat_stream(state, request, running, plan, body.model or state.args.model_name,
+                                        created, include_usage, n_top, body.logprobs), running)
     finals: dict[int, RequestOutput] = {}
     lp_items: dict[int, list] = {i: [] for i in range(body.n)}
-    async with aclosing(state.run(request, reqs)) as outputs:
+    async with aclosing(running.outputs(request)) as outputs:
         async for index, out in outputs:
             if body.logprobs and out.delta_ids:
                 total = len(out.output_ids)
@@ -894,8 +909,9 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
             "choices": choices, "usage": usage_of(finals[0].prompt_tokens, completion_tokens)}
 
 
-async def _chat_stream(state: ServerState, request: Request, reqs: list[GenerateRequest], plan: _ChatPlan,
+async def _chat_stream(state: ServerState, request: Request, running: Running, plan: _ChatPlan,
                        model: str, created: int, include_usage: bool, n_top: int, logprobs: bool):
+    reqs = running.reqs
     rid = reqs[0].rid
     splitters = [StreamSplitter(plan.thinking, plan.tools_enabled) for _ in reqs]
 
@@ -904,69 +920,78 @@ async def _chat_stream(state: ServerState, request: Request, reqs: list[Generate
                     "choices": [{"index": index, "delta": delta, "logprobs": {"content": lp} if lp is not None else None,
                                  "finish_reason": finish}], "usage": None})
 
-    for i in range(len(reqs)):
-        yield chunk(i, {"role": "assistant", "content": ""})
     finals: dict[int, RequestOutput] = {}
-    async with aclosing(state.run(request, reqs)) as outputs:
-        async for index, out in outputs:
-            reasoning, content = splitters[index].feed(out.delta_text)
-            lp = None
-            if logprobs and out.delta_ids:
-                total = len(out.output_ids)
-                lp = chat_logprob_items(state.tokenizer, new_entries(out.output_token_logprobs, total, len(out.delta_ids)),
-                                        new_entries(out.output_top_logprobs, total, len(out.delta_ids)), n_top)
-            if reasoning:
-                yield chunk(index, {"reasoning_content": reasoning})
-            if content or lp:
-                yield chunk(index, {"content": content}, lp=lp)
-            if out.finished:
-                finals[index] = out
-                if out.error:
-                    yield sse(engine_error(out).body())
-                reasoning, content = splitters[index].flush()
+    try:
+        for i in range(len(reqs)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async with aclosing(running.outputs(request)) as outputs:
+            async for index, out in outputs:
+                reasoning, content = splitters[index].feed(out.delta_text)
+                lp = None
+                if logprobs and out.delta_ids:
+                    total = len(out.output_ids)
+                    lp = chat_logprob_items(state.tokenizer,
+                                            new_entries(out.output_token_logprobs, total, len(out.delta_ids)),
+                                            new_entries(out.output_top_logprobs, total, len(out.delta_ids)), n_top)
                 if reasoning:
                     yield chunk(index, {"reasoning_content": reasoning})
-                if content:
-                    yield chunk(index, {"content": content})
-                msg, called = build_chat_message(out.text, plan.thinking, plan.tools_enabled)
-                if called:
-                    calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
-                    yield chunk(index, {"tool_calls": calls})
-                yield chunk(index, {}, "tool_calls" if called else finish_reason_of(out))
-    if include_usage and len(finals) == len(reqs):
-        completion_tokens = sum(o.completion_tokens for o in finals.values())
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage_of(finals[0].prompt_tokens, completion_tokens)})
+                if content or lp:
+                    yield chunk(index, {"content": content}, lp=lp)
+                if out.finished:
+                    finals[index] = out
+                    if out.error:
+                        yield sse(engine_error(out).body())
+                    reasoning, content = splitters[index].flush()
+                    if reasoning:
+                        yield chunk(index, {"reasoning_content": reasoning})
+                    if content:
+                        yield chunk(index, {"content": content})
+                    msg, called = build_chat_message(out.text, plan.thinking, plan.tools_enabled)
+                    if called:
+                        calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
+                        yield chunk(index, {"tool_calls": calls})
+                    yield chunk(index, {}, "tool_calls" if called else finish_reason_of(out))
+        if include_usage and len(finals) == len(reqs):
+            completion_tokens = sum(o.completion_tokens for o in finals.values())
+            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "choices": [], "usage": usage_of(finals[0].prompt_tokens, completion_tokens)})
+    except Exception as e:
+        for event in stream_failure(e, [i for i in range(len(reqs)) if i not in finals],
+                                    lambda i: chunk(i, {}, "abort")):
+            yield event
+        return
     yield SSE_DONE
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
 
 
-def _prompts_of(state: ServerState, prompt: Any) -> list[list[int]]:
+def _prompts_of(state: ServerState, prompt: Any, param: str = "prompt") -> list[list[int]]:
     """Token ids of each prompt: a string, a list of strings, a list of ids or a list of id lists."""
     bos = state.tokenizer.bos_token_id if hasattr(state.tokenizer, "bos_token_id") else None
 
     def text_ids(s: str) -> list[int]:
         if not s:
-            raise bad_request("the prompt is empty", "prompt")
+            raise bad_request("the prompt is empty", param)
         ids = state.tokenizer.encode(s)
         return ([bos] if bos is not None else []) + ids
 
     if isinstance(prompt, str):
+        state.limits.check_prompt_chars(len(prompt), param)
         return [text_ids(prompt)]
     if not isinstance(prompt, list) or not prompt:
-        raise bad_request("prompt must be a non-empty string, list of strings, list of token ids or list of lists", "prompt")
+        raise bad_request("prompt must be a non-empty string, list of strings, list of token ids or list of lists", param)
     if all(isinstance(p, str) for p in prompt):
+        state.limits.check_prompt_chars(sum(len(p) for p in prompt), param)
         return [text_ids(p) for p in prompt]
     if all(isinstance(p, int) for p in prompt):
-        state.check_ids(prompt, "prompt")
+        state.check_ids(prompt, param)
         return [list(prompt)]
     if all(isinstance(p, list) for p in prompt):
         for p in prompt:
-            state.check_ids(p, "prompt")
+            state.check_ids(p, param)
         return [list(p) for p in prompt]
-    raise bad_request("prompt mixes strings, token ids and lists", "prompt")
+    raise bad_request("prompt mixes strings, token ids and lists", param)
 
 
 async def _completions(state: ServerState, body: CompletionRequest, request: Request):
@@ -976,8 +1001,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         raise bad_request("suffix is not supported by this model (no fill-in-the-middle)", "suffix")
     if body.best_of not in (None, 1) and body.best_of != body.n:
         raise bad_request("best_of other than n is not supported", "best_of")
-    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-        raise bad_request("logprobs must be in [0, 20]", "logprobs")
+    state.limits.check_top_logprobs(body.logprobs, "logprobs")
     prompts = _prompts_of(state, body.prompt)
     want_lp = body.logprobs is not None
     reqs: list[GenerateRequest] = []
@@ -985,7 +1009,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         max_new = state.max_new_tokens(len(ids), body.max_tokens, 16, "max_tokens", "prompt")
         for j in range(body.n):
             reqs.append(GenerateRequest(
-                input_ids=list(ids), sampling_params=_sampling_params(body, max_new, j),
+                input_ids=list(ids), sampling_params=state.check_sampling(_sampling_params(body, max_new, j)),
                 rid=f"cmpl-{uuid.uuid4().hex}", return_logprob=want_lp,
                 logprob_start_len=0 if (want_lp and body.echo) else -1,
                 top_logprobs_num=body.logprobs or 0, stream=body.stream))
@@ -994,13 +1018,13 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
     model = body.model or state.args.model_name
     rid = reqs[0].rid
     prompt_tokens = sum(len(p) for p in prompts)
+    running = state.start(reqs, "n" if body.n > 1 else "prompt")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_completion_stream(state, request, reqs, prompt_of, body, model, created,
-                                                    include_usage, prompt_tokens),
-                                 media_type="text/event-stream")
+        return EventStream(_completion_stream(state, request, running, prompt_of, body, model, created,
+                                              include_usage, prompt_tokens), running)
     finals: dict[int, RequestOutput] = {}
-    async with aclosing(state.run(request, reqs)) as outputs:
+    async with aclosing(running.outputs(request)) as outputs:
         async for index, out in outputs:
             if out.finished:
                 finals[index] = out
@@ -1022,9 +1046,10 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
             "usage": usage_of(prompt_tokens, completion_tokens)}
 
 
-async def _completion_stream(state: ServerState, request: Request, reqs: list[GenerateRequest], prompt_of: list,
+async def _completion_stream(state: ServerState, request: Request, running: Running, prompt_of: list,
                              body: CompletionRequest, model: str, created: int, include_usage: bool,
                              prompt_tokens: int):
+    reqs = running.reqs
     rid = reqs[0].rid
     want_lp = body.logprobs is not None
 
@@ -1032,31 +1057,37 @@ async def _completion_stream(state: ServerState, request: Request, reqs: list[Ge
         return sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                     "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": None})
 
-    if body.echo:
-        for i in range(len(reqs)):
-            yield chunk(i, state.tokenizer.decode(prompt_of[i]), None, None)
     finals: dict[int, RequestOutput] = {}
-    offsets = [len(state.tokenizer.decode(p)) if body.echo else 0 for p in prompt_of]  # text_offset so far
-    async with aclosing(state.run(request, reqs)) as outputs:
-        async for index, out in outputs:
-            lp = None
-            if want_lp and out.delta_ids:
-                total = len(out.output_ids)
-                lp = completion_logprobs(state.tokenizer,
-                                         new_entries(out.output_token_logprobs, total, len(out.delta_ids)),
-                                         new_entries(out.output_top_logprobs, total, len(out.delta_ids))
-                                         if body.logprobs else None, offsets[index])
-                offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[index]
-            if out.finished:
-                finals[index] = out
-                if out.error:
-                    yield sse(engine_error(out).body())
-            if out.delta_text or out.finished or lp:
-                yield chunk(index, out.delta_text, finish_reason_of(out), lp)
-    if include_usage and len(finals) == len(reqs):
-        completion_tokens = sum(o.completion_tokens for o in finals.values())
-        yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                   "usage": usage_of(prompt_tokens, completion_tokens)})
+    try:
+        if body.echo:
+            for i in range(len(reqs)):
+                yield chunk(i, state.tokenizer.decode(prompt_of[i]), None, None)
+        offsets = [len(state.tokenizer.decode(p)) if body.echo else 0 for p in prompt_of]  # text_offset so far
+        async with aclosing(running.outputs(request)) as outputs:
+            async for index, out in outputs:
+                lp = None
+                if want_lp and out.delta_ids:
+                    total = len(out.output_ids)
+                    lp = completion_logprobs(state.tokenizer,
+                                             new_entries(out.output_token_logprobs, total, len(out.delta_ids)),
+                                             new_entries(out.output_top_logprobs, total, len(out.delta_ids))
+                                             if body.logprobs else None, offsets[index])
+                    offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[index]
+                if out.finished:
+                    finals[index] = out
+                    if out.error:
+                        yield sse(engine_error(out).body())
+                if out.delta_text or out.finished or lp:
+                    yield chunk(index, out.delta_text, finish_reason_of(out), lp)
+        if include_usage and len(finals) == len(reqs):
+            completion_tokens = sum(o.completion_tokens for o in finals.values())
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                       "usage": usage_of(prompt_tokens, completion_tokens)})
+    except Exception as e:
+        for event in stream_failure(e, [i for i in range(len(reqs)) if i not in finals],
+                                    lambda i: chunk(i, "", "abort", None)):
+            yield event
+        return
     yield SSE_DONE
 
 
@@ -1068,7 +1099,9 @@ async def _generate(state: ServerState, body: GenerateReqInput, request: Request
         raise bad_request("give exactly one of text or input_ids", "text")
     batched = isinstance(body.text, list) or (isinstance(body.input_ids, list) and body.input_ids
                                               and isinstance(body.input_ids[0], list))
-    prompts = _prompts_of(state, body.text if body.text is not None else body.input_ids)
+    state.limits.check_top_logprobs(body.top_logprobs_num, "top_logprobs_num")
+    prompts = _prompts_of(state, body.text if body.text is not None else body.input_ids,
+                          "text" if body.text is not None else "input_ids")
     if batched and body.stream:
         raise bad_request("streaming a batch is not supported; send one request per prompt", "stream")
     sp = dict(body.sampling_params or {})
@@ -1082,21 +1115,34 @@ async def _generate(state: ServerState, body: GenerateReqInput, request: Request
         raise bad_request(f"invalid sampling_params: {e}", "sampling_params")
     reqs = []
     for ids, p in zip(prompts, params):
+        state.check_sampling(p, "sampling_params.")
         p.max_new_tokens = state.max_new_tokens(len(ids), sp.get("max_new_tokens"), p.max_new_tokens,
                                                 "sampling_params.max_new_tokens", "input_ids")
         reqs.append(GenerateRequest(input_ids=list(ids), sampling_params=p,
                                     rid=body.rid if (body.rid and not batched) else uuid.uuid4().hex,
                                     return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
                                     top_logprobs_num=body.top_logprobs_num, stream=body.stream))
+    running = state.start(reqs, "text" if body.text is not None else "input_ids")
     if body.stream:
         async def stream():
-            async with aclosing(state.run(request, reqs)) as outputs:
-                async for _, out in outputs:
-                    yield sse(out.to_dict())
+            rid, done = reqs[0].rid, False
+            try:
+                async with aclosing(running.outputs(request)) as outputs:
+                    async for _, out in outputs:
+                        if out.finished and out.error:
+                            yield sse(engine_error(out).body())
+                        done = out.finished
+                        yield sse(out.to_dict())
+            except Exception as e:
+                final = {"text": "", "output_ids": [], "meta_info": {
+                    "id": rid, "finish_reason": {"type": "abort", "message": f"{type(e).__name__}: {e}"}}}
+                for event in stream_failure(e, [] if done else [0], lambda _: sse(final)):
+                    yield event
+                return
             yield SSE_DONE
-        return EventStream(stream(), media_type="text/event-stream")
+        return EventStream(stream(), running)
     finals: dict[int, RequestOutput] = {}
-    async with aclosing(state.run(request, reqs)) as outputs:
+    async with aclosing(running.outputs(request)) as outputs:
         async for index, out in outputs:
             if out.finished:
                 finals[index] = out
@@ -1117,8 +1163,6 @@ def build_engine(args: ServerArgs):
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
     engine = build_engine(args)
     logger.info("memory plan:\n%s", engine.memory_plan_table())
     # (the engine itself warns, once, when it serves a preset's seeded random weights)
@@ -1127,14 +1171,42 @@ def main(argv: Optional[list[str]] = None) -> None:
     app = create_app(engine, args)
     logger.info("serving %s on http://%s:%d (context length %d)", args.model_name, args.host, args.port,
                 engine.context_length)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=STREAM_END_GRACE_S)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=2)
+        DrainingServer(config, app.state.server, args.graceful_shutdown_timeout).run()
     finally:
-        for stop in ("shutdown", "stop"):
-            fn = getattr(engine, stop, None)
-            if callable(fn):
-                fn()
-                break
+        engine.shutdown()
+    engine.check_integrity()
+    used = {pool: u["used"] for pool, u in engine.pool_usage().items() if u["used"]}
+    if used:
+        raise SystemExit(f"pools still in use after shutdown: {used}")
+    logger.info("shut down; every pool is free")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with the first SIGTERM / SIGINT draining the engine before uvicorn stops
+    (``ServerState.drain``); a second signal stops at once, as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float):
+        super().__init__(config)
+        self.state, self.timeout = state, timeout
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self.loop is None:
+            return super().handle_exit(sig, frame)
+        # a signal handler runs between bytecodes of the loop's thread: schedule, do not await
+        self.state.draining = True
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        await self.state.drain(self.timeout)
+        self.should_exit = True
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ Offline (the caller's thread drives the scheduler until its requests finish)::
 Online (the HTTP server): ``start()`` runs the scheduler loop in a background thread;
 ``submit(req, callback)`` validates at once and the callback receives a ``RequestOutput``
 from the engine thread after every step that produced tokens for the request, and once with
-``finished=True``; ``abort(rid)`` finishes a request wherever it is. ``generate`` also works
-while the loop runs (it then goes through ``submit``).
+``finished=True``; ``abort(rid)`` finishes a request wherever it is. Request ids must be unique
+among the requests in flight (``submit`` refuses a duplicate with ``InvalidRequest``).
+``generate`` also works while the loop runs (it then goes through ``submit``).
 
 Benchmarks: ``add_synthetic_request(context_len, ...)`` queues a request whose context is
 admitted by the scheduler without a prefill (its pages taken as a prefill would take them,
@@ -66,6 +67,7 @@ class _Add:
 @dataclass
 class _Abort:
     rid: str
+    error: Optional[str] = None     # set: the request is ended with this error (not by its client)
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -190,6 +192,8 @@ class Engine:
         self._lock = threading.RLock()           # the scheduler is driven by one thread at a time
         self._inbox: "queue.Queue[Union[_Add, _Abort]]" = queue.Queue()
         self._callbacks: dict[str, Callback] = {}
+        self._in_flight: set[str] = set()       # rids submitted and not yet delivered finished
+        self._submit_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._closed = False
@@ -251,6 +255,7 @@ class Engine:
                                  param="input_ids")
         p = req.sampling_params
         p.validate()
+        p.normalize(self.vocab_size)
         n, limit = len(ids), min(self.context_length, self.max_total_tokens)
         what = "context length" if limit == self.context_length else "KV pool capacity (max_total_tokens)"
         if n + p.max_new_tokens > limit:
@@ -262,8 +267,10 @@ class Engine:
                                  param="stop")
         if any(not isinstance(t, int) or t < 0 for t in p.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative integers", param="stop_token_ids")
-        if req.top_logprobs_num < 0:
-            raise InvalidRequest("top_logprobs_num must be >= 0", param="top_logprobs_num")
+        if isinstance(req.top_logprobs_num, bool) or not isinstance(req.top_logprobs_num, int) \
+                or req.top_logprobs_num < 0:
+            raise InvalidRequest(f"top_logprobs_num must be an integer >= 0, got {req.top_logprobs_num!r}",
+                                 param="top_logprobs_num")
 
     def _make_request(self, prompt: Optional[str], input_ids: Optional[list[int]],
                       sampling_params: Union[None, dict, SamplingParams], return_logprob: bool,
@@ -415,21 +422,31 @@ class Engine:
         self._thread.start()
 
     def submit(self, req: GenerateRequest, callback: Callback, check_load: bool = True) -> None:
-        """Validate now (InvalidRequest, EngineOverloaded) and queue; outputs go to ``callback``."""
+        """Validate now (InvalidRequest, EngineOverloaded) and queue; outputs go to ``callback``.
+
+        A rid already in flight is refused (``param="rid"``); the request holding it is untouched."""
         if self._thread is None:
             raise EngineStopped("call start() before submit()")
         self._validate(req)
-        if check_load and len(self.scheduler.waiting) + self._inbox.qsize() >= self.max_queued_requests:
-            raise EngineOverloaded(f"{self.max_queued_requests} requests are already waiting; retry later")
+        with self._submit_lock:
+            if req.rid in self._in_flight:
+                raise InvalidRequest(f"request id {req.rid!r} is already in use by a request in flight",
+                                     param="rid")
+            if check_load and len(self.scheduler.waiting) + self._inbox.qsize() >= self.max_queued_requests:
+                raise EngineOverloaded(f"{self.max_queued_requests} requests are already waiting; retry later")
+            self._in_flight.add(req.rid)
         self._inbox.put(_Add(req, callback))
 
-    def abort(self, rid: str) -> None:
-        """Finish ``rid`` (waiting, prefilling or decoding) and free its pages; unknown ids are ignored."""
+    def abort(self, rid: str, error: Optional[str] = None) -> None:
+        """Finish ``rid`` (waiting, prefilling or decoding) and free its pages; unknown ids are ignored.
+
+        ``error``: the request is ended by the server, not its client; its final output carries
+        this message in ``error`` (and in the finish reason)."""
         if self._thread is not None:
-            self._inbox.put(_Abort(rid))
+            self._inbox.put(_Abort(rid, error))
         else:
             with self._lock:
-                self.scheduler.abort(rid)
+                self.scheduler.abort(rid, error or "aborted")
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -458,8 +475,9 @@ class Engine:
                         logger.exception("could not queue request %s", item.req.rid)
                         self._deliver(self._rejected(item.req, f"request rejected: {e}"))
                 else:
-                    out = self.scheduler.abort(item.rid)
+                    out = self.scheduler.abort(item.rid, item.error or "aborted")
                     if out is not None:
+                        out.error = item.error
                         self._deliver(out)
             try:
                 item = self._inbox.get_nowait()
@@ -484,6 +502,9 @@ class Engine:
             completion_tokens=0, error=message)
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finished:
+            with self._submit_lock:
+                self._in_flight.discard(out.rid)
         cb = self._callbacks.pop(out.rid, None) if out.finished else self._callbacks.get(out.rid)
         if cb is None:
             return
@@ -506,6 +527,7 @@ class Engine:
             "generation_tokens_total": s.num_generated_tokens,
             "num_retractions": s.num_retractions,
             "attention_kernel": self.attention_kernel,
+            "num_failed": s.num_failed,
             "pools": self.pool_usage(),
         }
 

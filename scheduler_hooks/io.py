@@ -22,6 +22,14 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+# Temperatures below this are greedy (SGLang's threshold): dividing logits by a denormal
+# overflows them to inf, and the softmax of such a row is NaN.
+GREEDY_TEMPERATURE = 1e-5
+# The smallest repetition penalty: positive logits are divided by it, so a tiny penalty
+# overflows them (1e-320 makes every seen token's logit inf).
+MIN_REPETITION_PENALTY = 1e-2
+
+
 class EngineOverloaded(RuntimeError):
     """The engine's waiting queue is over ``max_queued_requests``; retry later (HTTP 503)."""
 
@@ -103,8 +111,16 @@ class SamplingParams:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not (0.0 < self.repetition_penalty <= 2.0):
-            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0):
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, 2], got {self.repetition_penalty}")
+
+    def normalize(self, vocab_size: int) -> None:
+        """Rewrite equivalent settings into the ones sampling handles exactly (after ``validate``):
+        a temperature below ``GREEDY_TEMPERATURE`` is greedy, a top_k of the whole vocabulary is off."""
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        if self.top_k >= vocab_size:
+            self.top_k = -1
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,9 @@ happens on the CPU so a seed gives the same tokens on any device.
 
 Logprobs are ``log_softmax`` of the raw logits (before penalties and temperature), as SGLang
 reports them.
+
+A row fails alone: a row of non-finite logits, or a row whose sampling raises, gets an error
+in ``SampleOutput.errors`` (and no token) while the other rows are sampled as usual.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ class TokenLogprob(NamedTuple):
 
 
 class SampleOutput(NamedTuple):
-    token_ids: list[int]
+    token_ids: list[int]                                  # meaningless where errors[i] is set
     logprobs: list[Optional[float]]                       # of the chosen token, None unless asked
     top_logprobs: list[Optional[list[TokenLogprob]]]      # None unless top_logprobs_num > 0
+    errors: list[Optional[str]]                           # why row i has no token, else None
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams,
@@ -125,21 +129,23 @@ def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
 def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
     """One token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
     assert logits.shape[0] == len(inputs), (logits.shape, len(inputs))
-    # greedy rows without penalties: one argmax over the batch and one device read, instead of
-    # one each (a read is a device sync on the GPU); argmax keeps the first maximum either way
-    plain = [i for i, inp in enumerate(inputs) if inp.params.greedy and not penalised(inp.params, inp.output_ids)]
-    tokens: list[int] = [0] * len(inputs)
-    if plain:
-        rows = logits if len(plain) == len(inputs) else logits[plain]
-        for i, t in zip(plain, torch.argmax(rows, dim=-1).tolist()):
-            tokens[i] = t
-    done = set(plain)
+    # greedy rows without penalties take the batch argmax; it and the per-row finiteness flag
+    # come back in one device read (a read is a device sync on the GPU)
+    argmax = torch.argmax(logits, dim=-1)
+    non_finite = (~torch.isfinite(logits).all(dim=-1)).to(argmax.dtype)
+    tokens, bad = torch.stack([argmax, non_finite]).tolist()
+    errors: list[Optional[str]] = [None] * len(inputs)
     for i, inp in enumerate(inputs):
-        if i not in done:
-            tokens[i] = sample_row(logits[i], inp)
+        if bad[i]:
+            errors[i] = "the model produced non-finite logits"
+        elif not (inp.params.greedy and not penalised(inp.params, inp.output_ids)):
+            try:
+                tokens[i] = sample_row(logits[i], inp)
+            except Exception as e:  # only this request fails
+                errors[i] = f"sampling failed: {type(e).__name__}: {e}"
     logprobs: list[Optional[float]] = [None] * len(inputs)
     tops: list[Optional[list[TokenLogprob]]] = [None] * len(inputs)
-    want = [i for i, inp in enumerate(inputs) if inp.return_logprob]
+    want = [i for i, inp in enumerate(inputs) if inp.return_logprob and errors[i] is None]
     if want:
         top_n = max(inputs[i].top_logprobs_num for i in want)
         ids = torch.tensor([tokens[i] for i in want])
@@ -148,4 +154,4 @@ def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
             logprobs[i] = chosen[j]
             n = inputs[i].top_logprobs_num
             tops[i] = top[j][:n] if n > 0 else None
-    return SampleOutput(tokens, logprobs, tops)
+    return SampleOutput(tokens, logprobs, tops, errors)

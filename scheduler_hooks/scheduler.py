@@ -21,6 +21,15 @@ Policy of ``step()``:
 3. If nothing could be scheduled while requests are running (prefills that block each other),
    the newest running request is retracted and scheduling is tried again.
 
+A failure stays with the request that caused it. A sampling failure (a row of non-finite
+logits, a row whose sampling raises) or an exception while recording a request's token
+finishes only that request, with an error. When the forward itself raises, the step cannot
+say whose input broke it and the pools may hold half-written rows, so every request of the
+batch is retracted (its outputs so far kept, as for a memory retraction) and becomes a
+*suspect*: while suspects remain, each step runs one suspect alone, and a suspect whose solo
+forward raises is finished with the error; one that passes runs normally again. A batch of
+one fails its request directly.
+
 Finished, aborted and retracted requests give back everything at once (``hooks.release``);
 SWA pages that left the window are given back after every forward (``hooks.after_forward``).
 The allocator's ``check_integrity()`` runs whenever the scheduler becomes idle.
@@ -154,6 +163,8 @@ class Scheduler:
         self._was_busy = False
         self._retracted_this_step = False
         self._pending_rejections: list[RequestOutput] = []
+        self.suspects: set[str] = set()       # retracted after a failed forward; run one at a time
+        self.num_failed = 0                   # requests finished with an error
         # rid -> logits [n, V] of every computed position (capture_logits only), kept after finish
         self.captured: dict[str, torch.Tensor] = {}
         # (rid, num_tokens) -> None: writes random valid pool contents for a synthetic request's
@@ -197,7 +208,21 @@ class Scheduler:
         self._finish(req, {"type": "abort", "message": message})
         out = self._output(req, [])
         del self.reqs[rid]
+        self.suspects.discard(rid)
         self._maybe_idle_check()
+        return out
+
+    def _fail(self, r: Req, message: str) -> RequestOutput:
+        """Finish a running request with an error; it gives back everything it holds."""
+        logger.error("request %s failed: %s", r.rid, message)
+        self.running.remove(r)
+        self.hooks.release(r.rid)
+        self._finish(r, {"type": "abort", "message": message})
+        out = self._output(r, [])
+        out.error = message
+        del self.reqs[r.rid]
+        self.suspects.discard(r.rid)
+        self.num_failed += 1
         return out
 
     @property
@@ -222,28 +247,59 @@ class Scheduler:
             fwd.append(ForwardRequest(req_slot=self.hooks.req_slot(r.rid), prefix_len=r.kv_len,
                                       input_ids=ids,
                                       logits=self._logits_mode(ch)))
-        logits = self.runner.forward(fwd)
+        try:
+            logits = self.runner.forward(fwd)
+        except Exception as e:
+            return synthetic_outs + self._forward_failed(batch, e)
         self.hooks.after_forward(ch.req.rid for ch in batch)
+        self.suspects.difference_update(ch.req.rid for ch in batch)
 
+        outputs: list[RequestOutput] = synthetic_outs
         sampled: list[tuple[Req, torch.Tensor]] = []
         for ch, lg in zip(batch, logits):
             r = ch.req
-            if lg.shape[0] == ch.num_tokens:      # every position's logits came back
-                self._record_positions(r, r.kv_len, lg)
             completes = ch.completes
+            try:
+                if lg.shape[0] == ch.num_tokens:      # every position's logits came back
+                    self._record_positions(r, r.kv_len, lg)
+            except Exception as e:
+                outputs.append(self._fail(r, f"computing input logprobs failed: {type(e).__name__}: {e}"))
+                continue
             r.kv_len += ch.num_tokens
             if completes:
                 sampled.append((r, lg[-1]))
 
-        outputs: list[RequestOutput] = synthetic_outs
         if sampled:
             inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids, r.generator,
                                   r.greq.top_logprobs_num, r.greq.return_logprob) for r, _ in sampled]
             res = sample(torch.stack([lg for _, lg in sampled]), inputs)
             for i, (r, _) in enumerate(sampled):
-                outputs.append(self._append_token(r, res.token_ids[i], res.logprobs[i], res.top_logprobs[i]))
+                if res.errors[i] is not None:
+                    outputs.append(self._fail(r, res.errors[i]))
+                    continue
+                try:
+                    outputs.append(self._append_token(r, res.token_ids[i], res.logprobs[i], res.top_logprobs[i]))
+                except Exception as e:
+                    outputs.append(self._fail(r, f"processing the new token failed: {type(e).__name__}: {e}"))
         self._maybe_idle_check()
         return outputs
+
+    def _forward_failed(self, batch: list[ScheduledChunk], e: Exception) -> list[RequestOutput]:
+        """The forward over ``batch`` raised: fail a lone request, else retract all as suspects."""
+        if len(batch) == 1:
+            r = batch[0].req
+            logger.exception("forward of request %s failed", r.rid)
+            out = self._fail(r, f"the forward step failed: {type(e).__name__}: {e}")
+            self._maybe_idle_check()
+            return [out]
+        logger.exception("forward of a batch of %d failed; retrying its requests one at a time", len(batch))
+        in_batch = {ch.req.rid for ch in batch}
+        for r in reversed(list(self.running)):      # newest first: the oldest ends at the queue head
+            if r.rid in in_batch:
+                self._retract(r)
+        # a synthetic request has no forward of its own to retry: it is re-admitted as before
+        self.suspects |= {rid for rid in in_batch if not self.reqs[rid].synthetic}
+        return []
 
     def _logits_mode(self, ch: ScheduledChunk) -> str:
         r = ch.req
@@ -289,6 +345,8 @@ class Scheduler:
             return batch
 
     def _try_schedule(self) -> list[ScheduledChunk]:
+        if self.suspects:
+            return self._schedule_suspect()
         batch: list[ScheduledChunk] = []
         decodes = [r for r in self.running if r.remaining == 1]
         for r in decodes:
@@ -334,6 +392,20 @@ class Scheduler:
             batch.append(ScheduledChunk(r, n))
             budget -= n
         return batch
+
+    def _schedule_suspect(self) -> list[ScheduledChunk]:
+        """A batch of the oldest suspect alone (suspects wait: they were retracted)."""
+        r = next(r for r in self.waiting if r.rid in self.suspects)
+        if len(self.running) >= self.cfg.max_running_requests or self.hooks.admit(r.rid) is None:
+            return []
+        n = self._reserve_chunk(r, min(r.remaining, self.cfg.chunked_prefill_size))
+        if not n:
+            self.hooks.release(r.rid)
+            return []
+        self.waiting.remove(r)
+        r.state = ReqState.RUNNING
+        self.running.append(r)
+        return [ScheduledChunk(r, n)]
 
     def _reserve_chunk(self, r: Req, n: int) -> int:
         """Reserve pages for the next ``n`` ids of ``r``, halving ``n`` until it fits; 0 if none does."""

@@ -9,10 +9,13 @@
 - 576-byte page alignment: the first P * 584 bytes of an aligned pool equal an unaligned pool's
   after the same writes, the tail stays zero, and the Triton sparse decode (interpreter) reads
   both to the same bits;
-- the index padding (-1, to a multiple of 128) and the list lengths HCA passes.
+- the index padding (-1, to a multiple of 128) and the list lengths HCA passes;
+- the engine's plumbing: a stand-in ``flash_mla`` (asserts, metadata contract, float64 decode
+  from the bytes FlashMLA reads) drives the backend on aligned pools beside the Triton backend
+  on plain pools, layer by layer: same pool bytes from every writer, same attention.
 
-The device checks (FlashMLA against Triton and the reference, timing, engine tokens) are
-bench/gpu_flashmla_check.py on an H200.
+The device checks (FlashMLA against Triton and the reference, timing, teacher-forced engine
+logits) are bench/gpu_flashmla_check.py on an H200.
 """
 
 from __future__ import annotations

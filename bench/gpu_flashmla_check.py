@@ -1,6 +1,6 @@
 """FlashMLA against our Triton sparse decode and an fp64 reference, on one GPU (sm90 / sm100).
 
-    PYTHONPATH=/tmp/site:. python3 bench/gpu_flashmla_check.py [--quick] [--out DIR]
+    PYTHONPATH=/tmp/site:. python3 bench/gpu_flashmla_check.py [--quick] [--only all|kernels|engine] [--out DIR]
 
 1. install: flash_mla's version, legacy kernels, the device and its compute capability;
 2. layout and agreement: random pools whose rows carry random per-tile scale exponents (so a
@@ -16,8 +16,12 @@
    and the ratio; prefill chunks (consecutive query rows sharing their windows) through
    ``flash_mla_sparse_fwd`` on a bf16 workspace (checked against the reference, then timed
    eagerly after an L2 flush, workspace build included) against the decode kernels' b = T rows;
-4. the engine: greedy tokens with ``attention_kernel="flashmla"`` and ``"triton"`` (CUDA graphs
-   on, and FlashMLA eager), tiny preset prompts and synthetic long contexts.
+4. the engine, teacher-forced (see the comment above :func:`forced_schedule`): ModelRunners with
+   the flashmla and triton backends (CUDA graphs on and off) and the torch backend in float32
+   run the same tokens on the same schedule, on the tiny preset and on a five-layer model with
+   Flash's attention shapes (64 heads, top-k 512, SWA / CSA / HCA layers); logits compared at
+   every position against the float32 run, FlashMLA's error held to Triton's measured one.
+   ``--only engine`` runs just this part (with the install check).
 
 Bound (elementwise, derived from the arithmetic): both kernels read the same exact values (q is
 bf16, a dequantised key is e4m3 x 2^k or bf16, exact in bf16), accumulate in fp32, round P to
@@ -360,49 +364,130 @@ def time_prefill(name, fm, shape, T, ctx):
            sparse_fwd_over_decode=round(us_p / us_d, 2))
 
 
-# ---- the engine ------------------------------------------------------------------------------
+# ---- the engine, teacher-forced ----------------------------------------------------------------
+#
+# Free-running greedy tokens are the wrong test for two bf16 kernels: they differ by about one
+# bf16 ulp of O(10) outputs, a random-weight model has near-ties, and one flipped token changes
+# every later one. Instead every runner consumes the SAME tokens on the SAME schedule (chunked
+# prefill, mixed prefill + decode steps, pure decode steps that the CUDA graphs replay) and
+# the logits are compared at every position. The noise scale is measured in the same run:
+# Triton bf16 against the torch backend in float32 on the same weights (the error a correct
+# bf16 pipeline has), and Triton graph against Triton eager. A plumbing bug (a wrong row
+# attended, a future row leaking into a prefill row, a wrong length) makes FlashMLA's error
+# against float32 jump far past Triton's, typically from some position on.
 
-def engine_tokens(kernel: str, preset: str, prompts, synthetic, new_tokens: int, cuda_graph: bool,
-                  overrides=None):
-    from scheduler_hooks.engine import Engine
-    ctx_len = max([len(p) for p in prompts] + [c for c in synthetic] + [0]) + new_tokens + 64
-    eng = Engine(preset=preset, device=DEV, dtype="bfloat16", max_running_requests=8, skip_tokenizer_init=True,
-                 max_total_tokens=max(8192, 2 * ctx_len * max(1, len(synthetic))), context_length=ctx_len,
-                 chunked_prefill_size=2048, random_seed=0, attention_kernel=kernel, cuda_graph=cuda_graph,
-                 config_overrides=overrides, random_weights_on_device=True)
-    assert eng.attention_kernel == kernel, (eng.attention_kernel, eng.runner.attention_kernel_reason)
-    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    out = [r["output_ids"] for r in eng.generate(input_ids=prompts, sampling_params=[params] * len(prompts))] \
-        if prompts else []
-    rids = [eng.add_synthetic_request(c, params) for c in synthetic]
-    done: dict[str, list[int]] = {}
-    while len(done) < len(rids):
-        for r in eng.step():
-            if r.finished:
-                done[r.rid] = r.output_ids
-    out += [done[r] for r in rids]
-    info = {"backend": eng.runner.backend_name, "graphs": None}
-    if eng.runner.cuda_graphs is not None:
-        info["graphs"] = {"captures": eng.runner.cuda_graphs.captures, "replays": eng.runner.cuda_graphs.replays}
-    eng.shutdown()
-    del eng
+FORCED_REQUESTS = "abcd"
+
+
+def forced_schedule(quick: bool) -> list[list[tuple[str, int]]]:
+    """Prefill in chunks with batches > 1, a mixed step, then decode steps (all four requests,
+    then two of them: other graph batch buckets). b decodes across 128, c across 2560 = 20*128
+    (and its 2550-token context makes Flash's top-k 512 select among 637 C4 rows), d across 256."""
+    n_dec = 30 if quick else 40
+    steps = [[("a", 5), ("b", 100)],
+             [("c", 1200), ("a", 1), ("b", 1)],          # a chunk and two decodes in one step
+             [("c", 1200), ("d", 250)],
+             [("c", 150)]]
+    steps += [[(r, 1) for r in "abcd"] for _ in range(n_dec - 1)]
+    steps += [[("a", 1), ("c", 1)] for _ in range(49 - n_dec)]
+    return steps
+
+
+def forced_logits(cfg, weights, backend: str, dtype: torch.dtype, cuda_graph: bool, steps, seqs):
+    from dsv4_backend.model_runner import ModelRunner, run_schedule
+    runner = ModelRunner.build(cfg, dtype=dtype, weights=weights, device=DEV, backend=backend,
+                               max_total_tokens=16384, max_running_requests=4, cuda_graph=cuda_graph)
+    assert runner.backend_name == backend, runner.backend_name
+    out = run_schedule(runner, steps, seqs)
+    info = {"backend": backend, "dtype": str(dtype).replace("torch.", ""), "page_align": runner.pools.page_align,
+            "graphs": None if runner.cuda_graphs is None else
+            {"captures": runner.cuda_graphs.captures, "replays": runner.cuda_graphs.replays}}
+    out = torch.cat([out[r].float() for r in FORCED_REQUESTS])
+    del runner
     torch.cuda.empty_cache()
     return out, info
 
 
-def check_engine(name, preset, prompts, synthetic, new_tokens, overrides=None):
-    t, ti = engine_tokens("triton", preset, prompts, synthetic, new_tokens, True, overrides)
-    f, fi = engine_tokens("flashmla", preset, prompts, synthetic, new_tokens, True, overrides)
-    fe, _ = engine_tokens("flashmla", preset, prompts, synthetic, new_tokens, False, overrides)
-    first = []
-    for i, (a, b) in enumerate(zip(t, f)):
-        d = next((j for j, (u, v) in enumerate(zip(a, b)) if u != v), None)
-        if d is not None:
-            first.append({"request": i, "position": d, "triton": a[d:d + 4], "flashmla": b[d:d + 4]})
-    same = sum(a == b for a, b in zip(t, f))
-    # graph replays pad the batch to a bucket, which may change FlashMLA's split plan: informative only
-    record(name, same == len(t), requests=len(t), identical=same, first_divergence=first[:4],
-           flashmla_graph_equals_eager=fe == f, triton_info=ti, flashmla_info=fi)
+def logit_stats(ref: torch.Tensor, got: torch.Tensor, split: list[tuple[str, int, int]]) -> dict:
+    """Argmax agreement, max / median |diff| over every position, and per segment (request x
+    prefill / decode) the max |diff| (a bug shows as one segment far above the others)."""
+    d = (ref - got).abs().amax(-1)
+    seg = {f"{name}": round(float(d[a:b].max()), 4) for name, a, b in split}
+    return dict(argmax_agree=round(float((ref.argmax(-1) == got.argmax(-1)).float().mean()), 4),
+                max_abs=round(float(d.max()), 4), median_abs=round(float((ref - got).abs().median()), 5),
+                worst_position=int(d.argmax()), per_segment_max=seg)
+
+
+def segments(steps) -> list[tuple[str, int, int]]:
+    """(request:prefill|decode, start, end) over the concatenated per-request logits."""
+    out, base = [], 0
+    for r in FORCED_REQUESTS:
+        sizes = [n for st in steps for rid, n in st if rid == r]
+        n_pre = sum(n for n in sizes if n > 1)
+        out += [(f"{r}:prefill", base, base + n_pre), (f"{r}:decode", base + n_pre, base + sum(sizes))]
+        base += sum(sizes)
+    return out
+
+
+def check_engine_forced(name, cfg, quick: bool, seed: int = 0):
+    from dsv4_backend.weights import random_weights
+    steps = forced_schedule(quick)
+    totals = {r: sum(n for st in steps for rid, n in st if rid == r) for r in FORCED_REQUESTS}
+    g = torch.Generator().manual_seed(seed + 1)
+    seqs = {r: torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for r, n in totals.items()}
+    weights = random_weights(cfg, seed=seed, dtype=torch.bfloat16, device=DEV, include_mtp=False,
+                             draw_on_device=True)
+    runs, infos = {}, {}
+    for key, backend, dtype, graph in (("torch_fp32", "torch", torch.float32, False),
+                                       ("triton_graph", "triton", torch.bfloat16, True),
+                                       ("triton_eager", "triton", torch.bfloat16, False),
+                                       ("flashmla_graph", "flashmla", torch.bfloat16, True),
+                                       ("flashmla_eager", "flashmla", torch.bfloat16, False)):
+        t0 = time.time()
+        runs[key], infos[key] = forced_logits(cfg, weights, backend, dtype, graph, steps, seqs)
+        infos[key]["s"] = round(time.time() - t0, 1)
+    split = segments(steps)
+    ref = runs["torch_fp32"]
+    stats = {"triton_graph vs torch_fp32 (noise)": logit_stats(ref, runs["triton_graph"], split),
+             "triton_eager vs torch_fp32 (noise)": logit_stats(ref, runs["triton_eager"], split),
+             "flashmla_graph vs torch_fp32": logit_stats(ref, runs["flashmla_graph"], split),
+             "flashmla_eager vs torch_fp32": logit_stats(ref, runs["flashmla_eager"], split),
+             "flashmla_graph vs triton_graph": logit_stats(runs["triton_graph"], runs["flashmla_graph"], split),
+             "triton_eager vs triton_graph": logit_stats(runs["triton_graph"], runs["triton_eager"], split),
+             "flashmla_eager vs flashmla_graph": logit_stats(runs["flashmla_graph"], runs["flashmla_eager"], split)}
+    # FlashMLA passes when its error against float32 stays within the spread of Triton's (both
+    # bf16 pipelines differ only in the attention kernel's rounding): per segment at most twice
+    # Triton's worst max |diff| of that segment, and argmax agreement no more than 2 points below;
+    # and its distance to Triton (which shares every other rounding and the indexer's choices)
+    # at most twice Triton's distance to float32 per segment.
+    noise = [stats["triton_graph vs torch_fp32 (noise)"], stats["triton_eager vs torch_fp32 (noise)"]]
+    floor = {seg: max(n["per_segment_max"][seg] for n in noise) for seg, _, _ in split}
+
+    def over(s):
+        return [seg for seg, v in s["per_segment_max"].items() if v > 2 * floor[seg] + 1e-3]
+
+    verdicts = {}
+    for k in ("flashmla_graph vs torch_fp32", "flashmla_eager vs torch_fp32", "flashmla_graph vs triton_graph"):
+        verdicts[k] = {"segments_over_2x_noise": over(stats[k]),
+                       "argmax_below_noise": k.endswith("fp32") and
+                       stats[k]["argmax_agree"] < min(n["argmax_agree"] for n in noise) - 0.02}
+    graphs = [infos[k]["graphs"] for k in ("triton_graph", "flashmla_graph")]
+    ok = all(not v["segments_over_2x_noise"] and not v["argmax_below_noise"] for v in verdicts.values()) \
+        and all(gr is not None and gr["replays"] > 0 for gr in graphs)   # the graphs really ran
+    for k, v in stats.items():
+        log(f"  {name}: {k:38s} argmax {v['argmax_agree']:.4f} max {v['max_abs']:.4f} median {v['median_abs']:.5f} "
+            f"per segment {v['per_segment_max']}")
+    record(name, ok, positions=int(ref.shape[0]), verdicts=verdicts, stats=stats, runs=infos)
+
+
+def engine_config(which: str):
+    from dsv4_backend.config import DSV4Config
+    if which == "tiny":
+        return DSV4Config.preset("tiny", vocab_size=16384)
+    # Flash's attention (64 heads, top-k 512, window 128, its rope / lora dims), five layers:
+    # SWA, CSA, HCA, CSA, SWA (+ the MTP slot), a few routed experts so the weights stay small
+    return DSV4Config.preset("flash", vocab_size=16384, num_hidden_layers=5, compress_ratios=(0, 4, 128, 4, 0, 0),
+                             n_routed_experts=8, num_experts_per_tok=6)
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -411,6 +496,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes and timings: < 4 minutes")
     ap.add_argument("--out", type=Path, default=None, help="directory for flashmla_check.json")
+    ap.add_argument("--only", choices=("all", "kernels", "engine"), default="all",
+                    help="kernels: install, layout, agreement, timing; engine: install and the teacher-forced "
+                         "engine comparison")
     args = ap.parse_args()
 
     gpu = (f"device {torch.cuda.get_device_name()} capability {torch.cuda.get_device_capability()}"
@@ -423,7 +511,15 @@ def main() -> None:
     import flash_mla as fm
     record("install", True, version=fm.__version__, has_legacy=fm.has_legacy(), path=fm.__file__)
 
-    q = args.quick
+    if args.only in ("all", "kernels"):
+        run_kernels(fm, args.quick)
+    if args.only in ("all", "engine"):
+        for which in ("tiny", "flash"):
+            guarded(f"engine {which} teacher-forced logits", check_engine_forced, engine_config(which), args.quick)
+    finish(args)
+
+
+def run_kernels(fm, q: bool) -> None:
     guarded("sched_reuse", check_sched_reuse, fm)
     guarded("unaligned_pages", check_unaligned, fm)
     shapes = [("flash_csa", 1, 65536), ("flash_csa", 8, 1 << 20), ("flash_csa", 32, 1 << 20),
@@ -451,13 +547,6 @@ def main() -> None:
     guarded("prefill flash_hca T256 ctx128K", check_prefill, fm, "flash_hca", 256, 131072)
     for shape, T in ([("flash_csa", 2048)] if q else [("flash_csa", 2048), ("flash_csa", 8192), ("flash_hca", 8192)]):
         guarded(f"time prefill {shape} T{T} ctx128K", time_prefill, fm, shape, T, 131072)
-
-    prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(n)] for i, n in enumerate((40, 300, 700, 1100))]
-    guarded("engine tiny greedy", check_engine, "tiny", prompts, [4096] if q else [4096, 16384], 16)
-    if not q:
-        guarded("engine flash (8 experts) greedy, synthetic 4K / 128K", check_engine, "flash", [], [4096, 131072], 8,
-                {"n_routed_experts": 8, "num_experts_per_tok": 6})
-    finish(args)
 
 
 def finish(args) -> None:

@@ -41,8 +41,9 @@ Prefill chunks are decoded as independent query rows (``b = T``, ``s_q = 1``), a
 backend does. ``flash_mla_sparse_fwd`` (FlashMLA's prefill kernel: bf16 keys ``[s_kv, 1, 512]``,
 one index list per query row) is wired as :func:`flashmla_prefill_attention`: the chunk's
 distinct keys are dequantised once into a bf16 workspace and the lists re-pointed at it. It is
-off until measured faster: ``DSV4_FLASHMLA_PREFILL_ROWS=N`` sends chunks of at least N query
-rows (outside graph capture) through it; bench/gpu_flashmla_check.py checks and times both.
+off: on an H200 it took 11.4x the decode kernel's time for a 2048-row Flash CSA chunk
+(docs/PERF.md). ``DSV4_FLASHMLA_PREFILL_ROWS=N`` sends chunks of at least N query rows (outside
+graph capture) through it; bench/gpu_flashmla_check.py checks and times both.
 """
 
 from __future__ import annotations

@@ -9,23 +9,32 @@
 - 576-byte page alignment: the first P * 584 bytes of an aligned pool equal an unaligned pool's
   after the same writes, the tail stays zero, and the Triton sparse decode (interpreter) reads
   both to the same bits;
-- the index padding (-1, to a multiple of 128) and the list lengths HCA passes.
+- the index padding (-1, to a multiple of 128) and the list lengths HCA passes;
+- the engine's plumbing: a stand-in ``flash_mla`` (asserts, metadata contract, float64 decode
+  from the bytes FlashMLA reads) drives the backend on aligned pools beside the Triton backend
+  on plain pools, layer by layer: same pool bytes from every writer, same attention.
 
-The device checks (FlashMLA against Triton and the reference, timing, engine tokens) are
-bench/gpu_flashmla_check.py on an H200.
+The device checks (FlashMLA against Triton and the reference, timing, teacher-forced engine
+logits) are bench/gpu_flashmla_check.py on an H200.
 """
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
+from dsv4_backend.backend import AttentionBackend
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.flashmla_backend import (
     FLASHMLA_PAGE_ALIGN, FlashMLADSV4Backend, flashmla_cache, list_lengths, pad_indices, padded_heads,
     prefill_workspace, resolve_attention_kernel,
 )
-from dsv4_backend.model_runner import ModelRunner, pool_page_align
+from dsv4_backend.kernels.reference import sparse_decode_ref
+from dsv4_backend.model_runner import ModelRunner, pool_page_align, run_schedule
+from dsv4_backend.triton_backend import TritonDSV4Backend
+from dsv4_backend.weights import random_weights
 from memory.configurator import DSV4PoolConfigurator
 from memory.layout import KV_ROW_BYTES, pack_kv_page, read_kv_rows, write_kv_rows
 from memory.pools import DSV4KVPools
@@ -181,3 +190,148 @@ def test_prefill_workspace_points_every_list_entry_at_its_key():
     got = torch.where((ids >= 0)[..., None], kv[ids.clamp_min(0), 0].float(), 0.0)
     assert torch.equal(got, want)                         # bf16 holds every key value exactly
     assert torch.equal(ids < 0, torch.cat([window, extra], 1) < 0) and (idx[:, 0, 26:] == -1).all()
+
+
+# ---- the engine's plumbing, driven by a stand-in for flash_mla ---------------------------------
+
+class StandInFlashMLA:
+    """``flash_mla`` for the CPU: checks what the backend hands ``flash_mla_with_kvcache``
+    against the kernel's asserts and contract, and computes its V4 sparse decode in float64
+    from the cache bytes at the offsets FlashMLA reads (part at ``block * stride(0) + row *
+    576``, scale group at ``block * stride(0) + P * 576 + row * 8``). Entries of the extra list
+    at or past ``extra_topk_length`` are skipped, as in the kernel. A scheduling metadata
+    object reused by a later call must see the same shapes and lengths (its contract)."""
+
+    def __init__(self):
+        self.calls, self.reuses = 0, 0
+
+    class Sched:
+        def __init__(self):
+            self.key = None
+
+    def get_mla_metadata(self):
+        return self.Sched(), None
+
+    @staticmethod
+    def _cache_rows(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        nb, P = cache.shape[:2]
+        assert cache.dim() == 4 and cache.shape[2:] == (1, KV_ROW_BYTES) and cache.dtype == torch.uint8
+        assert cache.stride(1) == cache.stride(2) == KV_ROW_BYTES and cache.stride(0) % FLASHMLA_PAGE_ALIGN == 0
+        flat = torch.as_strided(cache, (nb, cache.stride(0)), (cache.stride(0), 1))
+        i = idx.long().clamp_min(0)
+        block, row = i // P, i % P
+        part_at = row[..., None] * 576 + torch.arange(576)
+        group_at = P * 576 + row[..., None] * 8 + torch.arange(8)
+        part, group = flat[block[..., None], part_at], flat[block[..., None], group_at]
+        nope = part[..., :448].contiguous().view(torch.float8_e4m3fn).double().unflatten(-1, (7, 64))
+        nope = nope * torch.exp2(group[..., :7].double() - 127)[..., None]
+        rope = part[..., 448:].contiguous().view(torch.bfloat16).double()
+        return torch.cat([nope.flatten(-2), rope], -1)
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, sched, *,
+                               softmax_scale, is_fp8_kvcache, indices, attn_sink, use_legacy, kv_format,
+                               extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None):
+        b, s_q, hp, d = q.shape
+        assert (s_q, d, head_dim_v, hp in (64, 128)) == (1, 512, 512, True), q.shape
+        assert block_table is None and cache_seqlens is None and is_fp8_kvcache and use_legacy and kv_format == "V4"
+        assert attn_sink.dtype == torch.float32 and attn_sink.shape == (hp,)
+        lists = [(k_cache, indices, None)]
+        if extra_k_cache is not None:
+            lists.append((extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
+        keys, valid = [], []
+        for cache, idx, length in lists:
+            assert idx.dtype == torch.int32 and idx.shape[:2] == (b, 1) and idx.shape[2] % 64 == 0, idx.shape
+            idx = idx[:, 0]
+            ok = idx >= 0
+            if length is not None:
+                assert length.dtype == torch.int32 and length.shape == (b,)
+                ok &= torch.arange(idx.shape[1])[None, :] < length[:, None]
+            keys.append(self._cache_rows(cache, idx))
+            valid.append(ok)
+        key = (tuple(q.shape), tuple(tuple(t.shape) for _, t, _ in lists),
+               None if extra_topk_length is None else tuple(extra_topk_length.tolist()))
+        if sched.key is None:
+            sched.key = key
+        else:
+            assert sched.key == key, "scheduling metadata reused for a call of another shape or lengths"
+            self.reuses += 1
+        self.calls += 1
+        keys, valid = torch.cat(keys, 1), torch.cat(valid, 1)
+        s = torch.einsum("bhd,bnd->bhn", q[:, 0].double(), keys) * softmax_scale
+        s = s.masked_fill(~valid[:, None], float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.logaddexp(lse, attn_sink.double())[..., None])
+        out = torch.einsum("bhn,bnd->bhd", p, keys).masked_fill(torch.isneginf(lse)[..., None], 0.0)
+        return out[:, None].to(q.dtype), lse.masked_fill(torch.isneginf(lse), float("inf")).float()[..., None]
+
+
+class Float64Triton(TritonDSV4Backend):
+    """The Triton backend with its attention in float64 (``sparse_decode_ref``) on its own, unpadded pools."""
+
+    def _sparse_attention(self, ratio, q, swa_pool, plan, extra_pool, extra_rows, attn_sink):
+        return sparse_decode_ref(q, swa_pool, plan.window_slots, extra_pool, extra_rows, attn_sink,
+                                 self.cfg.softmax_scale).out.to(q.dtype)
+
+
+class PairedBackends(AttentionBackend):
+    """Runs the reference and the FlashMLA backend on the same metadata and inputs, each on its
+    own pools, compares each layer's writes and attention, and returns the reference's output."""
+
+    def __init__(self, ref: TritonDSV4Backend, test: FlashMLADSV4Backend):
+        self.ref, self.test, self.layers_seen = ref, test, set()
+
+    def init_forward_metadata(self, batch):
+        return self.ref.init_forward_metadata(batch)
+
+    def forward(self, layer_id, layer, inputs, meta):
+        o_ref = self.ref.forward(layer_id, layer, inputs, meta)
+        o_test = self.test.forward(layer_id, layer, inputs, meta)
+        # the same Triton writers on the same values: the padded pages hold the unpadded bytes
+        for kind in ("swa_kv", "c4_kv", "c128_kv"):
+            plain = getattr(self.ref.pools, kind).get(layer_id)
+            if plain is not None:
+                padded = getattr(self.test.pools, kind)[layer_id]
+                assert torch.equal(padded[:, :plain.shape[1]], plain), f"{kind}[{layer_id}] bytes differ"
+                assert not padded[:, plain.shape[1]:].any(), f"{kind}[{layer_id}]: a write landed in the padding"
+        for kind in ("c4_indexer", "c4_ring", "c4_indexer_ring", "c128_ring"):
+            if layer_id in getattr(self.ref.pools, kind):
+                assert torch.equal(getattr(self.ref.pools, kind)[layer_id], getattr(self.test.pools, kind)[layer_id])
+        # both are one float32 rounding of a float64 softmax over the same keys (the padding
+        # adds exact zeros): within one float32 ulp of each other, plus the float64 sums' error
+        v_max = max(float(read_kv_rows(p, torch.arange(p.shape[0] * (p.shape[1] // KV_ROW_BYTES))).abs().max())
+                    for p in (self.ref.pools.swa_kv[layer_id],))
+        bound = 2.0 ** -23 * o_ref.abs() + 2.0 ** -40 * (1 + v_max)
+        assert torch.all((o_ref - o_test).abs() <= bound), \
+            f"layer {layer_id} (ratio {layer.ratio}): FlashMLA path differs by {float((o_ref - o_test).abs().max()):.3e}"
+        self.layers_seen.add(layer.ratio)
+        return o_ref
+
+
+def test_standin_flashmla_drives_the_engine_like_the_triton_backend(monkeypatch):
+    """The FlashMLA backend's plumbing on padded pools (every Triton writer: KV store,
+    compressors, indexer; the cache views; -1 / head / index padding; HCA's per-row lengths in a
+    prefill crossing 128; the per-kind scheduling metadata reused across layers and steps)
+    against the Triton backend on unpadded pools, layer by layer, over chunked prefill, a batch
+    of two and decodes crossing 4 and 128."""
+    import dsv4_backend.flashmla_backend as fb
+    fm = StandInFlashMLA()
+    monkeypatch.setitem(sys.modules, "flash_mla", fm)
+    monkeypatch.setattr(fb, "flashmla_unavailable", lambda *a, **k: None)
+    cfg = DSV4Config.preset("tiny", vocab_size=512, num_hidden_layers=4, compress_ratios=(0, 4, 128, 128, 0),
+                            index_topk=4)
+    weights = random_weights(cfg, seed=3, dtype=torch.float32, include_mtp=False)
+    runner = ModelRunner.build(cfg, dtype=torch.float32, weights=weights, backend="triton",
+                               max_total_tokens=2048, max_running_requests=2)
+    padded = DSV4KVPools(cfg, runner.pools.plan, state_dtype=runner.pools.state_dtype,
+                         page_align=FLASHMLA_PAGE_ALIGN)
+    ref = Float64Triton(cfg, runner.pools, runner.allocator, dtype=torch.float32)
+    pair = PairedBackends(ref, FlashMLADSV4Backend(cfg, padded, runner.allocator, dtype=torch.float32))
+    runner.backend = pair
+    g = torch.Generator().manual_seed(4)
+    seqs = {r: torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for r, n in (("a", 136), ("b", 36))}
+    # a: 130 tokens in chunks of 70 + 60 (its rows before / after 128 see 0 / 1 C128 rows),
+    # b joins with 30; then both decode (a's C4 blocks complete at 132 and 136)
+    run_schedule(runner, [[("a", 70)], [("a", 60), ("b", 30)]] + [[("a", 1), ("b", 1)]] * 6, seqs)
+    assert pair.layers_seen == {0, 4, 128}
+    # two HCA layers per step share one metadata object; SWA-only and CSA run once a step each
+    assert fm.calls == 8 * 4 and fm.reuses == 8

@@ -77,6 +77,21 @@ def same_twice_and_in_graph(name: str, fn) -> None:
     report(f"{name} graph", torch.equal(a, c), "CUDA-graph replay equal to eager")
 
 
+def act_quant_mismatches(x, xq, xs, q, s, limit: int = 5) -> list[str]:
+    """The first ``limit`` elements whose code or block scale differs from the simulation, with
+    torch's own e4m3 cast of x / s (s from the simulation) as a third opinion."""
+    M, K = x.shape
+    kcode = xq.view(torch.uint8).long()
+    rcode = q.float().to(torch.float8_e4m3fn).view(torch.uint8).long()
+    s_el = s.repeat_interleave(128, 1)[:, :K]
+    ks_el = xs.double().repeat_interleave(128, 1)[:, :K]
+    tcode = (x.double() / s_el).clamp(-448, 448).float().to(torch.float8_e4m3fn).view(torch.uint8).long()
+    bad = ((kcode != rcode) | (ks_el != s_el)).nonzero()[:limit].tolist()
+    return [f"x[{m},{k}]={x[m, k].item()!r}: kernel code 0x{kcode[m, k].item():02x} scale "
+            f"{ks_el[m, k].item()!r}; reference code 0x{rcode[m, k].item():02x} scale {s_el[m, k].item()!r}; "
+            f"torch cast of x/s 0x{tcode[m, k].item():02x}" for m, k in bad]
+
+
 def check_act_quant(gen) -> None:
     M, K = 64, 4096
     x = torch.randn(M, K, generator=gen, device=DEV)
@@ -86,13 +101,20 @@ def check_act_quant(gen) -> None:
     x[1, 5] = 56.0  # amax / 448 exactly a power of two
     x[2, :128] = x[1, :128]
     x[2, 6] = 56.0 * (1 + 2 ** -23)
+    x[3, :128] = torch.randn(128, generator=gen, device=DEV) * 1e-3  # e4m3 subnormals
+    x[4, :128] = torch.tensor([448.0] + [1.0 + (2 * i + 1) / 16 for i in range(8)] * 15 + [0.0] * 7,
+                              device=DEV)  # ties at scale 1
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         xq, xs = act_quant_fp8(xd)
         q, s = act_quant_sim(xd)
-        ok = torch.equal(xs.double(), s) and torch.equal(
-            xq.view(torch.uint8), q.float().to(torch.float8_e4m3fn).view(torch.uint8))
-        report(f"act_quant {dtype}", ok, f"[{M}, {K}] codes and scales bit-exact")
+        bad = act_quant_mismatches(xd, xq, xs, q, s)
+        n_s = int((xs.double() != s).sum())
+        n_q = int((xq.view(torch.uint8) != q.float().to(torch.float8_e4m3fn).view(torch.uint8)).sum())
+        report(f"act_quant {dtype}", not bad,
+               f"[{M}, {K}] codes and scales bit-exact ({n_q} codes, {n_s} scales differ)")
+        for line in bad:
+            print(f"    {line}", flush=True)
 
 
 def check_fp8(gen, quick: bool) -> None:

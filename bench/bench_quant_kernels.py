@@ -37,7 +37,10 @@ for p in (ROOT, ROOT / "bench"):
 
 import bench_kernels as bk  # noqa: E402
 from dsv4_backend.kernels import fp4_moe as moe  # noqa: E402
-from dsv4_backend.kernels.fp8_gemm import GemmConfig, act_quant_fp8, fp8_block_gemm, pick_config  # noqa: E402
+from dsv4_backend.kernels.fp8_gemm import (  # noqa: E402
+    TORCH_BLOCKWISE_MIN_M, TORCH_ERRORS, GemmConfig, act_quant_fp8, fp8_block_gemm, pick_config,
+    torch_blockwise_form, torch_blockwise_gemm,
+)
 
 DEV = "cuda"
 FLASH_FP8 = {  # name: (N, K)
@@ -77,23 +80,16 @@ def fp8_peak_tflops() -> float:
     return 2 * m ** 3 / (t * 1e-3) / 1e12
 
 
-def torch_fp8(xq, xs, w, ws, ref):
-    """(callable, recipe name) of torch's fastest FP8 GEMM for these operands that runs here."""
-    F = torch.nn.functional
-    st = getattr(F, "ScalingType", None)
-    if st is not None and hasattr(F, "scaled_mm"):
-        ra = getattr(st, "BlockWise1x128", None) or getattr(st, "Blockwise_1x128", None)
-        rb = getattr(st, "BlockWise128x128", None) or getattr(st, "Blockwise_128x128", None)
-        outer = xs.t().contiguous().t()  # the M-major layout cuBLAS asks for
-        for sa, sb in ((outer, ws), (xs, ws), (outer, ws.t()), (xs, ws.t())):
-            try:
-                def fn(sa=sa, sb=sb):
-                    return F.scaled_mm(xq, w.t(), sa, ra, sb, rb, output_dtype=torch.bfloat16)
-                y = fn()
-                if (y.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max():
-                    return fn, "blockwise 1x128/128x128"
-            except Exception:
-                pass
+def torch_fp8(xq, xs, w, ws):
+    """(callable, recipe name) of torch's FP8 GEMM for these operands: the blockwise recipe
+    (``fp8_gemm.torch_blockwise_gemm``, the form probed once) where this torch runs it at this M,
+    else per-row scales through ``torch._scaled_mm`` (speed reference only). Errors are printed."""
+    if torch_blockwise_form(xq.device) is not None:
+        try:
+            torch_blockwise_gemm(xq, xs, w, ws)
+            return (lambda: torch_blockwise_gemm(xq, xs, w, ws)), "blockwise 1x128/128x128"
+        except Exception as e:
+            log(f"    torch blockwise at M={xq.shape[0]}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     sa = xs[:, :1].contiguous()
     sb = ws[:1, :1].expand(1, w.shape[0]).contiguous()
     try:
@@ -101,7 +97,8 @@ def torch_fp8(xq, xs, w, ws, ref):
             return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
         fn()
         return fn, "per-row scales (speed reference only)"
-    except Exception:
+    except Exception as e:
+        log(f"    torch per-row: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return None, "unavailable"
 
 
@@ -115,10 +112,12 @@ def sweep_configs(M: int, nb: int) -> list[GemmConfig]:
         cands = [GemmConfig(64, 128, s, False, 4, 4) for s in (1, 2, 4)]
         cands += [GemmConfig(128, 128, s, False, 8, 3) for s in (1, 2)]
         cands += [GemmConfig(128, 64, s, True, 4, 3) for s in (1, 4)]
-    else:
-        cands = [GemmConfig(128, 128, 1, False, 8, 4), GemmConfig(128, 128, 1, False, 4, 4),
-                 GemmConfig(128, 256, 1, False, 8, 3), GemmConfig(64, 256, 1, False, 8, 3),
-                 GemmConfig(256, 128, 1, False, 8, 3), GemmConfig(128, 128, 1, False, 8, 3, 16)]
+    else:  # Hopper FP8 GEMM shapes: 128 x 128 (x 128 deep) on 8 warps, or 64/128-wide on 4
+        cands = [GemmConfig(128, 128, 1, False, 8, st, g) for st in (3, 4, 5) for g in (8, 16)]
+        cands += [GemmConfig(64, 128, 1, False, 4, st) for st in (3, 4, 5)]
+        cands += [GemmConfig(128, 64, 1, False, 4, st) for st in (3, 4, 5)]
+        cands += [GemmConfig(128, 256, 1, False, 8, 3), GemmConfig(256, 128, 1, False, 8, 3),
+                  GemmConfig(64, 256, 1, False, 8, 3), GemmConfig(128, 128, 1, False, 4, 4)]
     return [c for c in cands if c.split_k <= nb]
 
 
@@ -127,6 +126,10 @@ def bench_fp8(quick: bool, copy_gbps: float, fp8_tflops: float, bf16_tflops: flo
     sweep_at = (1, 64, 256, 8192)
     gen = torch.Generator(device=DEV).manual_seed(0)
     log("\n== FP8 block-scaled GEMM (act-quant excluded) ==")
+    form = torch_blockwise_form(torch.device(DEV))
+    log(f"torch blockwise form {form} (fp8_gemm._torch_forms); rejected: " + ("; ".join(TORCH_ERRORS) or "none"))
+    log(f"'us' is the Triton kernel under the shape rule; 'auto' (the backend rule) uses torch from "
+        f"M = {TORCH_BLOCKWISE_MIN_M} when the form above is not None")
     log(f"{'shape':>13} {'M':>5} {'us':>8} {'floor':>8} {'%floor':>6} | {'torch fp8':>9} {'bf16':>8} | config")
     for name, (N, K) in FLASH_FP8.items():
         w = (torch.randn(N, K, generator=gen, device=DEV) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -137,12 +140,11 @@ def bench_fp8(quick: bool, copy_gbps: float, fp8_tflops: float, bf16_tflops: flo
             x = torch.randn(M, K, generator=gen, device=DEV).to(torch.bfloat16)
             xq, xs = act_quant_fp8(x)
             rule = pick_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
-            t = us(lambda: fp8_block_gemm(xq, xs, w, ws))
+            t = us(lambda: fp8_block_gemm(xq, xs, w, ws, backend="triton"))
             nbytes = N * K + ws.numel() * 4 + M * K + xs.numel() * 4 + M * N * 2
             flops = 2 * M * N * K
             floor = max(nbytes / (copy_gbps * 1e9), flops / (fp8_tflops * 1e12)) * 1e6
-            ref = fp8_block_gemm(xq, xs, w, ws)
-            tfn, recipe = torch_fp8(xq, xs, w, ws, ref)
+            tfn, recipe = torch_fp8(xq, xs, w, ws)
             t_torch = try_us(tfn) if tfn else None
             t_bf16 = try_us(lambda: x @ wbf.t())
             t_aq = us(lambda: act_quant_fp8(x)) if M in (1, 8192) else None

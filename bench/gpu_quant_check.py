@@ -6,7 +6,8 @@ Runs on one CUDA device against the float64 simulations of tests/test_fp8_gemm.p
 tests/test_fp4_moe.py (the same code, run on the device):
 
 - act_quant_fp8: codes and scales bit for bit (random rows over 2^-20..2^20 plus edge blocks);
-- fp8_linear at every FP8 linear of Flash, M = 1, 8, 64, 256 and M = 8192 on three shapes. Bound:
+- fp8_linear at every FP8 linear of Flash, M = 1, 8, 64, 256 and M = 8192 on three shapes, through
+  the Triton kernel and, from M = TORCH_BLOCKWISE_MIN_M, through torch's blockwise GEMM too. Bound:
   Hopper's FP8 MMA keeps about 14 bits while it sums a 128-deep block (DeepSeek-V3 report, section
   3.3.2), over the four 32-deep steps of a block: 4 x 2^-13 = 2^-11 of the block's sum|terms|; then
   (blocks + 2) fp32 adds; then half a bf16 ulp;
@@ -34,7 +35,9 @@ for p in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(p))
 
 from dsv4_backend.kernels.fp4_moe import fp4_moe  # noqa: E402
-from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_linear  # noqa: E402
+from dsv4_backend.kernels.fp8_gemm import (  # noqa: E402
+    TORCH_BLOCKWISE_MIN_M, TORCH_ERRORS, act_quant_fp8, fp8_linear, torch_blockwise_form,
+)
 from test_fp4_moe import (  # noqa: E402
     combine_tol, h_bound, h_reference, make_experts, make_x, y_reference, y_tol,
 )
@@ -118,26 +121,35 @@ def check_act_quant(gen) -> None:
 
 
 def check_fp8(gen, quick: bool) -> None:
+    """Both GEMM backends where the rule could pick either (M >= TORCH_BLOCKWISE_MIN_M)."""
+    form = torch_blockwise_form(torch.device(DEV)) if DEV == "cuda" else None
+    print(f"torch blockwise FP8 form: {form}" + "".join(f"\n    {e}" for e in TORCH_ERRORS), flush=True)
     for name, (N, K) in FLASH_FP8.items():
         w = (torch.randn(N, K, generator=gen, device=DEV) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
         ws = torch.pow(2.0, torch.randint(-12, -4, (-(-N // 128), -(-K // 128)), generator=gen, device=DEV).float())
-        sizes = (1, 64) if quick else (1, 8, 64, 256)
+        sizes = (1, 64, 256) if quick else (1, 8, 64, 256)
         if name in PREFILL_SHAPES and (not quick or name == "shared.w2"):
             sizes = sizes + (8192,)
         for M in sizes:
             x = (torch.randn(M, K, generator=gen, device=DEV) * 2).to(torch.bfloat16)
-            out = fp8_linear(x, w, ws)
             q, s = act_quant_sim(x)
             y, mag = gemm_sim(q, s, w, ws)
             nb = -(-K // 128)
             tol = (2.0 ** -11 + (nb + 2) * U32) * mag
             tol = tol + 2.0 ** -8 * (y.abs() + tol)
-            err, r = ratio(out, y, tol)
-            report(f"fp8_linear {name} M={M}", r <= 1.0 and bool(torch.isfinite(out).all()),
-                   f"max err {err:.3e}, max err/bound {r:.3f}")
+            backends = ["triton"] + (["torch"] if form is not None and M >= TORCH_BLOCKWISE_MIN_M else [])
+            for be in backends:
+                out = fp8_linear(x, w, ws, backend=be)
+                err, r = ratio(out, y, tol)
+                report(f"fp8_linear[{be}] {name} M={M}", r <= 1.0 and bool(torch.isfinite(out).all()),
+                       f"max err {err:.3e}, max err/bound {r:.3f}")
             del y, mag, q, s
-        same_twice_and_in_graph(f"fp8_linear {name} M=64",
-                                lambda: fp8_linear(x[:64] if x.shape[0] >= 64 else x, w, ws))
+        x64 = x[:64] if x.shape[0] >= 64 else x
+        same_twice_and_in_graph(f"fp8_linear[triton] {name} M=64", lambda: fp8_linear(x64, w, ws))
+        if form is not None and name == "shared.w2":
+            x256 = (torch.randn(256, K, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+            same_twice_and_in_graph(f"fp8_linear[torch] {name} M=256",
+                                    lambda: fp8_linear(x256, w, ws, backend="torch"))
 
 
 def check_moe(gen, quick: bool) -> None:

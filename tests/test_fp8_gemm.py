@@ -146,3 +146,13 @@ def test_bad_inputs_name_the_tensor():
         fp8_block_gemm(xq, xs, w[:, :64].contiguous(), ws)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_block_gemm(xq.view(torch.uint8), xs, w, ws)
+
+
+def test_backend_choice_is_checked():
+    """The torch (cuBLAS) backend exists on CUDA only; the CPU and an explicit config run Triton."""
+    w, ws = random_weight(64, 128, torch.Generator().manual_seed(4))
+    xq, xs = act_quant_fp8(torch.randn(2, 128))
+    with pytest.raises(RuntimeError, match="unavailable"):
+        fp8_block_gemm(xq, xs, w, ws, backend="torch")
+    with pytest.raises(ValueError, match="backend"):
+        fp8_block_gemm(xq, xs, w, ws, backend="cublas")

@@ -258,3 +258,19 @@ def test_bad_inputs_name_the_tensor():
         M.fp4_moe(x, ids, weights.double(), w13, s13, w2, s2, LIMIT)
     with pytest.raises(ValueError, match="w13"):
         M.fp4_moe(x, ids, weights, w13[:, :, :4], s13, w2, s2, LIMIT)
+
+
+@pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 256, 16), (64, 6, 256, 16), (7, 3, 8, 4), (20, 2, 4, 64)])
+def test_route_fused_equals_route(T, k, E, block_m):
+    """The one-launch routing gives the torch routing's tensors bit for bit (skipped pairs too)."""
+    gen = torch.Generator().manual_seed(T * 7 + E)
+    ids = random_ids(T, k, E, gen)
+    ids[0, -1] = -1
+    if T > 2:
+        ids[2, :] = E  # a whole row out of range
+        ids[1, 0] = ids[T - 1, 0]  # two pairs of one expert in one column: the stable order matters
+    want = M.route(ids, E, block_m)
+    got = M.route_fused(ids, E, block_m)
+    check_routing(got, ids, E, block_m)
+    for name in M.Routing._fields:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

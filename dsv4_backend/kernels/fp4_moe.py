@@ -95,6 +95,66 @@ def route(ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     return Routing(order, offsets, block_expert, block_row0)
 
 
+ROUTE_FUSED_MAX_PAIRS = 512  # route_fused keeps every pair's key in each program's registers
+ROUTE_CHUNK = 32
+
+
+@triton.jit
+def _route_kernel(ids_ptr, order_ptr, off_ptr, blk_e_ptr, blk_r0_ptr, P, E, G,
+                  BLOCK_M: tl.constexpr, PP: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr):
+    """Program p: the sorted positions of pairs [p CH, (p + 1) CH) (stable rank by key), row
+    blocks [p CH, (p + 1) CH), and (p = 0) the offsets. Keys: the expert, E for a skipped pair,
+    EP - 1 past P (a bin no real key uses: EP >= E + 2)."""
+    j = tl.arange(0, PP)
+    raw = tl.load(ids_ptr + j, mask=j < P, other=0)
+    key = tl.where((raw >= 0) & (raw < E), raw, E).to(tl.int32)
+    key = tl.where(j < P, key, EP - 1)
+    ev = tl.arange(0, EP)
+    counts = tl.histogram(key, EP)
+    offsets = tl.cumsum(counts, axis=0) - counts  # exclusive: offsets[e] = #(key < e)
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(off_ptr + ev, offsets.to(tl.int64), mask=ev <= E)
+    i = pid * CH + tl.arange(0, CH)
+    ki = tl.load(ids_ptr + i, mask=i < P, other=0)
+    ki = tl.where((ki >= 0) & (ki < E), ki, E).to(tl.int32)
+    ahead = (key[None, :] < ki[:, None]) | ((key[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, i.to(tl.int64), mask=i < P)
+    nblk = tl.where(ev < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    blk_end = tl.cumsum(nblk, axis=0)
+    b = pid * CH + tl.arange(0, CH)
+    be = tl.sum(((blk_end[None, :] <= b[:, None]) & (ev < E)[None, :]).to(tl.int32), axis=1)
+    sel = ev[None, :] == tl.minimum(be, E - 1)[:, None]
+    first_row = tl.sum(tl.where(sel, offsets[None, :], 0), axis=1)
+    first_blk = tl.sum(tl.where(sel, (blk_end - nblk)[None, :], 0), axis=1)
+    r0 = first_row.to(tl.int64) + (b - first_blk).to(tl.int64) * BLOCK_M
+    tl.store(blk_e_ptr + b, be.to(tl.int64), mask=b < G)
+    tl.store(blk_r0_ptr + b, r0, mask=b < G)
+
+
+def route_fused(ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """``route`` in one launch, the same tensors bit for bit, for T k <= ROUTE_FUSED_MAX_PAIRS:
+    a pair's sorted position is the number of pairs with a smaller key or an equal key and a
+    smaller index (stable), offsets are the exclusive prefix sum of the key histogram."""
+    flat = ids.reshape(-1)
+    P = flat.numel()
+    if P > ROUTE_FUSED_MAX_PAIRS:
+        raise ValueError(f"route_fused: {P} pairs, at most {ROUTE_FUSED_MAX_PAIRS}")
+    E = num_experts
+    G = triton.cdiv(P, block_m) + min(E, P)
+    dev = flat.device
+    order = torch.empty(P, dtype=torch.int64, device=dev)
+    offsets = torch.empty(E + 1, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(G, dtype=torch.int64, device=dev)
+    block_row0 = torch.empty(G, dtype=torch.int64, device=dev)
+    CH = ROUTE_CHUNK
+    _route_kernel[(triton.cdiv(max(P, G), CH),)](
+        flat, order, offsets, block_expert, block_row0, P, E, G, BLOCK_M=block_m,
+        PP=max(triton.next_power_of_2(P), 16), EP=triton.next_power_of_2(E + 2), CH=CH, num_warps=8)
+    return Routing(order, offsets, block_expert, block_row0)
+
+
 # ---- in-register conversions --------------------------------------------------------------
 
 @triton.jit
@@ -410,7 +470,8 @@ def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
     cfg = config or pick_moe_config(T * k, E)
     if 128 % cfg.block_k or cfg.block_k % 32:
         raise ValueError(f"fp4_moe: block_k={cfg.block_k} must be a multiple of 32 dividing 128")
-    routing = route(ids, E, cfg.block_m)
+    fused = cfg.fused_route and T * k <= ROUTE_FUSED_MAX_PAIRS
+    routing = (route_fused if fused else route)(ids, E, cfg.block_m)
     xq, xs = act_quant_fp8(x)
     hq, hs = moe_gate_up(xq, xs, weights.contiguous(), w13, w13_scale, routing, k, limit, cfg)
     y = moe_down(hq, hs, w2, w2_scale, routing, cfg)

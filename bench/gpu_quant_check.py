@@ -16,6 +16,8 @@ tests/test_fp4_moe.py (the same code, run on the device):
   ambiguity window 2^-22 (|g| + 8) relative: Triton's exp is ex2.approx (2^-22) of g log2(e)
   rounded to fp32 (|g| 2^-24 after exponentiation), plus four fp32 roundings, times four for
   margin; the MMA's fp32 accumulation bound doubled (truncating adds);
+- at T = 1 and 64 the MoeConfig switches too (swap_ab + int_decode, split_nibbles + int_decode,
+  the torch routing), and the one-launch routing equal to the torch routing bit for bit;
 - determinism (two calls bit-identical) and CUDA-graph replay equal to the eager call.
 Prints one line per check with the measured max error beside the bound; exits 1 on any failure.
 """
@@ -34,7 +36,9 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from dsv4_backend.kernels.fp4_moe import fp4_moe  # noqa: E402
+from dsv4_backend.kernels.fp4_moe import (  # noqa: E402
+    ROUTE_FUSED_MAX_PAIRS, Routing, fp4_moe, pick_moe_config, route, route_fused,
+)
 from dsv4_backend.kernels.fp8_gemm import (  # noqa: E402
     TORCH_BLOCKWISE_MIN_M, TORCH_ERRORS, act_quant_fp8, fp8_linear, torch_blockwise_form,
 )
@@ -168,20 +172,31 @@ def check_moe(gen, quick: bool) -> None:
             ids[3, 2] = E
         weights = torch.rand(T, k, generator=gen, device=DEV) + 0.25
         x = make_x(T, D, gen)
-        out = fp4_moe(x, ids, weights, w13, s13, w2, s2, LIMIT)
+        base = pick_moe_config(T * k, E)
+        variants = [("", None)]
+        if name in ("T=1", "T=64 padded", "T=64"):
+            variants += [(" [swap_ab int_decode]", base._replace(swap_ab=True, int_decode=True)),
+                         (" [split_nibbles int_decode]", base._replace(split_nibbles=True, int_decode=True)),
+                         (" [torch route]", base._replace(fused_route=False))]
+            if T * k <= ROUTE_FUSED_MAX_PAIRS:
+                want, got = route(ids, E, base.block_m), route_fused(ids, E, base.block_m)
+                same = all(torch.equal(getattr(got, f), getattr(want, f)) for f in Routing._fields)
+                report(f"route_fused {name}", same, "equal to the torch routing bit for bit")
         S = min(T, 256)
         h, hb, amb = h_reference(x[:S], ids[:S], weights[:S], w13, s13, LIMIT,
                                   window=lambda g: 2.0 ** -22 * (g.abs() + 8))
         bound, deq_ref = h_bound(h, hb, amb)
         yr, mag, carried = y_reference(deq_ref, bound, ids[:S], w2, s2)
         ref, tol = combine_tol(yr, y_tol(yr, mag, carried, I, acc_ulps=2.0), ids[:S], E)
-        err, r = ratio(out[:S], ref, tol)
         n_amb = int(amb.view(amb.shape[0], -1, 128).any(2).sum())
-        ok = r <= 1.0 and bool(torch.isfinite(out).all())
-        if rule == "padded":
-            ok = ok and bool((out[60:] == 0).all())
-        report(f"fp4_moe {name}", ok, f"max err {err:.3e}, max err/bound {r:.3f} "
-               f"({S} tokens checked; {n_amb} ambiguous h blocks of {amb.numel() // 128})")
+        for tag, cfg in variants:
+            out = fp4_moe(x, ids, weights, w13, s13, w2, s2, LIMIT, config=cfg)
+            err, r = ratio(out[:S], ref, tol)
+            ok = r <= 1.0 and bool(torch.isfinite(out).all())
+            if rule == "padded":
+                ok = ok and bool((out[60:] == 0).all())
+            report(f"fp4_moe {name}{tag}", ok, f"max err {err:.3e}, max err/bound {r:.3f} "
+                   f"({S} tokens checked; {n_amb} ambiguous h blocks of {amb.numel() // 128})")
         del h, hb, amb, bound, deq_ref, yr, mag, carried
         if name in ("T=1", "T=64", "T=64 padded", "T=8192"):
             same_twice_and_in_graph(f"fp4_moe {name}",

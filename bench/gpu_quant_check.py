@@ -6,7 +6,8 @@ Runs on one CUDA device against the float64 simulations of tests/test_fp8_gemm.p
 tests/test_fp4_moe.py (the same code, run on the device):
 
 - act_quant_fp8: codes and scales bit for bit (random rows over 2^-20..2^20 plus edge blocks);
-- fp8_linear at every FP8 linear of Flash, M = 1, 8, 64, 256 and M = 8192 on three shapes. Bound:
+- fp8_linear at every FP8 linear of Flash, M = 1, 8, 64, 256 and M = 8192 on three shapes, through
+  the Triton kernel and, from M = TORCH_BLOCKWISE_MIN_M, through torch's blockwise GEMM too. Bound:
   Hopper's FP8 MMA keeps about 14 bits while it sums a 128-deep block (DeepSeek-V3 report, section
   3.3.2), over the four 32-deep steps of a block: 4 x 2^-13 = 2^-11 of the block's sum|terms|; then
   (blocks + 2) fp32 adds; then half a bf16 ulp;
@@ -15,6 +16,8 @@ tests/test_fp4_moe.py (the same code, run on the device):
   ambiguity window 2^-22 (|g| + 8) relative: Triton's exp is ex2.approx (2^-22) of g log2(e)
   rounded to fp32 (|g| 2^-24 after exponentiation), plus four fp32 roundings, times four for
   margin; the MMA's fp32 accumulation bound doubled (truncating adds);
+- at T = 1 and 64 the MoeConfig switches too (swap_ab + int_decode, split_nibbles + int_decode,
+  the torch routing), and the one-launch routing equal to the torch routing bit for bit;
 - determinism (two calls bit-identical) and CUDA-graph replay equal to the eager call.
 Prints one line per check with the measured max error beside the bound; exits 1 on any failure.
 """
@@ -33,8 +36,12 @@ for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from dsv4_backend.kernels.fp4_moe import fp4_moe  # noqa: E402
-from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_linear  # noqa: E402
+from dsv4_backend.kernels.fp4_moe import (  # noqa: E402
+    ROUTE_FUSED_MAX_PAIRS, Routing, fp4_moe, pick_moe_config, route, route_fused,
+)
+from dsv4_backend.kernels.fp8_gemm import (  # noqa: E402
+    TORCH_BLOCKWISE_MIN_M, TORCH_ERRORS, act_quant_fp8, fp8_linear, torch_blockwise_form,
+)
 from test_fp4_moe import (  # noqa: E402
     combine_tol, h_bound, h_reference, make_experts, make_x, y_reference, y_tol,
 )
@@ -77,6 +84,21 @@ def same_twice_and_in_graph(name: str, fn) -> None:
     report(f"{name} graph", torch.equal(a, c), "CUDA-graph replay equal to eager")
 
 
+def act_quant_mismatches(x, xq, xs, q, s, limit: int = 5) -> list[str]:
+    """The first ``limit`` elements whose code or block scale differs from the simulation, with
+    torch's own e4m3 cast of x / s (s from the simulation) as a third opinion."""
+    M, K = x.shape
+    kcode = xq.view(torch.uint8).long()
+    rcode = q.float().to(torch.float8_e4m3fn).view(torch.uint8).long()
+    s_el = s.repeat_interleave(128, 1)[:, :K]
+    ks_el = xs.double().repeat_interleave(128, 1)[:, :K]
+    tcode = (x.double() / s_el).clamp(-448, 448).float().to(torch.float8_e4m3fn).view(torch.uint8).long()
+    bad = ((kcode != rcode) | (ks_el != s_el)).nonzero()[:limit].tolist()
+    return [f"x[{m},{k}]={x[m, k].item()!r}: kernel code 0x{kcode[m, k].item():02x} scale "
+            f"{ks_el[m, k].item()!r}; reference code 0x{rcode[m, k].item():02x} scale {s_el[m, k].item()!r}; "
+            f"torch cast of x/s 0x{tcode[m, k].item():02x}" for m, k in bad]
+
+
 def check_act_quant(gen) -> None:
     M, K = 64, 4096
     x = torch.randn(M, K, generator=gen, device=DEV)
@@ -86,36 +108,52 @@ def check_act_quant(gen) -> None:
     x[1, 5] = 56.0  # amax / 448 exactly a power of two
     x[2, :128] = x[1, :128]
     x[2, 6] = 56.0 * (1 + 2 ** -23)
+    x[3, :128] = torch.randn(128, generator=gen, device=DEV) * 1e-3  # e4m3 subnormals
+    x[4, :128] = torch.tensor([448.0] + [1.0 + (2 * i + 1) / 16 for i in range(8)] * 15 + [0.0] * 7,
+                              device=DEV)  # ties at scale 1
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         xq, xs = act_quant_fp8(xd)
         q, s = act_quant_sim(xd)
-        ok = torch.equal(xs.double(), s) and torch.equal(
-            xq.view(torch.uint8), q.float().to(torch.float8_e4m3fn).view(torch.uint8))
-        report(f"act_quant {dtype}", ok, f"[{M}, {K}] codes and scales bit-exact")
+        bad = act_quant_mismatches(xd, xq, xs, q, s)
+        n_s = int((xs.double() != s).sum())
+        n_q = int((xq.view(torch.uint8) != q.float().to(torch.float8_e4m3fn).view(torch.uint8)).sum())
+        report(f"act_quant {dtype}", not bad,
+               f"[{M}, {K}] codes and scales bit-exact ({n_q} codes, {n_s} scales differ)")
+        for line in bad:
+            print(f"    {line}", flush=True)
 
 
 def check_fp8(gen, quick: bool) -> None:
+    """Both GEMM backends where the rule could pick either (M >= TORCH_BLOCKWISE_MIN_M)."""
+    form = torch_blockwise_form(torch.device(DEV)) if DEV == "cuda" else None
+    print(f"torch blockwise FP8 form: {form}" + "".join(f"\n    {e}" for e in TORCH_ERRORS), flush=True)
     for name, (N, K) in FLASH_FP8.items():
         w = (torch.randn(N, K, generator=gen, device=DEV) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
         ws = torch.pow(2.0, torch.randint(-12, -4, (-(-N // 128), -(-K // 128)), generator=gen, device=DEV).float())
-        sizes = (1, 64) if quick else (1, 8, 64, 256)
+        sizes = (1, 64, 256) if quick else (1, 8, 64, 256)
         if name in PREFILL_SHAPES and (not quick or name == "shared.w2"):
             sizes = sizes + (8192,)
         for M in sizes:
             x = (torch.randn(M, K, generator=gen, device=DEV) * 2).to(torch.bfloat16)
-            out = fp8_linear(x, w, ws)
             q, s = act_quant_sim(x)
             y, mag = gemm_sim(q, s, w, ws)
             nb = -(-K // 128)
             tol = (2.0 ** -11 + (nb + 2) * U32) * mag
             tol = tol + 2.0 ** -8 * (y.abs() + tol)
-            err, r = ratio(out, y, tol)
-            report(f"fp8_linear {name} M={M}", r <= 1.0 and bool(torch.isfinite(out).all()),
-                   f"max err {err:.3e}, max err/bound {r:.3f}")
+            backends = ["triton"] + (["torch"] if form is not None and M >= TORCH_BLOCKWISE_MIN_M else [])
+            for be in backends:
+                out = fp8_linear(x, w, ws, backend=be)
+                err, r = ratio(out, y, tol)
+                report(f"fp8_linear[{be}] {name} M={M}", r <= 1.0 and bool(torch.isfinite(out).all()),
+                       f"max err {err:.3e}, max err/bound {r:.3f}")
             del y, mag, q, s
-        same_twice_and_in_graph(f"fp8_linear {name} M=64",
-                                lambda: fp8_linear(x[:64] if x.shape[0] >= 64 else x, w, ws))
+        x64 = x[:64] if x.shape[0] >= 64 else x
+        same_twice_and_in_graph(f"fp8_linear[triton] {name} M=64", lambda: fp8_linear(x64, w, ws))
+        if form is not None and name == "shared.w2":
+            x256 = (torch.randn(256, K, generator=gen, device=DEV) * 2).to(torch.bfloat16)
+            same_twice_and_in_graph(f"fp8_linear[torch] {name} M=256",
+                                    lambda: fp8_linear(x256, w, ws, backend="torch"))
 
 
 def check_moe(gen, quick: bool) -> None:
@@ -134,20 +172,31 @@ def check_moe(gen, quick: bool) -> None:
             ids[3, 2] = E
         weights = torch.rand(T, k, generator=gen, device=DEV) + 0.25
         x = make_x(T, D, gen)
-        out = fp4_moe(x, ids, weights, w13, s13, w2, s2, LIMIT)
+        base = pick_moe_config(T * k, E)
+        variants = [("", None)]
+        if name in ("T=1", "T=64 padded", "T=64"):
+            variants += [(" [swap_ab int_decode]", base._replace(swap_ab=True, int_decode=True)),
+                         (" [split_nibbles int_decode]", base._replace(split_nibbles=True, int_decode=True)),
+                         (" [torch route]", base._replace(fused_route=False))]
+            if T * k <= ROUTE_FUSED_MAX_PAIRS:
+                want, got = route(ids, E, base.block_m), route_fused(ids, E, base.block_m)
+                same = all(torch.equal(getattr(got, f), getattr(want, f)) for f in Routing._fields)
+                report(f"route_fused {name}", same, "equal to the torch routing bit for bit")
         S = min(T, 256)
         h, hb, amb = h_reference(x[:S], ids[:S], weights[:S], w13, s13, LIMIT,
                                   window=lambda g: 2.0 ** -22 * (g.abs() + 8))
         bound, deq_ref = h_bound(h, hb, amb)
         yr, mag, carried = y_reference(deq_ref, bound, ids[:S], w2, s2)
         ref, tol = combine_tol(yr, y_tol(yr, mag, carried, I, acc_ulps=2.0), ids[:S], E)
-        err, r = ratio(out[:S], ref, tol)
         n_amb = int(amb.view(amb.shape[0], -1, 128).any(2).sum())
-        ok = r <= 1.0 and bool(torch.isfinite(out).all())
-        if rule == "padded":
-            ok = ok and bool((out[60:] == 0).all())
-        report(f"fp4_moe {name}", ok, f"max err {err:.3e}, max err/bound {r:.3f} "
-               f"({S} tokens checked; {n_amb} ambiguous h blocks of {amb.numel() // 128})")
+        for tag, cfg in variants:
+            out = fp4_moe(x, ids, weights, w13, s13, w2, s2, LIMIT, config=cfg)
+            err, r = ratio(out[:S], ref, tol)
+            ok = r <= 1.0 and bool(torch.isfinite(out).all())
+            if rule == "padded":
+                ok = ok and bool((out[60:] == 0).all())
+            report(f"fp4_moe {name}{tag}", ok, f"max err {err:.3e}, max err/bound {r:.3f} "
+                   f"({S} tokens checked; {n_amb} ambiguous h blocks of {amb.numel() // 128})")
         del h, hb, amb, bound, deq_ref, yr, mag, carried
         if name in ("T=1", "T=64", "T=64 padded", "T=8192"):
             same_twice_and_in_graph(f"fp4_moe {name}",

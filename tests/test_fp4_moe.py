@@ -167,6 +167,9 @@ CASES = {  # name: (T, k, E, D, I, ids rule, config)
     "padded_rows": (6, 3, 8, 256, 256, "padded", None),
     "d_tail_prefill_tiles": (20, 2, 4, 160, 256, "one", M.MoeConfig(32, 64, 64, 4, 2)),
     "split_nibbles": (20, 2, 4, 160, 256, "one", M.MoeConfig(16, 64, 64, 4, 2, True)),
+    # weights as the MMA's M side, decoded to bf16 bits by integer operations
+    "swap_int_decode": (6, 3, 8, 256, 256, "padded", M.MoeConfig(16, 128, 64, 4, 2, False, True, True)),
+    "swap_split_int": (20, 2, 4, 160, 256, "one", M.MoeConfig(16, 64, 64, 4, 2, True, True, True)),
 }
 
 
@@ -185,7 +188,8 @@ def case_inputs(name):
     return ids, weights, make_x(T, D, gen), make_experts(E, D, I, gen), cfg
 
 
-@pytest.mark.parametrize("name", ["empty_experts", "all_to_one", "padded_rows", "split_nibbles"])
+@pytest.mark.parametrize("name", ["empty_experts", "all_to_one", "padded_rows", "split_nibbles",
+                                  "swap_int_decode", "swap_split_int"])
 def test_gate_up_codes_exact(name):
     ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
     T, k = ids.shape
@@ -210,7 +214,8 @@ def test_gate_up_codes_exact(name):
     assert_within(deq, deq_ref[pairs], bound[pairs], "dequantised h")
 
 
-@pytest.mark.parametrize("name", ["padded_rows", "d_tail_prefill_tiles", "split_nibbles"])
+@pytest.mark.parametrize("name", ["padded_rows", "d_tail_prefill_tiles", "split_nibbles",
+                                  "swap_int_decode"])
 def test_down_and_combine_from_kernel_h(name):
     ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
     T, k = ids.shape
@@ -253,3 +258,19 @@ def test_bad_inputs_name_the_tensor():
         M.fp4_moe(x, ids, weights.double(), w13, s13, w2, s2, LIMIT)
     with pytest.raises(ValueError, match="w13"):
         M.fp4_moe(x, ids, weights, w13[:, :, :4], s13, w2, s2, LIMIT)
+
+
+@pytest.mark.parametrize("T,k,E,block_m", [(1, 6, 256, 16), (64, 6, 256, 16), (7, 3, 8, 4), (20, 2, 4, 64)])
+def test_route_fused_equals_route(T, k, E, block_m):
+    """The one-launch routing gives the torch routing's tensors bit for bit (skipped pairs too)."""
+    gen = torch.Generator().manual_seed(T * 7 + E)
+    ids = random_ids(T, k, E, gen)
+    ids[0, -1] = -1
+    if T > 2:
+        ids[2, :] = E  # a whole row out of range
+        ids[1, 0] = ids[T - 1, 0]  # two pairs of one expert in one column: the stable order matters
+    want = M.route(ids, E, block_m)
+    got = M.route_fused(ids, E, block_m)
+    check_routing(got, ids, E, block_m)
+    for name in M.Routing._fields:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

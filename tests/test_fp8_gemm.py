@@ -15,12 +15,18 @@ from dsv4_backend.kernels.fp8_gemm import GemmConfig, act_quant_fp8, fp8_block_g
 U32 = 2.0 ** -24
 
 
+def exp2_exact(e: torch.Tensor) -> torch.Tensor:
+    """2**e as float64 for integer-valued e in the normal range, built from the exponent bits
+    (torch.pow on CUDA may be an ulp off; a reference must not be)."""
+    return ((e.long() + 1023) << 52).view(torch.float64)
+
+
 def e4m3_round(v: torch.Tensor) -> torch.Tensor:
     """float64 values in [-448, 448] -> nearest e4m3 value, ties to even (subnormal step 2^-9)."""
     a = v.abs()
     _, ex = torch.frexp(a)  # a = m 2^ex, m in [0.5, 1): floor(log2 a) = ex - 1
     e = torch.clamp(ex.double() - 1, min=-6)
-    step = torch.pow(2.0, e - 3)
+    step = exp2_exact(e - 3)
     return torch.copysign(torch.round(a / step) * step, v)
 
 
@@ -32,8 +38,7 @@ def act_quant_sim(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torc
     xp = torch.nn.functional.pad(x, (0, nb * block - K)).view(M, nb, block)
     amax = xp.abs().amax(-1).clamp_min(1e-4)
     m, ex = torch.frexp(amax / 448.0)  # amax / 448 = m 2^ex; ceil(log2) = ex - (m == 0.5)
-    k = ex.double() - (m == 0.5).double()
-    s = torch.pow(2.0, k)
+    s = exp2_exact(ex - (m == 0.5).long())
     q = e4m3_round((xp / s[..., None]).clamp(-448, 448))
     return q.view(M, nb * block)[:, :K], s
 
@@ -141,3 +146,13 @@ def test_bad_inputs_name_the_tensor():
         fp8_block_gemm(xq, xs, w[:, :64].contiguous(), ws)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_block_gemm(xq.view(torch.uint8), xs, w, ws)
+
+
+def test_backend_choice_is_checked():
+    """The torch (cuBLAS) backend exists on CUDA only; the CPU and an explicit config run Triton."""
+    w, ws = random_weight(64, 128, torch.Generator().manual_seed(4))
+    xq, xs = act_quant_fp8(torch.randn(2, 128))
+    with pytest.raises(RuntimeError, match="unavailable"):
+        fp8_block_gemm(xq, xs, w, ws, backend="torch")
+    with pytest.raises(ValueError, match="backend"):
+        fp8_block_gemm(xq, xs, w, ws, backend="cublas")

@@ -49,6 +49,14 @@ class MoeConfig(NamedTuple):
     # the K tile as two half-depth products, even K (low nibbles) and odd K (high nibbles): no
     # nibble interleave in registers; False: one product on the interleaved tile
     split_nibbles: bool = False
+    # the weight tile is the MMA's M side (128 weight rows x block_m token columns): at decode no
+    # MMA work goes to padded token rows
+    swap_ab: bool = False
+    # weights decoded straight to bf16 bit patterns with the scale added to the exponent (integer
+    # operations only); False: via fp16, times the scale in fp32, converted to bf16
+    int_decode: bool = False
+    # routing in one Triton launch (``route_fused``) when T k <= ROUTE_FUSED_MAX_PAIRS
+    fused_route: bool = True
 
 
 def pick_moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -87,6 +95,66 @@ def route(ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
     return Routing(order, offsets, block_expert, block_row0)
 
 
+ROUTE_FUSED_MAX_PAIRS = 512  # route_fused keeps every pair's key in each program's registers
+ROUTE_CHUNK = 32
+
+
+@triton.jit
+def _route_kernel(ids_ptr, order_ptr, off_ptr, blk_e_ptr, blk_r0_ptr, P, E, G,
+                  BLOCK_M: tl.constexpr, PP: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr):
+    """Program p: the sorted positions of pairs [p CH, (p + 1) CH) (stable rank by key), row
+    blocks [p CH, (p + 1) CH), and (p = 0) the offsets. Keys: the expert, E for a skipped pair,
+    EP - 1 past P (a bin no real key uses: EP >= E + 2)."""
+    j = tl.arange(0, PP)
+    raw = tl.load(ids_ptr + j, mask=j < P, other=0)
+    key = tl.where((raw >= 0) & (raw < E), raw, E).to(tl.int32)
+    key = tl.where(j < P, key, EP - 1)
+    ev = tl.arange(0, EP)
+    counts = tl.histogram(key, EP)
+    offsets = tl.cumsum(counts, axis=0) - counts  # exclusive: offsets[e] = #(key < e)
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(off_ptr + ev, offsets.to(tl.int64), mask=ev <= E)
+    i = pid * CH + tl.arange(0, CH)
+    ki = tl.load(ids_ptr + i, mask=i < P, other=0)
+    ki = tl.where((ki >= 0) & (ki < E), ki, E).to(tl.int32)
+    ahead = (key[None, :] < ki[:, None]) | ((key[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, i.to(tl.int64), mask=i < P)
+    nblk = tl.where(ev < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    blk_end = tl.cumsum(nblk, axis=0)
+    b = pid * CH + tl.arange(0, CH)
+    be = tl.sum(((blk_end[None, :] <= b[:, None]) & (ev < E)[None, :]).to(tl.int32), axis=1)
+    sel = ev[None, :] == tl.minimum(be, E - 1)[:, None]
+    first_row = tl.sum(tl.where(sel, offsets[None, :], 0), axis=1)
+    first_blk = tl.sum(tl.where(sel, (blk_end - nblk)[None, :], 0), axis=1)
+    r0 = first_row.to(tl.int64) + (b - first_blk).to(tl.int64) * BLOCK_M
+    tl.store(blk_e_ptr + b, be.to(tl.int64), mask=b < G)
+    tl.store(blk_r0_ptr + b, r0, mask=b < G)
+
+
+def route_fused(ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
+    """``route`` in one launch, the same tensors bit for bit, for T k <= ROUTE_FUSED_MAX_PAIRS:
+    a pair's sorted position is the number of pairs with a smaller key or an equal key and a
+    smaller index (stable), offsets are the exclusive prefix sum of the key histogram."""
+    flat = ids.reshape(-1)
+    P = flat.numel()
+    if P > ROUTE_FUSED_MAX_PAIRS:
+        raise ValueError(f"route_fused: {P} pairs, at most {ROUTE_FUSED_MAX_PAIRS}")
+    E = num_experts
+    G = triton.cdiv(P, block_m) + min(E, P)
+    dev = flat.device
+    order = torch.empty(P, dtype=torch.int64, device=dev)
+    offsets = torch.empty(E + 1, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(G, dtype=torch.int64, device=dev)
+    block_row0 = torch.empty(G, dtype=torch.int64, device=dev)
+    CH = ROUTE_CHUNK
+    _route_kernel[(triton.cdiv(max(P, G), CH),)](
+        flat, order, offsets, block_expert, block_row0, P, E, G, BLOCK_M=block_m,
+        PP=max(triton.next_power_of_2(P), 16), EP=triton.next_power_of_2(E + 2), CH=CH, num_warps=8)
+    return Routing(order, offsets, block_expert, block_row0)
+
+
 # ---- in-register conversions --------------------------------------------------------------
 
 @triton.jit
@@ -100,8 +168,26 @@ def e2m1_times_2m14(code):
 
 
 @triton.jit
+def e2m1_scaled_bits(code, sbyte, NATIVE: tl.constexpr):
+    """e2m1 nibble (int32) times the e8m0 scale 2^(sbyte - 127), exact, built as the bf16 bit
+    pattern: a normal code 2^(e2 - 1) (1 + m / 2) gets exponent field sbyte - 1 + e2 and
+    mantissa bit m; code 1 (0.5) exponent sbyte - 1, no mantissa; code 0 is zero. Valid for
+    scale bytes 2..251 (the result stays a normal bf16); returns DOT_DTYPE-ready values (bf16
+    on the GPU, fp32 of the same value under the interpreter)."""
+    mag = code & 7
+    e2 = mag >> 1
+    bits = ((sbyte - 1 + e2) << 7) | (tl.where(e2 > 0, mag & 1, 0) << 6)
+    bits = tl.where(mag == 0, 0, bits) | ((code & 8) << 12)
+    if NATIVE:
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fp4_weight_tile(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                    INT_DECODE: tl.constexpr, NATIVE: tl.constexpr):
     """Rows ``rows`` x K indices [k0, k0 + BLOCK_K) of an FP4 matrix (bytes [R, K/2], e8m0
     scales [R, K/32]) -> [BLOCK_R, BLOCK_K] in DOT_DTYPE, scale applied; past K: 0."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -112,6 +198,9 @@ def fp4_weight_tile(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
     ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     sb = tl.load(s_ptr + r64[:, None] * s_sr + ks[None, :],
                  mask=rmask[:, None] & (ks < K // 32)[None, :], other=127).to(tl.int32)
+    if INT_DECODE:
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_R, BLOCK_K // 32, 32)), (BLOCK_R, BLOCK_K))
+        return e2m1_scaled_bits(codes, sb, NATIVE).to(DOT_DTYPE)
     scale = exp2_int(sb - 127 + 14)  # the e8m0 scale times the 2^14 the decode leaves out
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_K // 32, 32)), (BLOCK_R, BLOCK_K))
     return (e2m1_times_2m14(codes) * scale).to(DOT_DTYPE)
@@ -119,7 +208,8 @@ def fp4_weight_tile(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
 
 @triton.jit
 def fp4_weight_halves(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      INT_DECODE: tl.constexpr, NATIVE: tl.constexpr):
     """The same tile as two [BLOCK_R, BLOCK_K / 2] halves, no shuffle: (even K indices = low
     nibbles, odd = high nibbles); each byte's scale is loaded at its own column (repeated
     addresses, served by L1) instead of being broadcast in registers."""
@@ -129,6 +219,10 @@ def fp4_weight_halves(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
     mask = rmask[:, None] & (kb < K // 2)[None, :]
     b = tl.load(w_ptr + r64[:, None] * w_sr + kb[None, :], mask=mask, other=0).to(tl.int32)
     sb = tl.load(s_ptr + r64[:, None] * s_sr + (k0 // 32 + c // 16)[None, :], mask=mask, other=127)
+    if INT_DECODE:
+        sb = sb.to(tl.int32)
+        return (e2m1_scaled_bits(b & 15, sb, NATIVE).to(DOT_DTYPE),
+                e2m1_scaled_bits(b >> 4, sb, NATIVE).to(DOT_DTYPE))
     scale = exp2_int(sb.to(tl.int32) - 127 + 14)
     return ((e2m1_times_2m14(b & 15) * scale).to(DOT_DTYPE),
             (e2m1_times_2m14(b >> 4) * scale).to(DOT_DTYPE))
@@ -150,6 +244,31 @@ def fp8_act_tile(q_ptr, q_sr, s_ptr, s_sr, rows, rmask, k0, K,
 # ---- kernels ------------------------------------------------------------------------------
 
 @triton.jit
+def _mma(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc += a [M, K] . w [N, K]^T, held as [M, N] or, swapped, as [N, M] (w the MMA's M side)."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc)
+    else:
+        return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _acc_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _as_rows(acc, SWAP_AB: tl.constexpr):
+    if SWAP_AB:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
 def _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M: tl.constexpr):
     """This program's expert, its sorted rows [BLOCK_M], their mask and their pair indices."""
     b = tl.program_id(0)
@@ -168,6 +287,7 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr
                     hq_ptr, hs_ptr, E, D, I, TOPK, limit,
                     w_se, w_sr, ws_se, ws_sr, xs_sr, hs_sr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_NIBBLES: tl.constexpr,
+                    SWAP_AB: tl.constexpr, INT_DECODE: tl.constexpr,
                     NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     e, e64, rows, rmask, pairs = _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M)
     k_end = tl.where(e < E, D, 0)  # an unused block runs no K step; its stores are masked
@@ -176,24 +296,28 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr
     nmask = n < I
     w = w_ptr + e64 * w_se
     ws = ws_ptr + e64 * ws_se
-    acc_g = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, 128), dtype=tl.float32)
+    acc_g = _acc_tile(BLOCK_M, 128, SWAP_AB)
+    acc_u = _acc_tile(BLOCK_M, 128, SWAP_AB)
     for k0 in range(0, k_end, BLOCK_K):
         if SPLIT_NIBBLES:
             a_e = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, 2, 0, NATIVE, DOT_DTYPE)
             a_o = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, 2, 1, NATIVE, DOT_DTYPE)
-            g_e, g_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
-            u_e, u_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
-            acc_g = tl.dot(a_o, tl.trans(g_o), tl.dot(a_e, tl.trans(g_e), acc_g))
-            acc_u = tl.dot(a_o, tl.trans(u_o), tl.dot(a_e, tl.trans(u_e), acc_u))
+            g_e, g_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE,
+                                         INT_DECODE, NATIVE)
+            u_e, u_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE,
+                                         INT_DECODE, NATIVE)
+            acc_g = _mma(a_o, g_o, _mma(a_e, g_e, acc_g, SWAP_AB), SWAP_AB)
+            acc_u = _mma(a_o, u_o, _mma(a_e, u_e, acc_u, SWAP_AB), SWAP_AB)
         else:
             a = fp8_act_tile(xq_ptr, D, xs_ptr, xs_sr, tok, rmask, k0, D, BLOCK_K, 1, 0, NATIVE, DOT_DTYPE)
-            wg = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
-            wu = fp4_weight_tile(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE)
-            acc_g = tl.dot(a, tl.trans(wg), acc_g)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
-    g = tl.minimum(round_bf16(acc_g, NATIVE), limit)
-    u = tl.minimum(tl.maximum(round_bf16(acc_u, NATIVE), -limit), limit)
+            wg = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE,
+                                 INT_DECODE, NATIVE)
+            wu = fp4_weight_tile(w, w_sr, ws, ws_sr, n + I, nmask, k0, D, 128, BLOCK_K, DOT_DTYPE,
+                                 INT_DECODE, NATIVE)
+            acc_g = _mma(a, wg, acc_g, SWAP_AB)
+            acc_u = _mma(a, wu, acc_u, SWAP_AB)
+    g = tl.minimum(round_bf16(_as_rows(acc_g, SWAP_AB), NATIVE), limit)
+    u = tl.minimum(tl.maximum(round_bf16(_as_rows(acc_u, SWAP_AB), NATIVE), -limit), limit)
     wt = tl.load(wts_ptr + pairs, mask=rmask, other=0.0)
     h = round_bf16(g / (1.0 + tl.exp(-g)) * u * wt[:, None], NATIVE)
     h = tl.where(nmask[None, :], h, 0.0)
@@ -207,25 +331,28 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, wts_ptr, order_ptr, blk_e_ptr
 def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, y_ptr,
                  E, D, I, w_se, w_sr, ws_se, ws_sr, hs_sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_NIBBLES: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 SPLIT_NIBBLES: tl.constexpr, SWAP_AB: tl.constexpr, INT_DECODE: tl.constexpr,
+                 NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     e, e64, rows, rmask, pairs = _block_rows(order_ptr, blk_e_ptr, blk_r0_ptr, off_ptr, E, BLOCK_M)
     k_end = tl.where(e < E, I, 0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < D
     w = w_ptr + e64 * w_se
     ws = ws_ptr + e64 * ws_se
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _acc_tile(BLOCK_M, BLOCK_N, SWAP_AB)
     for k0 in range(0, k_end, BLOCK_K):
         if SPLIT_NIBBLES:
             a_e = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, 2, 0, NATIVE, DOT_DTYPE)
             a_o = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, 2, 1, NATIVE, DOT_DTYPE)
-            w_e, w_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)
-            acc = tl.dot(a_o, tl.trans(w_o), tl.dot(a_e, tl.trans(w_e), acc))
+            w_e, w_o = fp4_weight_halves(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                                         INT_DECODE, NATIVE)
+            acc = _mma(a_o, w_o, _mma(a_e, w_e, acc, SWAP_AB), SWAP_AB)
         else:
             a = fp8_act_tile(hq_ptr, I, hs_ptr, hs_sr, rows, rmask, k0, I, BLOCK_K, 1, 0, NATIVE, DOT_DTYPE)
-            wd = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE)
-            acc = tl.dot(a, tl.trans(wd), acc)
-    y = round_bf16(acc, NATIVE)
+            wd = fp4_weight_tile(w, w_sr, ws, ws_sr, n, nmask, k0, I, BLOCK_N, BLOCK_K, DOT_DTYPE,
+                                 INT_DECODE, NATIVE)
+            acc = _mma(a, wd, acc, SWAP_AB)
+    y = round_bf16(_as_rows(acc, SWAP_AB), NATIVE)
     p64 = pairs.to(tl.int64)
     tl.store(y_ptr + p64[:, None] * D + n[None, :], y, mask=rmask[:, None] & nmask[None, :])
 
@@ -291,7 +418,7 @@ def moe_gate_up(xq, xs, weights, w13, w13_scale, routing: Routing, topk: int, li
         E, D, I, topk, float(limit),
         w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), xs.stride(0), hs.stride(0),
         BLOCK_M=config.block_m, BLOCK_K=config.block_k, SPLIT_NIBBLES=config.split_nibbles,
-        NATIVE=native(), DOT_DTYPE=_tl_dot_dtype(),
+        SWAP_AB=config.swap_ab, INT_DECODE=config.int_decode, NATIVE=native(), DOT_DTYPE=_tl_dot_dtype(),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return hq, hs
 
@@ -307,8 +434,8 @@ def moe_down(hq, hs, w2, w2_scale, routing: Routing, config: MoeConfig) -> torch
         routing.block_row0, routing.offsets, y, E, D, I,
         w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), hs.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_NIBBLES=config.split_nibbles, NATIVE=native(),
-        DOT_DTYPE=_tl_dot_dtype(), num_warps=config.num_warps, num_stages=config.num_stages)
+        SPLIT_NIBBLES=config.split_nibbles, SWAP_AB=config.swap_ab, INT_DECODE=config.int_decode,
+        NATIVE=native(), DOT_DTYPE=_tl_dot_dtype(), num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 
 
@@ -343,7 +470,8 @@ def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
     cfg = config or pick_moe_config(T * k, E)
     if 128 % cfg.block_k or cfg.block_k % 32:
         raise ValueError(f"fp4_moe: block_k={cfg.block_k} must be a multiple of 32 dividing 128")
-    routing = route(ids, E, cfg.block_m)
+    fused = cfg.fused_route and T * k <= ROUTE_FUSED_MAX_PAIRS
+    routing = (route_fused if fused else route)(ids, E, cfg.block_m)
     xq, xs = act_quant_fp8(x)
     hq, hs = moe_gate_up(xq, xs, weights.contiguous(), w13, w13_scale, routing, k, limit, cfg)
     y = moe_down(hq, hs, w2, w2_scale, routing, cfg)

@@ -15,11 +15,19 @@ Launch shapes (``GemmConfig``): prefill tiles ``[block_m, block_n]`` in L2-frien
 M side, so a 16-row activation tile does not waste a 64-row wgmma) and splits K over
 ``split_k`` programs whose fp32 partials a second kernel sums in split order (deterministic, no
 atomics). ``pick_config`` is the shape rule; ``bench/bench_quant_kernels.py`` sweeps it.
+
+Backend rule (``fp8_block_gemm(backend="auto")``): on CUDA, for bf16 outputs with
+``M >= TORCH_BLOCKWISE_MIN_M`` and no explicit ``config``, torch's cuBLAS blockwise FP8 GEMM
+(the same 1x128 / 128x128 recipe, ``torch.nn.functional.scaled_mm``) is used when this torch runs
+it; everything else, and every CPU test, runs the Triton kernel. ``DSV4_FP8_GEMM=triton|torch``
+overrides the rule. Which scale layout this torch accepts is probed once per device, outside graph
+capture, on a small random problem checked against the Triton kernel.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -33,6 +41,7 @@ FP8_MAX = 448.0
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 QBLOCK = 128  # activation and weight scale block along K (and along N for weights)
 NUM_SMS_DEFAULT = 132
+TORCH_BLOCKWISE_MIN_M = 128  # H200 run 1: cuBLAS blockwise 1.3-3x faster from M = 256 up, mixed at 64
 
 
 class GemmConfig(NamedTuple):
@@ -210,9 +219,10 @@ def _check_gemm_inputs(xq, xs, w, w_scale):
 
 def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                    out_dtype: torch.dtype = torch.bfloat16,
-                   config: GemmConfig | None = None) -> torch.Tensor:
+                   config: GemmConfig | None = None, backend: str = "auto") -> torch.Tensor:
     """y [M, N] = block-scaled (xq * xs) @ (w * w_scale)^T in fp32, cast to ``out_dtype``
-    (bf16 or fp32). No host synchronisation; the grid depends only on the shapes."""
+    (bf16 or fp32). ``backend``: "auto" (the module's backend rule), "triton" or "torch".
+    No host synchronisation after the one-time probe; the grid depends only on the shapes."""
     check_device(xq, xs, w, w_scale)
     _check_gemm_inputs(xq, xs, w, w_scale)
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -220,6 +230,10 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
     M, K = xq.shape
     N = w.shape[0]
     nb = triton.cdiv(K, QBLOCK)
+    if M > 0 and N > 0 and _use_torch(backend, M, out_dtype, config, xq.device):
+        if out_dtype != torch.bfloat16:
+            raise ValueError("fp8_block_gemm: the torch backend writes bf16 only")
+        return torch_blockwise_gemm(xq, xs, w, w_scale)
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0 or N == 0:
         return out
@@ -248,11 +262,91 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               config: GemmConfig | None = None) -> torch.Tensor:
+               config: GemmConfig | None = None, backend: str = "auto") -> torch.Tensor:
     """act_quant_fp8(x) then fp8_block_gemm, output in x.dtype (bf16 or fp32). x: [..., K]."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_linear: x must be bf16 or fp32, got {x.dtype}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = act_quant_fp8(x2)
-    return fp8_block_gemm(xq, xs, w, w_scale, x.dtype, config).reshape(*lead, w.shape[0])
+    return fp8_block_gemm(xq, xs, w, w_scale, x.dtype, config, backend).reshape(*lead, w.shape[0])
+
+
+# ---- torch's blockwise FP8 GEMM (cuBLAS), where it is faster --------------------------------
+
+def _torch_forms(xq, xs, w, w_scale) -> list[Callable[[], torch.Tensor]]:
+    """The call forms torch versions accept for 1x128 x 128x128 block scaling, in probe order:
+    ``F.scaled_mm`` with the activation scales M-major or row-major and the weight scales as
+    stored or transposed, then ``torch._scaled_mm`` inferring blockwise scaling from the scale
+    shapes. mat_b is w^T: K-major, as cuBLAS wants."""
+    F = torch.nn.functional
+    forms: list[Callable[[], torch.Tensor]] = []
+    st = getattr(F, "ScalingType", None)
+    if st is not None and hasattr(F, "scaled_mm"):
+        ra = getattr(st, "BlockWise1x128", None) or getattr(st, "Blockwise_1x128", None)
+        rb = getattr(st, "BlockWise128x128", None) or getattr(st, "Blockwise_128x128", None)
+        outer = xs.t().contiguous().t()
+        for sa, sb in ((outer, w_scale), (xs, w_scale), (outer, w_scale.t()), (xs, w_scale.t())):
+            forms.append(lambda sa=sa, sb=sb: F.scaled_mm(xq, w.t(), sa, ra, sb, rb,
+                                                         output_dtype=torch.bfloat16))
+    outer = xs.t().contiguous().t()
+    for sb in (w_scale.t(), w_scale):
+        forms.append(lambda sb=sb: torch._scaled_mm(xq, w.t(), scale_a=outer, scale_b=sb,
+                                                    out_dtype=torch.bfloat16))
+    return forms
+
+
+_TORCH_FORM: dict[torch.device, int | None] = {}
+TORCH_ERRORS: list[str] = []  # why each rejected form failed, for the bench to print
+
+
+def torch_blockwise_form(device: torch.device) -> int | None:
+    """Index into ``_torch_forms`` of the first form that runs here and agrees with the Triton
+    kernel on a random block-scaled problem (wrong scale layouts give errors of order 1), or None.
+    Probed once per device; not during graph capture (returns None there until probed)."""
+    if device in _TORCH_FORM:
+        return _TORCH_FORM[device]
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    M, N, K = 256, 384, 512
+    xq, xs = act_quant_fp8(torch.randn(M, K, generator=gen, device=device)
+                           * torch.rand(M, K // 128, generator=gen, device=device)
+                           .repeat_interleave(128, 1) * 8)
+    w = (torch.randn(N, K, generator=gen, device=device) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws = torch.pow(2.0, torch.randint(-12, -4, (N // 128, K // 128), generator=gen, device=device).float())
+    ref = fp8_block_gemm(xq, xs, w, ws, torch.float32, backend="triton")
+    found = None
+    for i, fn in enumerate(_torch_forms(xq, xs, w, ws)):
+        try:
+            err = (fn().float() - ref).abs().max() / ref.abs().max()
+            if float(err) <= 2.0 ** -6:  # bf16 rounding is 2^-9; a wrong scale layout is ~1
+                found = i
+                break
+            TORCH_ERRORS.append(f"form {i}: relative error {float(err):.3g}")
+        except Exception as e:  # this torch / GPU rejects the layout
+            TORCH_ERRORS.append(f"form {i}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    _TORCH_FORM[device] = found
+    return found
+
+
+def torch_blockwise_gemm(xq, xs, w, w_scale) -> torch.Tensor:
+    """The same block-scaled product through torch (bf16 output); raises if unavailable here."""
+    form = torch_blockwise_form(xq.device)
+    if form is None:
+        raise RuntimeError("fp8_block_gemm: torch's blockwise FP8 GEMM is unavailable here: "
+                           + "; ".join(TORCH_ERRORS[-6:]))
+    return _torch_forms(xq, xs, w, w_scale)[form]()
+
+
+def _use_torch(backend: str, M: int, out_dtype: torch.dtype, config, device) -> bool:
+    if backend == "auto":
+        backend = os.environ.get("DSV4_FP8_GEMM", "auto")
+    if backend == "triton":
+        return False
+    if backend == "torch":
+        return True
+    if backend != "auto":
+        raise ValueError(f"fp8_block_gemm: backend must be auto, triton or torch, got {backend!r}")
+    return (device.type == "cuda" and config is None and out_dtype == torch.bfloat16
+            and M >= TORCH_BLOCKWISE_MIN_M and torch_blockwise_form(device) is not None)

@@ -7,7 +7,8 @@ tokens leave as Server-Sent Events the moment a step decodes them.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus text), ``POST /generate`` (SGLang's native shape),
-plus ``GET /get_model_info`` and ``GET /get_server_info`` for SGLang tooling.
+plus ``GET /model_info`` and ``GET /server_info`` (also under SGLang's older ``/get_*`` names)
+for SGLang tooling.
 Errors follow OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (serving_protocol.py):
 400 for an invalid parameter or a limit exceeded, 404 for an unknown model, 503 with
 ``Retry-After`` when the queue is full or the server is shutting down. Every refusal comes
@@ -771,11 +772,13 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
         return {"model_path": args.model_path or f"preset:{args.preset}", "served_model_name": args.model_name,
                 "is_generation": True, "context_length": state.context_length, "vocab_size": state.vocab_size}
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
         return {**dataclasses.asdict(args), "context_length": state.context_length, "engine": _jsonable(engine.stats())}

@@ -137,6 +137,12 @@ def test_models_and_health(server, client, model):
     assert httpx.get(server.url + "/health").status_code == 200
     info = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert info["max_model_len"] == CONTEXT
+    for path in ("/server_info", "/get_server_info"):     # SGLang's current and older names
+        si = httpx.get(server.url + path).json()
+        # the flag as given, and the kernel that runs (the CPU keeps the PyTorch path)
+        assert si["attention_kernel"] == "auto" and si["engine"]["attention_kernel"] == "torch"
+    for path in ("/model_info", "/get_model_info"):
+        assert httpx.get(server.url + path).json()["context_length"] == CONTEXT
 
 
 def test_chat_usage_counts_the_encoded_prompt(client, model, tok):

@@ -247,14 +247,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer FP8 sizes (M = 1, 64, 256, 8192); the MoE part is the same")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--only", choices=("all", "fp8", "moe"), default="all", help="one half of the run")
     args = ap.parse_args()
     t0 = time.time()
     ceil = bk.measure_ceilings(DEV)
     fp8 = fp8_peak_tflops()
     log(f"{torch.cuda.get_device_name()}: copy {ceil.copy_gbps:.0f} GB/s, bf16 {ceil.bf16_tflops:.0f} TFLOP/s, "
         f"fp8 (_scaled_mm 8192^3) {fp8:.0f} TFLOP/s")
-    bench_fp8(args.quick, ceil.copy_gbps, fp8, ceil.bf16_tflops)
-    bench_moe(ceil.copy_gbps, ceil.bf16_tflops)
+    if args.only in ("all", "fp8"):
+        bench_fp8(args.quick, ceil.copy_gbps, fp8, ceil.bf16_tflops)
+    if args.only in ("all", "moe"):
+        bench_moe(ceil.copy_gbps, ceil.bf16_tflops)
     log(f"\ndone in {time.time() - t0:.0f} s")
     if args.out:
         args.out.write_text(json.dumps(dict(copy_gbps=ceil.copy_gbps, bf16_tflops=ceil.bf16_tflops,

@@ -198,12 +198,16 @@ def fp4_weight_tile(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
     ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     sb = tl.load(s_ptr + r64[:, None] * s_sr + ks[None, :],
                  mask=rmask[:, None] & (ks < K // 32)[None, :], other=127).to(tl.int32)
+    # one return after an if / else: Triton 3.6 keeps generating the statements after a return
+    # inside a constexpr if, so an early return there compiled the other path on its variables
     if INT_DECODE:
-        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_R, BLOCK_K // 32, 32)), (BLOCK_R, BLOCK_K))
-        return e2m1_scaled_bits(codes, sb, NATIVE).to(DOT_DTYPE)
-    scale = exp2_int(sb - 127 + 14)  # the e8m0 scale times the 2^14 the decode leaves out
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_K // 32, 32)), (BLOCK_R, BLOCK_K))
-    return (e2m1_times_2m14(codes) * scale).to(DOT_DTYPE)
+        sb_k = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_R, BLOCK_K // 32, 32)), (BLOCK_R, BLOCK_K))
+        tile = e2m1_scaled_bits(codes, sb_k, NATIVE).to(DOT_DTYPE)
+    else:
+        scale = exp2_int(sb - 127 + 14)  # the e8m0 scale times the 2^14 the decode leaves out
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_K // 32, 32)), (BLOCK_R, BLOCK_K))
+        tile = (e2m1_times_2m14(codes) * scale).to(DOT_DTYPE)
+    return tile
 
 
 @triton.jit
@@ -220,12 +224,13 @@ def fp4_weight_halves(w_ptr, w_sr, s_ptr, s_sr, rows, rmask, k0, K,
     b = tl.load(w_ptr + r64[:, None] * w_sr + kb[None, :], mask=mask, other=0).to(tl.int32)
     sb = tl.load(s_ptr + r64[:, None] * s_sr + (k0 // 32 + c // 16)[None, :], mask=mask, other=127)
     if INT_DECODE:
-        sb = sb.to(tl.int32)
-        return (e2m1_scaled_bits(b & 15, sb, NATIVE).to(DOT_DTYPE),
-                e2m1_scaled_bits(b >> 4, sb, NATIVE).to(DOT_DTYPE))
-    scale = exp2_int(sb.to(tl.int32) - 127 + 14)
-    return ((e2m1_times_2m14(b & 15) * scale).to(DOT_DTYPE),
-            (e2m1_times_2m14(b >> 4) * scale).to(DOT_DTYPE))
+        lo = e2m1_scaled_bits(b & 15, sb.to(tl.int32), NATIVE).to(DOT_DTYPE)
+        hi = e2m1_scaled_bits(b >> 4, sb.to(tl.int32), NATIVE).to(DOT_DTYPE)
+    else:
+        scale = exp2_int(sb.to(tl.int32) - 127 + 14)
+        lo = (e2m1_times_2m14(b & 15) * scale).to(DOT_DTYPE)
+        hi = (e2m1_times_2m14(b >> 4) * scale).to(DOT_DTYPE)
+    return lo, hi
 
 
 @triton.jit

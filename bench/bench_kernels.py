@@ -118,15 +118,18 @@ def bench(fn) -> tuple[float, float]:
     return graph, cold
 
 
-def cold_replay_us(fn) -> float:
+def cold_replay_us(fn, rep: int = 30) -> float:
     """Median microseconds of one call replayed from a CUDA graph after an L2 flush: the
-    kernels' cold time without the Python launch cost that ``bench``'s cold figure includes."""
+    kernels' cold time without the Python launch cost that ``bench``'s cold figure includes.
+    One eager call first, so that compilation happens outside the capture."""
+    fn()
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    return do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3
+    return do_bench(graph.replay, warmup=5, rep=rep, return_mode="median") * 1e3
 
 
 def timed(r: "Result", times: tuple[float, float], ceil: "Ceilings") -> "Result":

@@ -313,15 +313,8 @@ def check_sched_reuse(name, fm):
 # ---- timing ----------------------------------------------------------------------------------
 
 def cold_replay_us(fn) -> float:
-    from triton.testing import do_bench
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return do_bench(graph.replay, warmup=5, rep=100, return_mode="median") * 1e3
+    from bench.bench_kernels import cold_replay_us as replay_us
+    return replay_us(fn, rep=100)
 
 
 def time_shape(name, fm, shape, batch, ctx):

@@ -188,17 +188,24 @@ def case_inputs(name):
     return ids, weights, make_x(T, D, gen), make_experts(E, D, I, gen), cfg
 
 
-@pytest.mark.parametrize("name", ["empty_experts", "all_to_one", "padded_rows", "split_nibbles",
-                                  "swap_int_decode", "swap_split_int"])
-def test_gate_up_codes_exact(name):
+def run_gate_up(name):
+    """A case through routing and the gate-up kernel: (inputs, routing, config, hq, hs)."""
     ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
     T, k = ids.shape
-    E, I = w13.shape[0], w13.shape[1] // 2
+    E = w13.shape[0]
     cfg = cfg or M.pick_moe_config(T * k, E)
     r = M.route(ids, E, cfg.block_m)
     check_routing(r, ids, E, cfg.block_m)
     xq, xs = M.act_quant_fp8(x)
     hq, hs = M.moe_gate_up(xq, xs, weights, w13, s13, r, k, LIMIT, cfg)
+    return (ids, weights, x, (w13, s13, w2, s2)), r, cfg, hq, hs
+
+
+@pytest.mark.parametrize("name", ["empty_experts", "all_to_one", "padded_rows", "split_nibbles",
+                                  "swap_int_decode", "swap_split_int"])
+def test_gate_up_codes_exact(name):
+    (ids, weights, x, (w13, s13, w2, s2)), r, cfg, hq, hs = run_gate_up(name)
+    E = w13.shape[0]
     h, hb, amb = h_reference(x, ids, weights, w13, s13, LIMIT)
     bound, deq_ref = h_bound(h, hb, amb)
     q, s = act_quant_sim(hb)
@@ -217,13 +224,9 @@ def test_gate_up_codes_exact(name):
 @pytest.mark.parametrize("name", ["padded_rows", "d_tail_prefill_tiles", "split_nibbles",
                                   "swap_int_decode"])
 def test_down_and_combine_from_kernel_h(name):
-    ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
+    (ids, weights, x, (w13, s13, w2, s2)), r, cfg, hq, hs = run_gate_up(name)
     T, k = ids.shape
     E, I = w13.shape[0], w13.shape[1] // 2
-    cfg = cfg or M.pick_moe_config(T * k, E)
-    r = M.route(ids, E, cfg.block_m)
-    xq, xs = M.act_quant_fp8(x)
-    hq, hs = M.moe_gate_up(xq, xs, weights, w13, s13, r, k, LIMIT, cfg)
     y = M.moe_down(hq, hs, w2, s2, r, cfg)
     out = M.moe_combine(y, ids, E)
     n_valid = int(r.offsets[E])

@@ -42,7 +42,7 @@ from torch import nn
 from memory.quant import indexer_fake_quant
 
 from .config import DSV4Config, RopeScaling
-from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear
+from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, shared_input
 from .weights import model_tensors
 
 
@@ -237,10 +237,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
         # x: [T, D] -> [T, D]
         T, H, hd, eps = x.shape[0], self.n_heads, self.head_dim, self.cfg.rms_norm_eps
-        qr = self.q_norm(self.wq_a(x))
+        qa, kv = shared_input(x, self.wq_a, self.wkv)
+        qr = self.q_norm(qa)
         q = head_rms_norm(self.wq_b(qr).view(T, H, hd), eps)
         q = self.rope.apply(q, positions)
-        kv = self.rope.apply(self.kv_norm(self.wkv(x)), positions)
+        kv = self.rope.apply(self.kv_norm(kv), positions)
         compress = self.ratio and getattr(meta, "compress", True)
         comp = self.compressor.raw(x) if compress else None
         index = self._indexer_inputs(x, qr, positions) if compress and self.indexer is not None else None
@@ -277,7 +278,7 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: [N, D]; weight: [N] routing weight applied before w2
         hi = hi_dtype(x.dtype)
-        g, u = self.w1(x).to(hi), self.w3(x).to(hi)
+        g, u = (y.to(hi) for y in shared_input(x, self.w1, self.w3))
         h = F.silu(g.clamp(max=self.limit)) * u.clamp(-self.limit, self.limit)
         if weight is not None:
             h = h * weight.to(h.dtype)[:, None]

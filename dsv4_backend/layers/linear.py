@@ -16,10 +16,11 @@ import logging
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..weights import fp4_packed_shape, fp4_scale_shape, fp8_scale_shape
-from .quant import compute_dtype, dequant_fp4, dequant_fp8, fp4_moe_ref, linear_act_quant, moe_act_quant
+from .quant import act_fake_quant, compute_dtype, dequant_fp4, dequant_fp8, fp4_moe_ref, moe_act_quant
 
 logger = logging.getLogger(__name__)
 _KERNELS: dict[str, Optional[Callable]] = {}
@@ -67,17 +68,32 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out] in x's dtype
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        fn = _kernel("fp8_gemm", "fp8_linear") if _on_gpu(x) else None
-        if fn is not None:
-            y = fn(x2, self.weight, self.scale)
-        else:
-            c = compute_dtype(x.dtype)
-            deq = lambda: dequant_fp8(self.weight, self.scale, c)  # noqa: E731
-            w = deq() if x.is_cuda else self._cache.get((self.weight, self.scale), c, deq)
-            y = linear_act_quant(x2, w)
-        return y.view(*lead, y.shape[-1])
+        return shared_input(x, self)[0]
+
+    def dequantised(self, dtype: torch.dtype, on_gpu_tensor: bool) -> torch.Tensor:
+        """The weight in ``dtype`` for the torch path (kept between calls off the GPU)."""
+        deq = lambda: dequant_fp8(self.weight, self.scale, dtype)  # noqa: E731
+        return deq() if on_gpu_tensor else self._cache.get((self.weight, self.scale), dtype, deq)
+
+
+def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
+    """``[m(x) for m in mods]`` for linears of one input (wq_a and wkv; an expert's w1 and w3).
+    When every module is an ``Fp8Linear``, x is rounded to e4m3 once for all of them: one
+    act-quant (one launch on the GPU) instead of one per projection."""
+    if not all(isinstance(m, Fp8Linear) for m in mods):
+        return [m(x) for m in mods]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    quant = _kernel("fp8_gemm", "act_quant_fp8") if _on_gpu(x) else None
+    gemm = _kernel("fp8_gemm", "fp8_block_gemm") if quant is not None else None
+    if gemm is not None:
+        xq, xs = quant(x2)
+        ys = [gemm(xq, xs, m.weight, m.scale, x.dtype) for m in mods]
+    else:
+        c = compute_dtype(x.dtype)
+        xa = act_fake_quant(x2)
+        ys = [F.linear(xa, m.dequantised(c, x.is_cuda)).to(x.dtype) for m in mods]
+    return [y.view(*lead, y.shape[-1]) for y in ys]
 
 
 class Fp4Slot(nn.Module):

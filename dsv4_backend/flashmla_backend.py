@@ -130,7 +130,10 @@ def pad_indices(idx: torch.Tensor, align: int = INDEX_ALIGN) -> torch.Tensor:
     least one block: FlashMLA takes no empty list)."""
     k = idx.shape[1]
     width = max(align, -(-k // align) * align)
-    return F.pad(idx.to(torch.int32), (0, width - k), value=-1).contiguous()
+    idx = idx.to(torch.int32)
+    if width == k:   # top-k 512 / 1024, the window's 128: no copy per layer
+        return idx.contiguous()
+    return F.pad(idx, (0, width - k), value=-1).contiguous()
 
 
 def list_lengths(idx: torch.Tensor) -> torch.Tensor:

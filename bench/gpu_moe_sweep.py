@@ -22,8 +22,8 @@ MoE: E = 256, D = 4096, I = 2048, top-6, random distinct experts per token.
    stages, nibble decode f16 / e4m3 / lut): each projection's best beside its floor, then end to end with both
    bests; the last lines print a suggested ``pick_gemv_configs`` table.
 5. The shared expert's FP8 linears (w1 + w3 4096 x 4096, w2 4096 x 2048) at M = 1, 4, 16, 64:
-   the Triton rule (``fp8_gemm.pick_config``) and a sweep of split / tile against weight bytes /
-   copy bandwidth.
+   the Triton shape rule (the CUDA-core GEMV up to ``GEMV_MAX_M``, then the swapped tensor-core
+   kernel) and a sweep of both (tiles, splits, warps) against weight bytes / copy bandwidth.
 Prints every figure beside its floor; exits 1 if a correctness check fails.
 """
 
@@ -45,7 +45,9 @@ for p in (ROOT, ROOT / "bench", ROOT / "tests"):
 import bench_kernels as bk  # noqa: E402
 from dsv4_backend.kernels import fp4_moe as moe  # noqa: E402
 from dsv4_backend.kernels import fp4_moe_decode as dec  # noqa: E402
-from dsv4_backend.kernels.fp8_gemm import GemmConfig, act_quant_fp8, fp8_block_gemm, pick_config  # noqa: E402
+from dsv4_backend.kernels.fp8_gemm import (  # noqa: E402
+    GEMV_MAX_M, Fp8GemvConfig, GemmConfig, act_quant_fp8, fp8_block_gemm, pick_config, pick_gemv_config,
+)
 from dsv4_backend.layers.quant import fp4_moe_ref  # noqa: E402
 from test_fp4_moe import (  # noqa: E402
     combine_tol, h_bound, h_reference, make_experts, make_x, y_reference, y_tol,
@@ -227,11 +229,13 @@ def bench_shared_fp8(copy_gbps: float, gen) -> None:
         for M in (1, 4, 16, 64):
             xq, xs = act_quant_fp8(torch.randn(M, K, generator=gen, device=DEV).to(torch.bfloat16))
             floor = (N * K + ws.numel() * 4) / (copy_gbps * 1e9) * 1e6
-            rule = pick_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            rule = pick_gemv_config(N, K, sms) if M <= GEMV_MAX_M else pick_config(M, N, K, sms)
             t = us(lambda: fp8_block_gemm(xq, xs, w, ws, backend="triton"))
             bm = max(16, 1 << (M - 1).bit_length())
-            cands = [GemmConfig(bm, bn, s, True, nw, st) for bn in (64, 128) for s in (2, 4, 8, 16, 32)
-                     for nw, st in ((4, 4), (4, 2))]
+            cands = [GemmConfig(bm, bn, s, True, 4, 4) for bn in (64, 128) for s in (2, 4, 8, 16)]
+            cands += [Fp8GemvConfig(bn, s, nw, st) for bn in (16, 32, 64) for s in (1, 2, 4, 8)
+                      for nw, st in ((4, 2), (8, 3))]
             times = [(try_us(lambda c=c: fp8_block_gemm(xq, xs, w, ws, config=c)), c) for c in cands]
             times = sorted([(tt, c) for tt, c in times if tt is not None], key=lambda p: p[0])
             RESULTS["fp8"].append(dict(shape=name, M=M, floor_us=floor, rule_us=t, rule=tuple(rule),

@@ -322,9 +322,9 @@ def main() -> None:
             traceback.print_exc()
             check("exception", False, f"{type(e).__name__}: {e}")
         log(f"  ({time.time() - t0:.0f} s)")
-    RESULTS.update(copy_gbps=ceil.copy_gbps, failures=FAILS)
-    if args.out:
-        args.out.write_text(json.dumps(RESULTS, indent=1))
+        RESULTS.update(copy_gbps=ceil.copy_gbps, failures=FAILS)
+        if args.out:  # after every part: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(RESULTS, indent=1))
     log(f"\n{'ALL CHECKS PASSED' if not FAILS else 'FAILED: ' + ', '.join(FAILS)} in {time.time() - t0:.0f} s")
     sys.exit(1 if FAILS else 0)
 

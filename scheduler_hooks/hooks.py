@@ -3,7 +3,6 @@
     admit(rid, ids, ...)    -> request slot (row of req_to_token; also its C128 ring / online
                                state) or None when every slot is taken; with the prefix cache,
                                the request starts at the cached prefix (``seq_len(rid)``)
-    chunk_limit(rid, s, n)  -> n, cut so a prefill chunk ends on the request's next checkpoint
     reserve(rid, new_len)   -> AllocResult: full pages and SWA pages (and with them the C4 rings)
                                for the tokens this step writes; on failure nothing is held and
                                ``failed_pool`` names the pool that ran out (the prefix cache's
@@ -42,9 +41,6 @@ class SchedulerHooks:
     def cached_tokens(self, rid: str) -> int:
         """Ids the request took from the prefix cache at its (latest) admission."""
         return self.prefix.cached_tokens(rid) if self.prefix is not None else 0
-
-    def chunk_limit(self, rid: str, start: int, n: int) -> int:
-        return self.prefix.chunk_limit(rid, start, n) if self.prefix is not None else n
 
     def reserve(self, rid: str, new_len: int) -> Any:
         """Make room for the request's tokens up to ``new_len`` (total, not added). Returns AllocResult."""

@@ -1,14 +1,15 @@
 """When the prefix cache (``memory/prefix_cache.py``) is read, filled and evicted, per request.
 
-- admission: the longest cached restore point within the ids that must not be recomputed is
+- admission: the longest cached restore point within the ids that may come from the cache is
   taken over (the request starts there); the request then gets *checkpoint targets*: the
   full-page boundary where its ids leave the cached tree (where a later request with the same
-  prefix would diverge) and the last full-page boundary of its ids. Its prefill chunks are cut
-  to end on them.
-- after a step: a request whose step ended exactly on a full-page boundary (a target, or a
-  decode crossing one) becomes a restore point there: its pages up to the boundary and its window
-  pages are inserted (the C4 rings of the window page hold the last block only right after such
-  a step: a step writes ring slots for its tail blocks only).
+  prefix diverges) and the last full-page boundary of its ids.
+- after a step, before the window eviction: at every target the step crossed, and at its end if
+  that is a full-page boundary (a decode crossing one, a chunk ending on one), the request
+  becomes a restore point: its pages up to the boundary and the window's SWA pages are inserted.
+  Those pages are all still held then (a chunk's SWA pages are evicted after its forward), and
+  the step wrote the C4 ring slots of the last block before each boundary it crossed
+  (``dsv4_backend/backend.py``), so the state at the boundary is complete.
 - finish: the request's whole full pages are inserted (no window: they lengthen later matches
   and mark where prompts diverge), then it releases what it holds.
 - a reservation that does not fit evicts least recently used cache nodes first.
@@ -32,6 +33,7 @@ IdsFn = Callable[[int, int], list[int]]
 class _Tracked:
     ids: IdsFn
     cached: int                          # tokens taken over from the cache at admission
+    seen: int                            # seq_len after the last step (restore points up to it are made)
     targets: set[int] = field(default_factory=set)
 
 
@@ -50,7 +52,7 @@ class PrefixHooks:
         m = self.cache.match(head, num_ids)
         if m.length:
             self.allocator.attach_prefix(rid, m.full_pages, m.swa_pages, m.length)
-        t = _Tracked(ids, m.length)
+        t = _Tracked(ids, m.length, m.length)
         if m.matched > m.length:
             t.targets.add(m.matched)
         last = (num_ids - 1) // self.page * self.page
@@ -63,27 +65,25 @@ class PrefixHooks:
         t = self._reqs.get(rid)
         return t.cached if t is not None else 0
 
-    def chunk_limit(self, rid: str, start: int, n: int) -> int:
-        """``n`` cut so that a chunk from ``start`` ends on the next checkpoint target it would cross."""
-        t = self._reqs.get(rid)
-        if t is None:
-            return n
-        ends = [x - start for x in t.targets if start < x < start + n]
-        return min(ends, default=n)
-
     def after_forward(self, rid: str) -> None:
-        """Before the window eviction: make the request a restore point if its step ended on a page boundary."""
+        """Before the window eviction: restore points at the targets the step crossed and at its
+        end if that is a full-page boundary."""
         t = self._reqs.get(rid)
         if t is None:
             return
         n = self.allocator.seq_len(rid)
-        if n == 0 or n % self.page:
+        points = {x for x in t.targets if t.seen < x <= n}
+        if n > t.seen and n % self.page == 0:
+            points.add(n)
+        t.targets -= points
+        t.seen = n
+        if not points:
             return
-        t.targets = {x for x in t.targets if x > n}
-        swa = {k: self.allocator.swa_page_of(rid, k) for k in self.cache.window_keys(n)}
-        if any(p is None for p in swa.values()):
-            return
-        self.cache.insert(t.ids(0, n), self.allocator.full_pages_of(rid)[:n // self.page], swa)
+        ids, pages = t.ids(0, max(points)), self.allocator.full_pages_of(rid)
+        for b in sorted(points):
+            swa = {k: self.allocator.swa_page_of(rid, k) for k in self.cache.window_keys(b)}
+            if all(p is not None for p in swa.values()):
+                self.cache.insert(ids[:b], pages[:b // self.page], swa)
 
     def on_finish(self, rid: str) -> None:
         """A request that completed normally leaves its whole pages in the cache."""

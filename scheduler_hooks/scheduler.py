@@ -420,9 +420,7 @@ class Scheduler:
         return limit
 
     def _reserve_chunk(self, r: Req, n: int) -> int:
-        """Reserve pages for the next ``n`` ids of ``r`` (cut at its prefix-cache checkpoint),
-        halving ``n`` until it fits; 0 if none does."""
-        n = self.hooks.chunk_limit(r.rid, r.kv_len, n)
+        """Reserve pages for the next ``n`` ids of ``r``, halving ``n`` until it fits; 0 if none does."""
         while n >= 1:
             if self.hooks.reserve(r.rid, r.kv_len + n).ok:
                 return n

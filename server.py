@@ -798,6 +798,12 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        """SGLang's route: empty the prefix cache (running requests keep their own pages)."""
+        await asyncio.to_thread(state.engine.flush_cache)
+        return PlainTextResponse("Cache flushed.\n")
+
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():

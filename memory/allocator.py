@@ -158,6 +158,9 @@ class PageHolder(Protocol):
     def held_pages(self) -> tuple[list[int], list[int]]:
         """(full pages, SWA pages) it holds, each at most once."""
 
+    def check(self) -> None:
+        """AssertionError if its own bookkeeping is inconsistent."""
+
 
 @dataclass
 class _Request:
@@ -413,6 +416,8 @@ class KVAllocator:
         self.swa.check("SWA pool")
         self.req_pool.slots.check("request slots")
         cache_full, cache_swa = self.holder.held_pages() if self.holder is not None else ([], [])
+        if self.holder is not None:
+            self.holder.check()
         reqs = list(self._reqs.values())
         for name, pool, held in (
             ("full", self.full, [r.full_pages for r in reqs] + [cache_full]),

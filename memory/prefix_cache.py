@@ -75,6 +75,10 @@ class PrefixCache:
         self.num_queries = 0
         self.num_hits = 0
         self.evicted_pages = 0
+        # the pages held, kept beside the tree so that stats() from another thread copies them
+        # in one step (list(dict) holds the GIL) instead of walking a tree being changed
+        self._full: dict[int, None] = {}
+        self._swa: dict[int, None] = {}
         allocator.holder = self
 
     # ---- lookup ------------------------------------------------------------------------
@@ -131,7 +135,7 @@ class PrefixCache:
             key = self._key(ids, i)
             child = node.children.get(key)
             if child is None:
-                self.alloc.retain([full_pages[i]], [])
+                self._retain([full_pages[i]], [])
                 child = _Node(key, full_pages[i], node, node.depth + 1)
                 node.children[key] = child
                 self.num_nodes += 1
@@ -144,10 +148,10 @@ class PrefixCache:
         home = full_pages[n - 1]
         if any(self.alloc.swa_home(p) // self.page != home for p in swa_pages.values()):
             raise ValueError("the SWA pages of a restore point must map tokens of its last full page")
-        self.alloc.retain([], list(swa_pages.values()))
+        self._retain([], list(swa_pages.values()))
         if node.page != home:          # the SWA rows' full_to_swa entries are the caller's page's
-            self.alloc.retain([home], [])
-            self.alloc.release([node.page], [])
+            self._retain([home], [])
+            self._release([node.page], [])
             node.page = home
         node.swa = dict(swa_pages)
         self.num_swa_nodes += 1
@@ -165,9 +169,21 @@ class PrefixCache:
     def _only_cache_holds(self, n: _Node) -> bool:
         return self.alloc.full.refcount(n.page) == 1 and all(self.alloc.swa.refcount(p) == 1 for p in n.swa.values())
 
+    def _retain(self, full: list[int], swa: list[int]) -> None:
+        self.alloc.retain(full, swa)
+        self._full.update(dict.fromkeys(full))
+        self._swa.update(dict.fromkeys(swa))
+
+    def _release(self, full: list[int], swa: list[int]) -> None:
+        for p in full:
+            del self._full[p]
+        for p in swa:
+            del self._swa[p]
+        self.alloc.release(full, swa)
+
     def _drop_swa(self, n: _Node) -> int:
         freed = sum(self.alloc.swa.refcount(p) == 1 for p in n.swa.values())
-        self.alloc.release([], list(n.swa.values()))
+        self._release([], list(n.swa.values()))
         n.swa = {}
         self.num_swa_nodes -= 1
         return freed
@@ -191,7 +207,7 @@ class PrefixCache:
                 n = heapq.heappop(heap)[2]
                 if n.swa:
                     got_swa += self._drop_swa(n)
-                self.alloc.release([n.page], [])
+                self._release([n.page], [])
                 got_full += 1
                 self.evicted_pages += 1
                 self._unlink(n)
@@ -207,16 +223,22 @@ class PrefixCache:
     def flush(self) -> None:
         """Drop every node (running requests keep what they hold themselves)."""
         full, swa = self.held_pages()
-        self.alloc.release(full, swa)
+        self._release(full, swa)
         self.root.children.clear()
         self.num_nodes = self.num_swa_nodes = 0
 
     # ---- accounting --------------------------------------------------------------------
 
     def held_pages(self) -> tuple[list[int], list[int]]:
-        """(full pages, SWA pages) the cache holds, each once (the allocator's integrity check)."""
+        """(full pages, SWA pages) the cache holds, each once (the allocator's integrity check and
+        accounting; safe to call from another thread)."""
+        return list(self._full), list(self._swa)
+
+    def check(self) -> None:
+        """AssertionError unless the page lists agree with the tree."""
         nodes = self._nodes()
-        return [n.page for n in nodes], [p for n in nodes for p in n.swa.values()]
+        assert sorted(self._full) == sorted(n.page for n in nodes), "prefix cache: full page list != tree"
+        assert sorted(self._swa) == sorted(p for n in nodes for p in n.swa.values()), "prefix cache: SWA list != tree"
 
     def stats(self) -> dict[str, Any]:
         """Lookups, hits, the token hit rate (tokens started from a cached prefix / tokens looked

@@ -452,7 +452,7 @@ class Scheduler:
         """Free everything ``r`` holds and put it back at the head of the queue for recompute."""
         self.running.remove(r)
         self.hooks.release(r.rid)
-        r.kv_len = 0
+        r.kv_len = r.cached_tokens = 0
         r.captured.clear()          # its recompute may start from a cached prefix
         r.state = ReqState.WAITING
         r.num_retractions += 1

@@ -272,12 +272,19 @@ def test_integrity_check_sees_a_cache_leak_and_bad_restore_points():
     cache.insert(ids(512, 61), a.full_pages_of("x"), {3: a.swa_page_of("x", 3)})
     a.free("x")
     a.check_integrity()
-    leaked = cache.root.children.popitem()[1]      # a node dropped without giving its pages back
-    cache.root.children[leaked.key] = leaked
-    leaked.page, real = a.full._free[-1], leaked.page
+    node = cache.root.children[next(iter(cache.root.children))]
+    real = node.page
+    node.page = a.full._free[-1]                   # the tree and the cache's page list disagree
+    with pytest.raises(AssertionError, match="list != tree"):
+        a.check_integrity()
+    node.page = real
+    held = cache.held_pages()
+    cache.root.children.clear()                    # nodes dropped without giving their pages back
+    cache._full.clear()
+    cache._swa.clear()
     with pytest.raises(AssertionError, match="held by no request or cache"):
         a.check_integrity()
-    leaked.page = real
+    a.release(*held)
     a.admit("z")
     with pytest.raises(ValueError, match="whole full pages"):
         a.attach_prefix("z", [real], {}, 300)

@@ -12,8 +12,9 @@ Two closed-loop workloads, each run on an engine with the cache and on one witho
 Every request decodes ``--new-tokens`` tokens greedily (ignore_eos). TTFT is wall time from a
 request's admission into the queue to its first token (the engine is driven by this loop,
 offline, so no HTTP or tokenizer time is in it); throughput is (prompt + generated tokens) /
-wall time of the workload. Also printed: prompt tokens prefilled (not served from the cache),
-the cache's hit tokens, and whether cached and uncached runs produced the same tokens.
+wall time of the workload (with ``--repeats``, the fastest run of each). Also printed: prompt
+tokens prefilled (not served from the cache), the cache's hit tokens, and whether the cached and
+uncached runs produced the same greedy tokens.
 
     python bench/bench_prefix_cache.py                                   # CPU, tiny preset
     python bench/bench_prefix_cache.py --device cuda --preset flash --system-len 32768 \\
@@ -39,6 +40,7 @@ if __name__ == "__main__":
 
 import torch
 
+from dsv4_backend.config import DSV4Config
 from scheduler_hooks.engine import Engine
 from scheduler_hooks.io import GenerateRequest, SamplingParams
 
@@ -46,7 +48,8 @@ from scheduler_hooks.io import GenerateRequest, SamplingParams
 def build_engine(args: argparse.Namespace, cache: bool) -> Engine:
     over: dict[str, Any] = {}
     if args.experts:
-        over.update(n_routed_experts=args.experts, num_experts_per_tok=min(args.experts, 6))
+        base = DSV4Config.preset(args.preset)
+        over.update(n_routed_experts=args.experts, num_experts_per_tok=min(args.experts, base.num_experts_per_tok))
     kw: dict[str, Any] = dict(preset=args.preset, device=args.device, dtype=args.dtype, skip_tokenizer_init=True,
                               random_seed=args.seed, max_running_requests=args.max_running,
                               chunked_prefill_size=args.chunk, disable_radix_cache=not cache,
@@ -146,35 +149,59 @@ def workload_chat(eng: Engine, args: argparse.Namespace, rng: random.Random) -> 
 WORKLOADS = {"system": workload_system, "chat": workload_chat}
 
 
-def measure(args: argparse.Namespace, cache: bool) -> dict[str, Any]:
+def ready_engine(args: argparse.Namespace, cache: bool) -> Engine:
     eng = build_engine(args, cache)
-    out: dict[str, Any] = {}
-    # warm-up (kernels compile, allocator settles): one short request, then a clean cache
-    eng.generate(input_ids=[1] * min(300, args.chunk), sampling_params={"max_new_tokens": 2, "temperature": 0})
+    # warm-up (Triton compiles its kernels here, not in the first timed request), then a clean cache
+    eng.generate(input_ids=[1] * args.warmup_len, sampling_params={"max_new_tokens": 4, "temperature": 0})
     eng.flush_cache()
-    for name in args.workloads:
-        eng.flush_cache()
-        t0 = time.perf_counter()
-        loop = WORKLOADS[name](eng, args, random.Random(args.seed))
-        sync(eng)
-        wall = time.perf_counter() - t0
-        ttfts = sorted(loop.ttft.values())
-        out[name] = {
-            "requests": len(loop.ttft), "wall_s": wall,
+    return eng
+
+
+def run_workload(eng: Engine, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One timed run of workload ``name`` from an empty cache."""
+    eng.flush_cache()
+    t0 = time.perf_counter()
+    loop = WORKLOADS[name](eng, args, random.Random(args.seed))
+    sync(eng)
+    wall = time.perf_counter() - t0
+    eng.check_integrity()
+    ttfts = sorted(loop.ttft.values())
+    return {"requests": len(loop.ttft), "wall_s": wall,
             "ttft_mean_s": statistics.fmean(ttfts), "ttft_median_s": statistics.median(ttfts),
-            "ttft_max_s": ttfts[-1],
-            "throughput_tok_s": (loop.prompt_tokens + loop.generated) / wall,
+            "ttft_max_s": ttfts[-1], "throughput_tok_s": (loop.prompt_tokens + loop.generated) / wall,
             "prompt_tokens": loop.prompt_tokens, "prefilled_tokens": loop.prompt_tokens - loop.cached,
             "cached_tokens": loop.cached, "generated_tokens": loop.generated,
-            "outputs": [loop.outputs[r] for r in sorted(loop.outputs)],
-        }
-        eng.check_integrity()
+            "outputs": [loop.outputs[r] for r in sorted(loop.outputs)]}
+
+
+def release(eng: Engine) -> None:
     eng.shutdown()
     del eng
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{mode: {workload: the fastest of --repeats runs}}. On the CPU both engines live at once and
+    the modes alternate run by run (a shared machine's load drifts); on a GPU, one after the other."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {w: [] for w in args.workloads} for m in ("off", "on")}
+    if args.device == "cpu":
+        engines = {m: ready_engine(args, m == "on") for m in ("off", "on")}
+        for _ in range(args.repeats):
+            for w in args.workloads:
+                for m in ("off", "on"):
+                    runs[m][w].append(run_workload(engines[m], w, args))
+        for eng in engines.values():
+            release(eng)
+    else:
+        for m in ("off", "on"):
+            eng = ready_engine(args, m == "on")
+            for _ in range(args.repeats):
+                for w in args.workloads:
+                    runs[m][w].append(run_workload(eng, w, args))
+            release(eng)
+    return {m: {w: min(rs, key=lambda r: r["wall_s"]) for w, rs in by.items()} for m, by in runs.items()}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -189,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--chat-system-len", type=int, default=256)
+    ap.add_argument("--chat-system-len", type=int, default=1024)
     ap.add_argument("--convs", type=int, default=2)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--user-len", type=int, default=96)
@@ -199,7 +226,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=16384, help="CPU pool size in full tokens")
     ap.add_argument("--mem-fraction", type=float, default=0.85, help="CUDA: mem_fraction_static")
     ap.add_argument("--context-length", type=int, default=65536)
+    ap.add_argument("--warmup-len", type=int, default=None,
+                    help="ids of the untimed warm-up request (CPU 300; CUDA one chunk + 300)")
     ap.add_argument("--threads", type=int, default=1, help="CPU torch threads")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per workload and mode; the fastest is shown")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -207,12 +237,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error("--device cuda but no GPU is visible")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.chunk = args.chunk or (8192 if args.device == "cuda" else 2048)
+    args.warmup_len = args.warmup_len or (args.chunk + 300 if args.device == "cuda" else 300)
     if args.experts is None and args.preset != "tiny":
         args.experts = 8
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
 
-    res = {"on": measure(args, cache=True), "off": measure(args, cache=False)}
+    res: dict[str, Any] = measure(args)
     print(f"prefix cache, {args.preset} preset on {args.device} ({args.dtype}), chunk {args.chunk}")
     print(f"{'workload':<8} {'cache':<5} {'reqs':>4} {'TTFT mean':>10} {'TTFT med':>9} {'TTFT max':>9} "
           f"{'tok/s':>9} {'prefilled':>10} {'cached':>8} {'wall s':>7}")

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from dsv4_backend import Engine
 from memory.allocator import KVAllocator
 from memory.configurator import DSV4PoolConfigurator
+from memory.layout import read_kv_rows
 from memory.prefix_cache import PrefixCache
 from scheduler_hooks.io import GenerateRequest, SamplingParams
 
@@ -108,13 +109,35 @@ def test_shared_system_prompt_restores_where_prompts_diverge(engines):
     assert_same_as_scratch(eng, scratch, c_prompt, c)
 
 
-def test_restore_point_crossed_inside_a_chunk():
+def shared_bytes(eng: Engine, full_pages: list[int], swa_pages: list[int]) -> list[torch.Tensor]:
+    """Copies of every byte and state slot that these pages hold, in every layer: the C4 KV and
+    indexer pages (one per full page), the two C128 rows of each full page, the SWA pages and
+    their C4 / indexer ring slots."""
+    pools, f = eng.pools, torch.tensor(full_pages)
+    s = torch.tensor(swa_pages)
+    ring = (s[:, None] * eng.plan.c4_ring_size + torch.arange(eng.plan.c4_ring_size)).flatten()
+    c128 = torch.stack([2 * f, 2 * f + 1]).flatten()
+    out = [t[s].clone() for t in pools.swa_kv.values()]
+    for kind in ("c4_kv", "c4_indexer"):
+        out += [t[f].clone() for t in getattr(pools, kind).values()]
+    for kind in ("c4_ring", "c4_indexer_ring"):
+        out += [t[ring].clone() for t in getattr(pools, kind).values()]
+    out += [read_kv_rows(t, c128) for t in pools.c128_kv.values()]
+    return out
+
+
+def test_restore_point_crossed_inside_a_chunk_and_never_written():
     eng, scratch = make_engine(), make_engine(disable_radix_cache=True)
     base = ids(600, 5)
     run(eng, base, 1)              # chunks of 192: 512 (its last page boundary) is crossed inside one
     p = base[:560] + ids(20, 6)
+    m = eng.prefix_cache.match(p[:512])
+    assert m.length == 512
+    before = shared_bytes(eng, m.full_pages, list(m.swa_pages.values()))
     out = run(eng, p, 3)
     assert out["meta_info"]["cached_tokens"] == 512
+    after = shared_bytes(eng, m.full_pages, list(m.swa_pages.values()))
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "a restored request wrote a shared page"
     assert_same_as_scratch(eng, scratch, p, out)
     assert_no_leak(eng)
 

@@ -9,7 +9,9 @@ Per layer, :meth:`TorchDSV4Backend.forward` does, in this order:
 1. write the new tokens' KV rows (FP8, 584 B) into the SWA pool;
 2. compression (ratio 4 / 128 layers): gather the ring candidates of every block completed in
    this step, write the new tokens' raw (C, Z) into the ring(s) (only the tail future blocks
-   still need, and for C4 the block before each full-page boundary: a prefix-cache restore point), compress each completed block from ring + new tokens, and write the row at
+   still need, and for C4 the block before each full-page boundary the step crosses, which a
+   prefix-cache restore point there reads), compress each completed block from ring + new
+   tokens, and write the row at
    ``full_slot // m`` (C4 KV + indexer row, or C128 KV). Online C128 updates a running
    (max, sum, kv) state per request instead of a ring;
 3. CSA: indexer scores over the visible indexer rows (read from the pool), top-k row ids;

@@ -22,10 +22,9 @@ misuse (unknown request, shrinking a sequence, double free) raises.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple, Optional, Protocol
-
-import collections
 
 import torch
 

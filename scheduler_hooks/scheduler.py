@@ -537,11 +537,11 @@ class Scheduler:
         r.state = ReqState.FINISHED
         r.finish_reason = reason
         if self.cfg.capture_logits:
-            pos = sorted(r.captured)   # from the first computed one (a cached prefix is not)
-            assert pos == list(range(pos[0] if pos else 0, (pos[0] if pos else 0) + len(pos))), (
-                f"captured positions of {r.rid} are not contiguous")
+            pos = sorted(r.captured)   # from the first computed one (a cached prefix is not computed)
+            first = pos[0] if pos else 0
+            assert pos == list(range(first, first + len(pos))), f"captured positions of {r.rid} are not contiguous"
             self.captured[r.rid] = torch.stack([r.captured[p] for p in pos]) if pos else torch.empty(0)
-            self.captured_from[r.rid] = pos[0] if pos else 0
+            self.captured_from[r.rid] = first
             r.captured.clear()
         if r.detok is not None:
             if text_end is None:
@@ -558,7 +558,8 @@ class Scheduler:
             rid=r.rid, output_ids=list(r.output_ids), delta_ids=list(delta_ids),
             text=visible, delta_text=delta_text, finished=r.state is ReqState.FINISHED,
             finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
-            completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+            completion_tokens=len(r.output_ids),
+            cached_tokens=min(r.cached_tokens, len(r.prompt_ids)),   # a recompute may reuse outputs too
         )
         if r.greq.return_logprob:
             self._fill_logprobs(r, out)

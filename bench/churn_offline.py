@@ -37,9 +37,10 @@ VOCAB = 1024
 
 def churn(num_requests: int, seed: int = 0, max_running: int = 4, max_total_tokens: int = 2048,
           check_every: int = 25, system_len: tuple[int, int] = (260, 600),
-          engine: Optional[Engine] = None) -> dict[str, Any]:
+          engine: Optional[Engine] = None, progress_every: int = 0) -> dict[str, Any]:
     """Run the churn; returns the report (``leaked``: {pool: units} still held after the flush).
-    ``system_len``: the range of the shared prompts' lengths."""
+    ``system_len``: the range of the shared prompts' lengths; ``progress_every``: print a line
+    every that many requests added (0: none)."""
     rng = random.Random(seed)
     eng = engine or Engine(preset="tiny", skip_tokenizer_init=True, max_total_tokens=max_total_tokens,
                            max_running_requests=max_running, chunked_prefill_size=256,
@@ -60,6 +61,9 @@ def churn(num_requests: int, seed: int = 0, max_running: int = 4, max_total_toke
             if rng.random() < 1 / 3:
                 abort_at[rid] = steps + rng.randrange(0, 6)
             added += 1
+            if progress_every and added % progress_every == 0:
+                print(f"{added} requests added, {finished} finished, {aborted} aborted, {steps} steps, "
+                      f"{time.perf_counter() - t0:.0f} s; integrity checked every {check_every} steps", flush=True)
         finished += sum(o.finished for o in eng.step())
         steps += 1
         for rid in [r for r, s in abort_at.items() if s <= steps]:
@@ -86,10 +90,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-running-requests", type=int, default=4)
     p.add_argument("--max-total-tokens", type=int, default=2048)
     p.add_argument("--check-every", type=int, default=25, help="steps between integrity checks")
+    p.add_argument("--progress-every", type=int, default=500, help="requests between progress lines (0: none)")
     p.add_argument("--json", help="write the report here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    report = churn(a.requests, a.seed, a.max_running_requests, a.max_total_tokens, a.check_every)
+    report = churn(a.requests, a.seed, a.max_running_requests, a.max_total_tokens, a.check_every,
+                   progress_every=a.progress_every)
     for k, v in report.items():
         print(f"{k:>14}: {v:.3f}" if isinstance(v, float) else f"{k:>14}: {v}")
     if a.json:

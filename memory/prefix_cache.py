@@ -10,9 +10,11 @@ node is then a *restore point*, and a request whose ids start with the path's id
 ``depth * 256`` and prefill only the rest. The C128 ring and online state are per request and
 empty at a multiple of 128, so a restore point needs nothing else.
 
-Restore points are made by the scheduler hooks (``scheduler_hooks/hooks.py``) right after a step
-that ended exactly on a full-page boundary (the ring then holds the last C4 block, see the docs);
-a finished request's full pages are added without a window (they only lengthen matches). The
+Restore points are made by the scheduler hooks (``scheduler_hooks/prefix_hooks.py``) right after
+a step, at the full-page boundaries it crossed that are the request's checkpoint targets and at
+its end if that is one (the step wrote the ring slots of the last C4 block before each boundary;
+its window pages are still held); a finished request's full pages are added without a window
+(they only lengthen matches and mark where prompts diverge). The
 cache holds pages through :class:`memory.allocator.KVAllocator`'s holder counts; eviction drops
 least recently used nodes whose pages no running request holds, so it always frees memory.
 """

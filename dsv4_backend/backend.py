@@ -9,7 +9,9 @@ Per layer, :meth:`TorchDSV4Backend.forward` does, in this order:
 1. write the new tokens' KV rows (FP8, 584 B) into the SWA pool;
 2. compression (ratio 4 / 128 layers): gather the ring candidates of every block completed in
    this step, write the new tokens' raw (C, Z) into the ring(s) (only the tail future blocks
-   still need), compress each completed block from ring + new tokens, and write the row at
+   still need, and for C4 the block before each full-page boundary the step crosses, which a
+   prefix-cache restore point there reads), compress each completed block from ring + new
+   tokens, and write the row at
    ``full_slot // m`` (C4 KV + indexer row, or C128 KV). Online C128 updates a running
    (max, sum, kv) state per request instead of a ring;
 3. CSA: indexer scores over the visible indexer rows (read from the pool), top-k row ids;
@@ -34,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from memory.configurator import C4_RING, C128_RING, SWA_PAGE
+from memory.configurator import C4_RING, C128_RING, FULL_PAGE, SWA_PAGE
 from memory.layout import read_indexer_rows, read_kv_rows, write_indexer_rows, write_kv_rows
 
 from .config import DSV4Config
@@ -278,7 +280,18 @@ def _events_host(m: int, step: _StepHost) -> dict:
            (m, "ev_cand"): torch.nonzero(old.reshape(-1)).flatten()}
     # the tail future blocks read: the open block (and for m = 4 the last complete one)
     tail = [max(0, (s // m - (1 if m == 4 else 0)) * m) for s in L.seq_lens]
-    w_req, w_pos = _ranges([max(p, t) for p, t in zip(L.prefix_lens, tail)], L.seq_lens)
+    lo, hi = [max(p, t) for p, t in zip(L.prefix_lens, tail)], list(L.seq_lens)
+    owner = list(range(len(lo)))
+    if m == 4:
+        # also the last C4 block before every full-page boundary the step crosses: the prefix
+        # cache can restore at such a boundary while its window page (and these slots) is held
+        for r, (p, t) in enumerate(zip(L.prefix_lens, tail)):
+            for b in range((p // FULL_PAGE + 1) * FULL_PAGE, t + 1, FULL_PAGE):
+                lo.append(max(p, b - m))
+                hi.append(b)
+                owner.append(r)
+    w_req, w_pos = _ranges(lo, hi)
+    w_req = torch.tensor(owner, dtype=torch.int64)[w_req]
     out[m, "w_tok"] = w_pos - prefix[w_req] + offset[w_req]
     if m == 128:
         out[m, "ev_ring"] = torch.where(old, slot[ev_req][:, None] * C128_RING + P % C128_RING, -1)

@@ -40,6 +40,7 @@ from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, DSV4PoolConfigurator,
 from memory.layout import (INDEXER_ROW_BYTES, KV_ROW_BYTES, write_indexer_rows,
                            write_kv_rows)
 from memory.pools import DSV4KVPools
+from memory.prefix_cache import PrefixCache
 
 from .hooks import SchedulerHooks
 from .io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
@@ -103,6 +104,9 @@ class Engine:
     ``dtype="float64"`` (CPU only) also keeps the compressor state in float64: the exact mode
     of the tests. ``capture_logits=True`` keeps every computed position's raw logits per
     request (``captured_logits(rid)``) for comparisons with the reference.
+    The prefix cache (``memory/prefix_cache.py``) is on unless ``disable_radix_cache=True``
+    (SGLang's name) or ``dense=True``: a request whose ids start with a cached restore point
+    prefills only the rest (``meta_info["cached_tokens"]``); ``flush_cache()`` empties it.
     On CUDA (bf16, the Triton backend) pure-decode steps replay CUDA graphs
     (``dsv4_backend/cuda_graph.py``) up to ``cuda_graph_max_bs`` requests;
     ``cuda_graph=False`` (or ``DSV4_CUDA_GRAPH=0``) runs every step eagerly.
@@ -136,6 +140,7 @@ class Engine:
         cuda_graph_max_bs: Optional[int] = None,
         attention_kernel: str = "auto",
         weight_stream: Optional[WeightStream] = None,
+        disable_radix_cache: bool = False,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -178,7 +183,8 @@ class Engine:
                                   attention_kernel=attention_kernel)
         self.attention_kernel = self.runner.attention_kernel
         logger.info("attention kernel: %s (%s)", self.attention_kernel, self.runner.attention_kernel_reason)
-        self.hooks = SchedulerHooks(self.allocator)
+        self.prefix_cache = None if (disable_radix_cache or dense) else PrefixCache(self.allocator)
+        self.hooks = SchedulerHooks(self.allocator, self.prefix_cache)
         self.scheduler = Scheduler(self.runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             context_length=self.context_length, eos_token_id=self.config.eos_token_id,
@@ -529,16 +535,32 @@ class Engine:
             "attention_kernel": self.attention_kernel,
             "num_failed": s.num_failed,
             "pools": self.pool_usage(),
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
         }
 
     def pool_usage(self) -> dict[str, dict[str, int]]:
-        """{pool: {"used", "total"}}: full / swa in tokens, req_slots, c4_rows, c4_indexer_rows,
-        c4_ring_slots, c128_rows, c128_ring_rows or c128_online_slots (the allocator's accounting)."""
-        return _pool_usage(self.allocator.stats())
+        """{pool: {"used", "total", "cached"}}: full / swa in tokens, req_slots, c4_rows,
+        c4_indexer_rows, c4_ring_slots, c128_rows, c128_ring_rows or c128_online_slots (the
+        allocator's accounting). ``used``: held by requests; ``cached``: held by the prefix cache
+        alone (given back under pressure); free = total - used - cached."""
+        cached = self.allocator.cached_stats()
+        return {name: {**u, "cached": int(cached.get(name, 0))}
+                for name, u in _pool_usage(self.allocator.stats()).items()}
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (running requests keep what they hold)."""
+        if self.prefix_cache is not None:
+            with self._lock:
+                self.prefix_cache.flush()
 
     def captured_logits(self, rid: str) -> torch.Tensor:
-        """Raw logits of every position computed for a finished request: [n, V] (capture_logits only)."""
+        """Raw logits of every position computed for a finished request: [n, V] (capture_logits
+        only), from position ``captured_from(rid)`` (0 unless a cached prefix was not recomputed)."""
         return self.scheduler.captured[rid]
+
+    def captured_from(self, rid: str) -> int:
+        """The position of ``captured_logits(rid)[0]``."""
+        return self.scheduler.captured_from[rid]
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()

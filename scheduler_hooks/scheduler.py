@@ -102,6 +102,7 @@ class Req:
     output_top: list[list[TokenLogprob]] = field(default_factory=list)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)   # position -> logits [V]
     synthetic: bool = False              # benchmark request: admitted without a prefill forward
+    cached_tokens: int = 0               # ids taken from the prefix cache at the latest admission
 
     @property
     def all_ids(self) -> list[int]:
@@ -167,6 +168,7 @@ class Scheduler:
         self.num_failed = 0                   # requests finished with an error
         # rid -> logits [n, V] of every computed position (capture_logits only), kept after finish
         self.captured: dict[str, torch.Tensor] = {}
+        self.captured_from: dict[str, int] = {}   # rid -> position of captured[rid][0] (after a cached prefix)
         # (rid, num_tokens) -> None: writes random valid pool contents for a synthetic request's
         # first num_tokens positions (set by the engine; see the module docstring)
         self.synthetic_fill: Optional[Callable[[str, int], None]] = None
@@ -376,15 +378,17 @@ class Scheduler:
         while (self.waiting and budget > 0 and not self._retracted_this_step
                and len(self.running) < self.cfg.max_running_requests):
             r = self.waiting[0]
-            if self.hooks.admit(r.rid) is None:
-                break
             if r.synthetic:
-                if not self._admit_synthetic(r):
+                if self.hooks.admit(r.rid) is None or not self._admit_synthetic(r):
                     break
                 continue
+            if self.hooks.admit(r.rid, r.ids_between, r.num_ids, self._max_cached(r)) is None:
+                break
+            r.kv_len = r.cached_tokens = self.hooks.seq_len(r.rid)
             n = self._reserve_chunk(r, min(r.remaining, budget))
             if not n:
                 self.hooks.release(r.rid)
+                r.kv_len = r.cached_tokens = 0
                 break
             self.waiting.popleft()
             r.state = ReqState.RUNNING
@@ -406,6 +410,14 @@ class Scheduler:
         r.state = ReqState.RUNNING
         self.running.append(r)
         return [ScheduledChunk(r, n)]
+
+    def _max_cached(self, r: Req) -> int:
+        """Ids of ``r`` that may come from the prefix cache: all but the last (its logits give the
+        next token), and none whose input logprobs are still wanted."""
+        limit = r.num_ids - 1
+        if r.input_logprobs_pending():
+            limit = min(limit, max(0, r.logprob_start - 1))
+        return limit
 
     def _reserve_chunk(self, r: Req, n: int) -> int:
         """Reserve pages for the next ``n`` ids of ``r``, halving ``n`` until it fits; 0 if none does."""
@@ -440,7 +452,8 @@ class Scheduler:
         """Free everything ``r`` holds and put it back at the head of the queue for recompute."""
         self.running.remove(r)
         self.hooks.release(r.rid)
-        r.kv_len = 0
+        r.kv_len = r.cached_tokens = 0
+        r.captured.clear()          # its recompute may start from a cached prefix
         r.state = ReqState.WAITING
         r.num_retractions += 1
         self.num_retractions += 1
@@ -486,7 +499,7 @@ class Scheduler:
         out = self._output(r, [tok])
         if r.state is ReqState.FINISHED:
             self.running.remove(r)
-            self.hooks.release(r.rid)
+            self.hooks.finish(r.rid)
             del self.reqs[r.rid]
         return out
 
@@ -524,9 +537,11 @@ class Scheduler:
         r.state = ReqState.FINISHED
         r.finish_reason = reason
         if self.cfg.capture_logits:
-            pos = sorted(r.captured)
-            assert pos == list(range(len(pos))), f"captured positions of {r.rid} are not contiguous"
+            pos = sorted(r.captured)   # from the first computed one (a cached prefix is not computed)
+            first = pos[0] if pos else 0
+            assert pos == list(range(first, first + len(pos))), f"captured positions of {r.rid} are not contiguous"
             self.captured[r.rid] = torch.stack([r.captured[p] for p in pos]) if pos else torch.empty(0)
+            self.captured_from[r.rid] = first
             r.captured.clear()
         if r.detok is not None:
             if text_end is None:
@@ -544,6 +559,7 @@ class Scheduler:
             text=visible, delta_text=delta_text, finished=r.state is ReqState.FINISHED,
             finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
+            cached_tokens=min(r.cached_tokens, len(r.prompt_ids)),   # a recompute may reuse outputs too
         )
         if r.greq.return_logprob:
             self._fill_logprobs(r, out)

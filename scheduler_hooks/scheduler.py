@@ -212,6 +212,8 @@ class Scheduler:
         out = self._output(req, [])
         del self.reqs[rid]
         self.suspects.discard(rid)
+        if self.spec is not None:
+            self.spec.forget({r.rid for r in self.running})
         self._maybe_idle_check()
         return out
 

@@ -12,7 +12,8 @@ plain decoding (CUDA graphs on, the engine's default, and off: speculative verif
 eagerly). Per context and batch it also prints the break-even acceptance length (the smallest
 L whose tokens/s beats plain decoding with graphs).
 
-    # one H200, ~5 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3)
+    # one H200, <= 6 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3; a time guard
+    # skips what would start after --time-budget seconds, default 330, and lists it)
     PYTHONUNBUFFERED=1 python3 bench/bench_speculative.py --out $OUT/spec.json
     # the code path on the CPU, tiny stand-in
     python bench/bench_speculative.py --preset tiny --device cpu --contexts 512 --batches 1,2 --steps 2
@@ -45,13 +46,13 @@ from bench.bench_long_context import memory_setup, model_config, plan_for  # noq
 from dsv4_backend import Engine  # noqa: E402
 
 
-def build(cfg: Any, args: argparse.Namespace, mem: Any, k: Optional[int], cuda_graph: bool = True) -> Engine:
+def build(cfg: Any, args: argparse.Namespace, mem: Any, k: Optional[int]) -> Engine:
     kw: dict[str, Any] = dict(
         preset=args.preset, device=args.device, dtype=args.dtype, skip_tokenizer_init=True, random_seed=0,
         max_running_requests=mem.max_running, chunked_prefill_size=8192, context_length=mem.context_length,
         swa_ratio=0.1, config_overrides={"n_routed_experts": cfg.n_routed_experts,
                                          "num_experts_per_tok": cfg.num_experts_per_tok},
-        random_weights_on_device=torch.device(args.device).type == "cuda", cuda_graph=cuda_graph)
+        random_weights_on_device=torch.device(args.device).type == "cuda")
     if mem.mem_fraction is not None:
         kw["mem_fraction_static"] = mem.mem_fraction
     else:
@@ -106,6 +107,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--mem-fraction", type=float, default=0.92)
     ap.add_argument("--reserve-gb", type=float, default=14.0)
+    ap.add_argument("--time-budget", type=float, default=330.0,
+                    help="seconds for the whole run; configurations that would start later are skipped (and listed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
@@ -123,17 +126,34 @@ def main(argv: Optional[list[str]] = None) -> dict:
     report: dict[str, Any] = {"k": args.k, "preset": args.preset, "experts": cfg.n_routed_experts,
                               "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": []}
     lengths = list(range(1, args.k + 2))
-    runs = [("plain, graphs", None, True, [None]), ("plain, eager", None, False, [None]),
-            (f"EAGLE K={args.k}", args.k, False, lengths + [None])]
-    for name, k, graphs, ls in runs:
+    report["skipped"] = []
+    # (engine, mode name, graphs on, acceptance lengths): the plain engine runs with its decode
+    # CUDA graphs, then with them switched off (speculative verify steps run eagerly)
+    runs = [(None, "plain, graphs", True, [None]), (None, "plain, eager", False, [None]),
+            (args.k, f"EAGLE K={args.k}", False, lengths + [None])]
+    eng, built_for = None, "none"
+    for k, name, graphs, ls in runs:
         if not cuda and name == "plain, eager":
             continue    # no graphs on the CPU: the same as the row above
-        t = time.time()
-        eng = build(cfg, args, mem, k, graphs)
-        print(f"[{time.time() - START:6.1f}s] built {name} in {time.time() - t:.1f}s", flush=True)
+        if built_for != ("plain" if k is None else "spec"):
+            eng = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            t = time.time()
+            eng = build(cfg, args, mem, k)
+            built_for = "plain" if k is None else "spec"
+            print(f"[{time.time() - START:6.1f}s] built {built_for} engine in {time.time() - t:.1f}s", flush=True)
+        if not graphs:
+            eng.runner.cuda_graphs = None
         for ctx in args.contexts:
             for b in args.batches:
                 if b > eng.scheduler.cfg.max_running_requests:
+                    report["skipped"].append(f"{name} ctx {ctx} b {b}: above max_running_requests")
+                    continue
+                if time.time() - START > args.time_budget:
+                    report["skipped"].append(f"{name} ctx {ctx} b {b}: past the time budget")
+                    print(f"  skipped {name} ctx {fmt_tokens(ctx)} b {b}: past --time-budget", flush=True)
                     continue
                 for row in measure(eng, ctx, b, args, ls):
                     row["mode"] = name
@@ -146,15 +166,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     args.out.write_text(json.dumps(report, indent=1))
         if k is not None:
             report["accept_stats_mtp_drafts"] = eng.stats()["speculative"]
-        del eng
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
     print("\nbreak-even: smallest forced acceptance length whose tok/s beats plain decoding (graphs on)")
     for ctx in args.contexts:
         for b in args.batches:
-            base = [r for r in report["rows"] if r["mode"] == runs[0][0] and (r["context"], r["batch"]) == (ctx, b)]
-            spec = [r for r in report["rows"] if r["mode"] == runs[2][0] and (r["context"], r["batch"]) == (ctx, b)
+            base = [r for r in report["rows"] if r["mode"] == runs[0][1] and (r["context"], r["batch"]) == (ctx, b)]
+            spec = [r for r in report["rows"] if r["mode"] == runs[2][1] and (r["context"], r["batch"]) == (ctx, b)
                     and r["accept_length"] is not None]
             if base and spec:
                 win = [r["accept_length"] for r in spec if r["tokens_per_s"] > base[0]["tokens_per_s"]]

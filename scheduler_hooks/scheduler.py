@@ -313,11 +313,10 @@ class Scheduler:
             if bad is not None:
                 outputs.append(self._fail(r, bad))
                 continue
-            keep[r.rid] = r.kv_len + len(toks)
+            start = r.kv_len
+            keep[r.rid] = r.kv_len = start + len(toks)
             try:
-                self._record_positions(r, r.kv_len, lg[:len(toks)])
-                r.kv_len += len(toks)
-                outputs.append(self._append_tokens(r, toks, res.logprobs, res.top_logprobs))
+                outputs.append(self._append_tokens(r, toks, res.logprobs, res.top_logprobs, (start, lg)))
             except Exception as e:
                 outputs.append(self._fail(r, f"processing the new tokens failed: {type(e).__name__}: {e}"))
         if snapshot is not None:
@@ -532,10 +531,15 @@ class Scheduler:
         return self._append_tokens(r, [tok], [logprob], [top])
 
     def _append_tokens(self, r: Req, toks: list[int], logprobs: list[Optional[float]],
-                       tops: list[Optional[list[TokenLogprob]]]) -> RequestOutput:
-        """Append tokens in order until one finishes the request; one output for all of them."""
+                       tops: list[Optional[list[TokenLogprob]]],
+                       rows: Optional[tuple[int, torch.Tensor]] = None) -> RequestOutput:
+        """Append tokens in order until one finishes the request; one output for all of them.
+        ``rows = (position, logits [n, V])``: token i came from the logits of position + i,
+        recorded (captured logits) only for the tokens appended."""
         done = []
-        for tok, lp, top in zip(toks, logprobs, tops):
+        for i, (tok, lp, top) in enumerate(zip(toks, logprobs, tops)):
+            if rows is not None:
+                self._record_positions(r, rows[0] + i, rows[1][i:i + 1])
             self._push_token(r, tok, lp, top)
             done.append(tok)
             if r.state is ReqState.FINISHED:

@@ -159,6 +159,26 @@ def test_greedy_equals_plain(forced):
         assert_pools_free(eng)
 
 
+def test_eos_inside_an_accepted_chain():
+    """EOS is the 6th greedy token and is accepted as a draft: the request stops there, with
+    plain decoding's outputs and captured logits (nothing past the stop)."""
+    prompts = _prompts([30], seed=8)
+    free, _ = run_plain(prompts, dict(GREEDY, max_new_tokens=12))
+    eos = free[0][5]
+    stop_at = free[0].index(eos)
+    params = {"temperature": 0, "max_new_tokens": 12}
+    kw = dict(config_overrides={"vocab_size": V, "eos_token_id": eos})
+    want, want_lg = run_plain(prompts, params, **kw)
+    assert len(want[0]) == stop_at + 1
+    with make_engine(**kw) as eng:
+        eng.scheduler.spec.draft_override = oracle(eng, {tuple(prompts[0]): prompts[0] + free[0]}, (3,))
+        [out] = eng.generate(input_ids=prompts, sampling_params=params)
+        assert out["output_ids"] == want[0] and out["meta_info"]["finish_reason"]["type"] == "stop"
+        got = eng.captured_logits(out["meta_info"]["id"])
+        assert got.shape == want_lg[0].shape and (got - want_lg[0]).abs().max().item() <= EXACT_TOL
+        assert_pools_free(eng)
+
+
 def test_max_drafts_chunk_of_seven():
     """K = 9 (the most the doubled ring holds), prefill chunks of 7, every length accepted."""
     k = MAX_DRAFT_TOKENS

@@ -5,8 +5,7 @@ Triton backend against the torch backend's, on the same metadata) over a specula
 (doubled rings: 16 C4 slots per SWA page, 256 C128 rows per request) and verify rows with a
 ``rollback_len``: the ring writes of the shorter tail, the row sets of 4 per request, block
 completions at 127 (C4 and C128) inside a verify, a truncation to the accepted length and a
-second verify reading what the first left in the rings; mixed with another request's prefill
-chunk. Tiny 3-layer model, float32; the 125-token prefill before runs on the torch backend.
+second verify reading what the first left in the rings; two requests' verifies in one step. Tiny 3-layer model, float32; the 125-token prefill before runs on the torch backend.
 """
 
 from __future__ import annotations
@@ -43,11 +42,11 @@ def test_lockstep_verify_rows_with_doubled_rings():
             reqs.append(ForwardRequest(slot[rid], start, seq[rid][start:start + n], "all", rollback))
         runner.forward(reqs)
 
-    step([("a", 0, 125, None)])                        # the prefill on the torch backend alone
+    step([("a", 0, 125, None), ("b", 0, 20, None)])    # the prefills on the torch backend alone
     runner.backend = lock
-    step([("a", 125, 4, 126), ("b", 0, 20, None)])     # verify 125..128: blocks end at 127 (C4, C128)
+    step([("a", 125, 4, 126), ("b", 20, 4, 21)])       # a: verify 125..128, blocks end at 127 (C4, C128)
     alloc.truncate("a", 127)                           # one draft accepted
-    step([("a", 127, 4, 128), ("b", 20, 4, 21)])       # two verifies, reading the rings the first left
+    step([("a", 127, 4, 128)])                         # reads the rings the first verify left
     assert lock.layers_seen == {0, 4, 128}
     assert lock.rows_written == {"c4_kv", "c128_kv"}
     for rid in seq:

@@ -331,3 +331,30 @@ def test_plan_doubles_rings_and_adds_the_draft_pool():
         n = eng.config.num_hidden_layers
         assert sorted(eng.pools.swa_kv) == list(range(n + 1)) and sorted(plain.pools.swa_kv) == list(range(n))
         assert eng.plan.speculative_factor == (n + 1) / n
+
+
+def test_allocator_truncate_frees_the_rejected_pages():
+    """truncate gives back full and SWA pages wholly past the kept length and unmaps its slots;
+    the allocator then balances and extends again from there; a bad length names the request."""
+    from memory.allocator import KVAllocator
+    from memory.configurator import DSV4PoolConfigurator
+    plan = DSV4PoolConfigurator(DSV4Config.preset("tiny"), max_running_requests=2, swa_ratio=0.5,
+                                speculative=True).plan_for_tokens(2048)
+    alloc = KVAllocator(plan, max_context=1024, window=128)
+    alloc.admit("a")
+    alloc.extend("a", 250)
+    full0, swa0 = alloc.full.num_used, alloc.swa.num_used
+    alloc.extend("a", 260)                          # crosses a full page (256) and an SWA page
+    assert (alloc.full.num_used, alloc.swa.num_used) == (full0 + 1, swa0 + 1)
+    alloc.truncate("a", 252)
+    assert (alloc.full.num_used, alloc.swa.num_used, alloc.seq_len("a")) == (full0, swa0, 252)
+    alloc.check_integrity()
+    slot = alloc.req_slot("a")
+    assert int(alloc.full_to_swa[alloc.req_to_token[slot, 251]]) >= 0
+    assert int(alloc.full_to_swa[alloc.req_to_token[slot, 252]]) == -1
+    alloc.extend("a", 257)
+    alloc.check_integrity()
+    with pytest.raises(ValueError, match="'a'"):
+        alloc.truncate("a", 300)
+    alloc.free("a")
+    alloc.check_integrity()

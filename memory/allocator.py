@@ -317,6 +317,24 @@ class KVAllocator:
         req.seq_len = new_len
         return res
 
+    def truncate(self, rid: Hashable, new_len: int) -> None:
+        """Shrink ``rid`` to its first ``new_len`` positions (speculative decoding's rollback of
+        rejected draft tokens): full and SWA pages past them are freed and unmapped; the rows the
+        kept positions' pages hold past ``new_len`` are stale and rewritten before any read."""
+        req = self._req(rid)
+        if not 0 <= new_len <= req.seq_len:
+            raise ValueError(f"request {rid!r}: truncate to {new_len} outside [0, {req.seq_len}]")
+        if new_len == req.seq_len:
+            return
+        pos = torch.arange(new_len, req.seq_len)
+        self._queue("full_to_swa", self._full_slots(req, pos), torch.full_like(pos, -1))
+        keep_full = -(-new_len // self.full_page)
+        self.full.free(req.full_pages[keep_full:])
+        del req.full_pages[keep_full:]
+        gone = [k for k in req.swa_pages if k * SWA_PAGE >= new_len]
+        self.swa.free([req.swa_pages.pop(k) for k in gone])
+        req.seq_len = new_len
+
     def evict_swa(self, rid: Hashable) -> int:
         """Free ``rid``'s SWA pages that no future token can see; returns how many.
 

@@ -332,7 +332,7 @@ class KVAllocator:
         self.full.free(req.full_pages[keep_full:])
         del req.full_pages[keep_full:]
         gone = [k for k in req.swa_pages if k * SWA_PAGE >= new_len]
-        self.swa.free([req.swa_pages.pop(k) for k in gone])
+        self._release_swa([req.swa_pages.pop(k) for k in gone])
         req.seq_len = new_len
 
     def evict_swa(self, rid: Hashable) -> int:

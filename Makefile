@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 30000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench-offline clean
+.PHONY: setup serve test test-sglang bench-offline clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,16 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The SGLang plugin's tests: sglang==0.5.23 and the packages its imports need, all --no-deps so
+# that SGLang's torch==2.14.1 pin never replaces ours (tests/sglang-requirements.txt).
+SGLANG_STAMP := $(VENV)/.sglang-installed
+$(SGLANG_STAMP): $(STAMP) tests/sglang-requirements.txt
+	$(PIP) install --no-deps -r tests/sglang-requirements.txt
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(PY) -m pytest tests/test_sglang_adapter.py $(PYTEST_ARGS)
 
 bench-offline: $(STAMP)
 	$(PY) bench/bench_offline.py

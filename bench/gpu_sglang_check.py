@@ -1,10 +1,15 @@
 """Our Triton kernels on SGLang 0.5.23's CUDA pools, against our fp64 reference and SGLang's kernels.
 
-    pip install --no-deps --no-index --target /tmp/sgl-site .whl/sglang-cp312/*.whl
-    PYTHONPATH=/tmp/sgl-site:. python3 bench/gpu_sglang_check.py --out $OUT
+    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312-extra/*.whl
+    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312/*.whl
+    PYTHONPATH=.whl/site:. python3 bench/gpu_sglang_check.py --out $OUT
 
-(.whl/sglang-cp312/ holds sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl and the cp312
-wheels of tests/sglang-requirements.txt, 61 MiB; torch and triton are the machine's.)
+.whl/sglang-cp312/ (61 MiB) holds sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl and the
+cp312 wheels of tests/sglang-requirements.txt; .whl/sglang-cp312-extra/ (24 MiB) the rest of what
+SGLang's imports need that our project's own dependencies bring on a CPU machine (pydantic,
+huggingface-hub, tokenizers, safetensors, pillow, openai, starlette, ...). torch and triton are
+the machine's. The two do not fit one 64 MiB carry: install the extras in a first call (the
+ignored .whl/site stays on a warm machine), then the rest and the check in a second.
 
 1. install: which SGLang imports and the device;
 2. SGLang's pools built on the GPU by SGLang's classes (SWA 256-row pages of 149,760 B, C4

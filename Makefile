@@ -6,6 +6,8 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 30000
+# the suite runs on two worker processes (a file per worker at a time: module fixtures are built once)
+PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-sglang bench-offline clean
@@ -23,7 +25,7 @@ serve: $(STAMP)
 	$(PY) server.py --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The SGLang plugin's tests: sglang==0.5.23 and the packages its imports need, all --no-deps so
 # that SGLang's torch==2.14.1 pin never replaces ours (tests/sglang-requirements.txt).

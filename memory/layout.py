@@ -233,3 +233,23 @@ def read_indexer_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     values, scales, valid = _read(pool, slots, INDEXER_ROW_BYTES, INDEXER_VALUE_BYTES, "indexer")
     rows = indexer_dequantize(_indexer_from_bytes(values, scales))
     return rows.masked_fill(~valid.unsqueeze(-1), 0.0)
+
+
+def _row_format(indexer: bool) -> tuple[int, int, str]:
+    return (INDEXER_ROW_BYTES, INDEXER_VALUE_BYTES, "indexer") if indexer else (KV_ROW_BYTES, KV_PART_BYTES, "attention")
+
+
+def read_row_bytes(pool: torch.Tensor, slots: torch.Tensor, indexer: bool = False) -> torch.Tensor:
+    """The stored bytes of the rows at ``slots`` (int64 ``[N]``, each >= 0), uint8 ``[N, row_bytes]``
+    (head part then scale part): a copy that :func:`write_row_bytes` puts back bit for bit."""
+    row_bytes, head_width, what = _row_format(indexer)
+    _check_slots(slots, pool.shape[0] * pool_page_size(pool, row_bytes, what), allow_negative=False)
+    head, tail, _ = _read(pool, slots, row_bytes, head_width, what)
+    return torch.cat([head, tail], dim=-1)
+
+
+def write_row_bytes(pool: torch.Tensor, slots: torch.Tensor, raw: torch.Tensor, indexer: bool = False) -> None:
+    """Store rows' bytes ``raw [N, row_bytes]`` (from :func:`read_row_bytes`) at ``slots``."""
+    row_bytes, head_width, what = _row_format(indexer)
+    _check_one_slot_per_row(slots, raw)
+    _write(pool, slots, raw[:, :head_width], raw[:, head_width:], row_bytes, what)

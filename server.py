@@ -858,13 +858,6 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
                 "tokenizer_path": state.tokenizer_path, "is_generation": True,
                 "context_length": state.context_length, "vocab_size": state.vocab_size}
 
-    @app.post("/flush_cache")
-    async def flush_cache(timeout: float = 0.0):
-        """SGLang's route: 200 when the prefix cache was flushed, 400 while requests are in flight."""
-        if engine.flush_cache():
-            return PlainTextResponse("Cache flushed.\n")
-        return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
-
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():

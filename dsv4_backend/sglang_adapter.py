@@ -86,9 +86,7 @@ import torch  # noqa: E402
 
 from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices  # noqa: E402
 from sglang.srt.arg_groups.model_override_base import register_model_override_predicate  # noqa: E402
-from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
-    ATTENTION_BACKENDS, register_attention_backend,
-)
+from sglang.srt.layers.attention.attention_registry import register_attention_backend  # noqa: E402
 from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend  # noqa: E402
 from sglang.srt.model_executor.pool_configurator import (  # noqa: E402
     MemoryPoolConfig, MemoryPoolConfigurator,
@@ -280,5 +278,5 @@ def register() -> None:
     logger.info("registered attention backend %s and its DSV4 pool configurator", BACKEND_NAME)
 
 
-__all__ = ["BACKEND_NAME", "ATTENTION_BACKENDS", "TritonDSV4AttnBackend", "TritonDSV4PoolConfigurator",
+__all__ = ["BACKEND_NAME", "TritonDSV4AttnBackend", "TritonDSV4PoolConfigurator",
            "create_configurator", "keep_backend_for_dsv4", "register"]

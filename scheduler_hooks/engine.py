@@ -584,14 +584,6 @@ class Engine:
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
 
-    def flush_cache(self) -> bool:
-        """SGLang's ``/flush_cache``: drop every cached prefix; True when done.
-
-        With no prefix cache there is nothing to drop, so this always succeeds. A prefix cache
-        flushes only while no request is running or waiting, and returns False otherwise.
-        """
-        return True
-
     # ---- lifetime -------------------------------------------------------------------
 
     def shutdown(self) -> None:

@@ -146,8 +146,8 @@ def test_models_and_health(server, client, model):
 
 
 def test_sglang_tool_routes(server, tok):
-    """What sglang.bench_serving calls: POST /flush_cache (a no-op success without a prefix
-    cache, with or without its timeout parameter) and /model_info's tokenizer_path."""
+    """What sglang.bench_serving calls: POST /flush_cache (with or without the timeout parameter
+    it sends) and /model_info's tokenizer_path, the directory of the server's tokenizer.json."""
     for params in ({}, {"timeout": 60.0}):
         r = httpx.post(server.url + "/flush_cache", params=params)
         assert r.status_code == 200 and r.text.startswith("Cache flushed"), r.text

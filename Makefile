@@ -10,7 +10,7 @@ PORT   ?= 30000
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench-offline clean
+.PHONY: setup serve test test-sglang bench-offline clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,16 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The SGLang plugin's tests: sglang==0.5.23 and the packages its imports need, all --no-deps so
+# that SGLang's torch==2.14.1 pin never replaces ours (tests/sglang-requirements.txt).
+SGLANG_STAMP := $(VENV)/.sglang-installed
+$(SGLANG_STAMP): $(STAMP) tests/sglang-requirements.txt
+	$(PIP) install --no-deps -r tests/sglang-requirements.txt
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(PY) -m pytest tests/test_sglang_adapter.py $(PYTEST_ARGS)
 
 bench-offline: $(STAMP)
 	$(PY) bench/bench_offline.py

@@ -30,6 +30,7 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Optional
 
 import uvicorn
@@ -645,6 +646,9 @@ class ServerState:
         self.engine = engine
         self.args = args
         self.tokenizer = engine.tokenizer
+        # the directory of the tokenizer.json in use, for clients that load it (sglang.bench_serving)
+        source = getattr(engine.tokenizer, "source", "")
+        self.tokenizer_path = str(Path(source).parent) if source else None
         self.context_length = int(engine.context_length)
         # The longest prompt + output one request may have: the context, or the pools if smaller.
         self.token_limit = min(self.context_length, int(getattr(engine, "max_total_tokens", None) or self.context_length))
@@ -851,7 +855,8 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     @app.get("/get_model_info")
     async def model_info():
         return {"model_path": args.model_path or f"preset:{args.preset}", "served_model_name": args.model_name,
-                "is_generation": True, "context_length": state.context_length, "vocab_size": state.vocab_size}
+                "tokenizer_path": state.tokenizer_path, "is_generation": True,
+                "context_length": state.context_length, "vocab_size": state.vocab_size}
 
     @app.get("/server_info")
     @app.get("/get_server_info")

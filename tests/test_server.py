@@ -145,6 +145,19 @@ def test_models_and_health(server, client, model):
         assert httpx.get(server.url + path).json()["context_length"] == CONTEXT
 
 
+def test_sglang_tool_routes(server, tok):
+    """What sglang.bench_serving calls: POST /flush_cache (with or without the timeout parameter
+    it sends) and /model_info's tokenizer_path, the directory of the server's tokenizer.json."""
+    for params in ({}, {"timeout": 60.0}):
+        r = httpx.post(server.url + "/flush_cache", params=params)
+        assert r.status_code == 200 and r.text.startswith("Cache flushed"), r.text
+    assert httpx.get(server.url + "/flush_cache").status_code == 405
+    path = httpx.get(server.url + "/model_info").json()["tokenizer_path"]
+    assert (Path(path) / "tokenizer.json").is_file()
+    text = "Name three colours, in Chinese: 红色"
+    assert load_tokenizer(path).encode(text) == tok.encode(text)
+
+
 def test_chat_usage_counts_the_encoded_prompt(client, model, tok):
     r = client.chat.completions.create(model=model, messages=MSGS, max_tokens=5, temperature=0)
     ch = r.choices[0]

@@ -1,0 +1,248 @@
+"""Our Triton kernels on SGLang 0.5.23's CUDA pools, against our fp64 reference and SGLang's kernels.
+
+    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312-extra/*.whl
+    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312/*.whl
+    PYTHONPATH=.whl/site:. python3 bench/gpu_sglang_check.py --out $OUT
+
+.whl/sglang-cp312/ (61 MiB) holds sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl and the
+cp312 wheels of tests/sglang-requirements.txt; .whl/sglang-cp312-extra/ (24 MiB) the rest of what
+SGLang's imports need that our project's own dependencies bring on a CPU machine (pydantic,
+huggingface-hub, tokenizers, safetensors, pillow, openai, starlette, ...). torch and triton are
+the machine's. The two do not fit one 64 MiB carry: install the extras in a first call (the
+ignored .whl/site stays on a warm machine), then the rest and the check in a second.
+
+1. install: which SGLang imports and the device;
+2. SGLang's pools built on the GPU by SGLang's classes (SWA 256-row pages of 149,760 B, C4
+   64-row pages of 37,440 B, C128 2-row pages of 1,728 B, indexer 64-row pages of 8,448 B);
+3. the KV store: ``kv_store_rows`` into SGLang's SWA and C4 pools, bit-exact against
+   ``memory.layout.write_kv_rows`` (order-free quantisation) and against SGLang's own store
+   (``set_key_buffer_fused``, its JIT kernel) where that kernel builds; the plugin's
+   ``TritonDSV4AttnBackend.store_cache`` on a full SGLang SWA pool;
+4. sparse decode (window in SGLang SWA pages, top-k in SGLang C4 pages; Flash h64 top-k 512,
+   Pro h128 top-k 1024) and the indexer scores on SGLang's indexer pages, against the fp64
+   references within the bounds of tests/bounds.py.
+
+Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound) and writes
+``gpu_sglang_check.json`` under ``--out``. Exit status 1 if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # --tiny dry run on a CPU, kernels under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CHECKS: list[dict] = []
+TINY = False
+
+
+def record(name: str, status: str, **info) -> None:
+    CHECKS.append({"name": name, "status": status, **info})
+    print(f"{status:4s} {name}: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+
+
+def guarded(name: str, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # a failed check must not hide the others
+        record(name, "FAIL", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc(limit=4)[-800:])
+
+
+def sglang_pools(swa_tokens: int, full_tokens: int):
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool, DeepSeekV4SingleKVPool
+    from sglang.srt.runtime_context import get_context
+    with get_context().override_server_args(page_size=256):
+        kv = dict(dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, layer_num=1,
+                  device=DEV, enable_memory_saver=False, global_page_size=256)
+        swa = DeepSeekV4SingleKVPool(swa_tokens, 256, **kv)
+        c4 = DeepSeekV4SingleKVPool(full_tokens // 4, 64, **kv)
+        c128 = DeepSeekV4SingleKVPool(full_tokens // 128, 2, **kv)
+        idx = DeepSeekV4IndexerPool(full_tokens // 4, 64, torch.float8_e4m3fn, 128, 1, DEV, False,
+                                    use_fp4_indexer=False, global_page_size=256)
+    return swa, c4, c128, idx
+
+
+def check_pages(pools) -> None:
+    swa, c4, c128, idx = pools
+    got = (swa.kv_buffer[0].shape[1], c4.kv_buffer[0].shape[1], c128.kv_buffer[0].shape[1],
+           idx.index_k_with_scale_buffer[0].shape[1])
+    want = (149_760, 37_440, 1_728, 8_448)
+    record("sglang page bytes", "PASS" if got == want else "FAIL", got=got, want=want)
+
+
+def check_store(name: str, pool, rows_per_page: int, g: torch.Generator) -> None:
+    from dsv4_backend.kernels.kv_store import kv_store_rows
+    from memory.layout import write_kv_rows
+    buf = pool.kv_buffer[0]
+    n = min(64 if TINY else 4096, (buf.shape[0] - 1) * rows_per_page)
+    slots = torch.randperm((buf.shape[0] - 1) * rows_per_page, generator=g)[:n]
+    rows = (torch.randn(n, 512, generator=g) * torch.exp2(torch.randint(-12, 8, (n, 1), generator=g))).bfloat16()
+    ours = torch.zeros_like(buf)
+    kv_store_rows(ours, slots.to(DEV).int(), rows.to(DEV))
+    ref = torch.zeros(buf.shape, dtype=torch.uint8)
+    write_kv_rows(ref, slots, rows.double())
+    diff = int((ours.cpu() != ref).sum())
+    record(f"{name}: kv_store_rows vs layout reference", "PASS" if diff == 0 else "FAIL",
+           rows=n, differing_bytes=diff, bound=0)
+    try:
+        buf.zero_()
+        pool.set_key_buffer_fused(0, slots.to(DEV).long(), rows.to(DEV))
+        theirs = buf.cpu()
+    except Exception as e:
+        record(f"{name}: vs SGLang's set_key_buffer_fused", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+        return
+    mism = (theirs != ours.cpu())
+    rows_off = int(mism.any(1).sum())
+    record(f"{name}: vs SGLang's set_key_buffer_fused", "PASS" if not mism.any() else "FAIL",
+           rows=n, differing_bytes=int(mism.sum()), pages_with_differences=rows_off, bound=0)
+
+
+def check_backend_store(pools, g) -> None:
+    import dsv4_backend.sglang_adapter as A
+    from memory.layout import write_kv_rows
+    swa = pools[0].kv_buffer[0]
+    swa.zero_()
+    backend = object.__new__(A.TritonDSV4AttnBackend)
+    backend.pre_kv_store_hook = None
+    n = 16 if TINY else 1000
+    locs = torch.randperm((swa.shape[0] - 1) * 256, generator=g)[:n].int()
+    backend.forward_metadata = NS(core_attn_metadata=NS(swa_out_cache_loc=locs.to(DEV)))
+    backend.token_to_kv_pool = NS(request_window=None, get_swa_raw_buffer=lambda layer_id: swa)
+    batch = NS(out_cache_loc=torch.zeros(n, device=DEV), forward_mode=NS(is_idle=lambda: False))
+    rows = torch.randn(n, 512, generator=g).bfloat16()
+    backend.store_cache(0, rows.to(DEV), batch)
+    ref = torch.zeros(swa.shape, dtype=torch.uint8)
+    write_kv_rows(ref, locs.long(), rows.double())
+    diff = int((swa.cpu() != ref).sum())
+    record("TritonDSV4AttnBackend.store_cache on SGLang's SWA pool", "PASS" if diff == 0 else "FAIL",
+           differing_bytes=diff, bound=0)
+
+
+def fill(pool_buf, rows_per_page: int, g, scale=2.0) -> None:
+    from memory.layout import write_kv_rows
+    n = pool_buf.shape[0] * rows_per_page
+    host = torch.zeros(pool_buf.shape, dtype=torch.uint8)
+    write_kv_rows(host, torch.arange(n), torch.randn(n, 512, generator=g) * scale)
+    pool_buf.copy_(host)
+
+
+def check_decode(name: str, pools, h: int, k: int, b: int, g) -> None:
+    from bounds import assert_within, attention_bound
+    from dsv4_backend.kernels import reference as R
+    from dsv4_backend.kernels.sparse_attention import sparse_decode
+    from memory.layout import read_kv_rows
+    swa, c4 = pools[0].kv_buffer[0], pools[1].kv_buffer[0]
+    fill(swa, 256, g)
+    fill(c4, 64, g)
+    win = torch.randint(0, swa.shape[0] * 256, (b, 128), generator=g, dtype=torch.int32)
+    win[0, 100:] = -1
+    ext = torch.randint(0, c4.shape[0] * 64, (b, k), generator=g, dtype=torch.int32)
+    ext[1, ::7] = -1
+    q = (torch.randn(b, h, 512, generator=g) * 3).bfloat16()
+    sink = torch.randn(h, generator=g)
+    scale = 512 ** -0.5
+    got = sparse_decode(q.to(DEV), swa, win.to(DEV), c4, ext.to(DEV), sink.to(DEV), scale)
+    ref = R.sparse_decode_ref(q.float(), swa.cpu(), win, c4.cpu(), ext, sink, scale)
+    keys = torch.cat([read_kv_rows(swa.cpu(), win.clamp_min(0).long()),
+                      read_kv_rows(c4.cpu(), ext.clamp_min(0).long())], 1)
+    valid = torch.cat([win >= 0, ext >= 0], 1)
+    out_b, lse_b = attention_bound(q.float(), keys, valid, sink, scale, bf16_p=True,
+                                   bf16_out=got.out.dtype == torch.bfloat16)
+    err = (got.out.cpu().float() - ref.out.float()).abs()
+    worst = float((err / out_b).max())
+    try:
+        assert_within(got.out.cpu(), ref.out, out_b, "out")
+        assert_within(got.lse.cpu(), ref.lse, lse_b, "lse")
+        status = "PASS"
+    except AssertionError:
+        status = "FAIL"
+    record(f"sparse decode on SGLang SWA + C4 pages ({name})", status, b=b, h=h, topk=k,
+           max_err=f"{float(err.max()):.3g}", worst_err_over_bound=f"{worst:.3g}", bound="<= 1")
+
+
+def check_indexer(pools, g) -> None:
+    from bounds import assert_within, indexer_score_bound
+    from dsv4_backend.kernels import reference as R
+    from dsv4_backend.kernels.indexer import indexer_scores
+    from memory.layout import read_indexer_rows, write_indexer_rows
+    from memory.quant import indexer_fake_quant
+    idx = pools[3].index_k_with_scale_buffer[0]
+    n = idx.shape[0] * 64
+    host = torch.zeros(idx.shape, dtype=torch.uint8)
+    write_indexer_rows(host, torch.arange(n), torch.randn(n, 128, generator=g))
+    idx.copy_(host)
+    b, h, L = (2, 4, 64) if TINY else (8, 64, 4096)
+    q = indexer_fake_quant(torch.randn(b, h, 128, generator=g))
+    w = torch.randn(b, h, generator=g)
+    row_ids = torch.randint(0, n, (b, L), generator=g)
+    row_ids[0, 3000:] = -1
+    got = indexer_scores(q.to(DEV), w.to(DEV), idx, row_ids=row_ids.to(DEV)).cpu()
+    ref = R.indexer_scores_ref(q, w, host, row_ids)
+    bound = indexer_score_bound(q, w, read_indexer_rows(host, row_ids.clamp_min(0).long()))
+    finite = torch.isfinite(ref)
+    worst = float(((got - ref).abs()[finite] / bound.expand_as(ref)[finite]).max())
+    try:
+        assert_within(got, ref, bound, "scores")
+        status = "PASS"
+    except AssertionError:
+        status = "FAIL"
+    record("indexer scores on SGLang indexer pages", status, b=b, h=h, rows=L,
+           worst_err_over_bound=f"{worst:.3g}", bound="<= 1")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="small shapes (a CPU dry run under the interpreter)")
+    args = ap.parse_args()
+    global TINY
+    TINY = args.tiny
+    t0 = time.time()
+    import dsv4_backend.sglang_adapter as A  # stubs torchvision when absent, then imports SGLang
+    import sglang
+    A.register()
+    device = (f"{torch.cuda.get_device_name()} sm{torch.cuda.get_device_capability()}"
+              if DEV == "cuda" else "cpu (Triton interpreter)")
+    record("install", "PASS", sglang=sglang.__version__, torch=torch.__version__, device=device)
+    g = torch.Generator().manual_seed(0)
+    pools = sglang_pools(swa_tokens=2 * 256, full_tokens=1024) if TINY else \
+        sglang_pools(swa_tokens=64 * 256, full_tokens=256 * 1024)
+    guarded("sglang page bytes", check_pages, pools)
+    guarded("store swa", check_store, "SGLang SWA pool", pools[0], 256, g)
+    guarded("store c4", check_store, "SGLang C4 pool", pools[1], 64, g)
+    guarded("backend store_cache", check_backend_store, pools, g)
+    if TINY:
+        guarded("decode tiny", check_decode, "h8 top-k 16", pools, 8, 16, 2, g)
+    else:
+        guarded("decode flash", check_decode, "Flash h64 top-k 512", pools, 64, 512, 32, g)
+        guarded("decode pro", check_decode, "Pro h128 top-k 1024", pools, 128, 1024, 16, g)
+    guarded("indexer", check_indexer, pools, g)
+    failed = [c["name"] for c in CHECKS if c["status"] == "FAIL"]
+    passed = sum(c["status"] == "PASS" for c in CHECKS)
+    skipped = sum(c["status"] == "SKIP" for c in CHECKS)
+    print(f"checks: {passed} passed, {len(failed)} failed, {skipped} skipped ({time.time() - t0:.0f} s)", flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_sglang_check.json").write_text(json.dumps(CHECKS, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

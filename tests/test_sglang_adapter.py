@@ -1,0 +1,344 @@
+"""The SGLang 0.5.23 plugin (dsv4_backend/sglang_adapter.py) against SGLang itself, on the CPU.
+
+Needs ``sglang==0.5.23`` installed ``--no-deps`` with the packages of tests/sglang-requirements.txt
+(``make test-sglang``); skipped where SGLang is absent. SGLang is imported once per module (its
+import takes ~15 s on two cores). Everything runs SGLang's real code: the entry-point discovery,
+the argument resolution of a DeepSeek-V4 config, SGLang's own ``DSV4PoolConfigurator``, SGLang's
+pool classes built on the CPU. Our kernels run under the Triton interpreter at tiny shapes.
+"""
+
+import itertools
+import json
+import sys
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="sglang==0.5.23 is not installed (make test-sglang)")
+
+import dsv4_backend.sglang_adapter as A  # noqa: E402  (stubs torchvision before SGLang loads)
+import sglang.srt.mem_cache.deepseek_v4_memory_pool as sgl_pool  # noqa: E402
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import (  # noqa: E402
+    DeepSeekV4IndexerPool, DeepSeekV4SingleKVPool,
+)
+from sglang.srt.model_executor import pool_configurator as sgl_cfg  # noqa: E402
+from sglang.srt.runtime_context import get_context  # noqa: E402
+
+from bounds import assert_within, attention_bound, indexer_score_bound  # noqa: E402
+from conftest import ROOT, TESTDATA  # noqa: E402
+from dsv4_backend.kernels import reference as R  # noqa: E402
+from dsv4_backend.kernels.indexer import indexer_scores  # noqa: E402
+from dsv4_backend.kernels.kv_store import kv_store_rows  # noqa: E402
+from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
+from memory.layout import pack_kv_page, read_kv_rows, write_indexer_rows, write_kv_rows  # noqa: E402
+from memory.quant import indexer_fake_quant  # noqa: E402
+from memory.sglang_sizing import SGLangPoolInputs, SGLangPoolSizing, attention_page_bytes  # noqa: E402
+
+FLASH = json.loads((TESTDATA / "configs" / "deepseek-v4-flash.config.json").read_text())
+PRO = json.loads((TESTDATA / "configs" / "deepseek-v4-pro.config.json").read_text())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin():
+    """Run the plugin as SGLang's loader would, then apply the hooks it registered."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    A.register()
+    HookRegistry.apply_hooks()
+
+
+# ---- the entry point -------------------------------------------------------------------------
+
+def _entry_points_from_pyproject() -> str:
+    import tomllib
+    eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    return "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in table.items()) + "\n"
+                   for group, table in eps.items())
+
+
+def test_entry_point_is_discovered_and_registers_the_backend(tmp_path, monkeypatch):
+    """SGLang's own loader finds the entry point pyproject.toml declares and runs it."""
+    import sglang.srt.plugins as plugins
+    dist = tmp_path / "dsv4_plugin_probe-0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dsv4-plugin-probe\nVersion: 0.0\n")
+    (dist / "entry_points.txt").write_text(_entry_points_from_pyproject())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = plugins.load_plugins_by_group(plugins.GENERAL_PLUGINS_GROUP)
+    assert found[A.BACKEND_NAME][0] is A.register
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    plugins.load_plugins()
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    assert ATTENTION_BACKENDS[A.BACKEND_NAME] is A.create_backend
+    assert ATTENTION_BACKEND_CHOICES.count(A.BACKEND_NAME) == 1
+    assert issubclass(A.TritonDSV4AttnBackend, sys.modules[
+        "sglang.srt.layers.attention.deepseek_v4_backend"].DeepseekV4AttnBackend)
+
+
+# ---- argument resolution ---------------------------------------------------------------------
+
+def _resolve(tmp_path, *argv):
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of, resolved_view
+    from sglang.srt.server_args import prepare_server_args
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(FLASH))
+    args = prepare_server_args(["--model-path", str(model), "--device", "cpu", "--skip-tokenizer-init", *argv])
+    args.resolve_once()
+    view = resolved_view(args)
+    return attention_backends_of(view), view
+
+
+@pytest.mark.parametrize("flags", [
+    ["--attention-backend", "dsv4_triton"],
+    ["--prefill-attention-backend", "dsv4_triton", "--decode-attention-backend", "dsv4_triton"],
+])
+def test_resolution_keeps_our_backend_for_dsv4(tmp_path, flags):
+    """Regression: SGLang's DSV4 override declares "dsv4"; our provider re-declares ours."""
+    backends, view = _resolve(tmp_path, *flags)
+    assert backends == ("dsv4_triton", "dsv4_triton")
+    assert view.attention_backend == "dsv4_triton"
+    assert view.page_size == 256  # the rest of SGLang's DSV4 defaults still apply
+    assert view.max_running_requests == 256
+
+
+def test_resolution_of_another_backend_is_still_forced_to_dsv4(tmp_path):
+    """The behaviour our provider works around (and leaves alone for other backends)."""
+    backends, _ = _resolve(tmp_path, "--attention-backend", "triton")
+    assert backends == ("dsv4", "dsv4")
+
+
+# ---- the configurator ------------------------------------------------------------------------
+
+def _kvc(config, page=256, dp=1):
+    ratios = config["compress_ratios"]
+    L = config["num_hidden_layers"]
+    mc = NS(qk_nope_head_dim=448, qk_rope_head_dim=64, index_head_dim=config["index_head_dim"],
+            context_len=config["max_position_embeddings"], compress_ratios=ratios,
+            hf_config=NS(kv_source_layer_ids=[], architectures=config["architectures"]),
+            window_size=config["sliding_window"])
+    return NS(kv_cache_dtype_str="fp8_e4m3", model_config=mc, is_hybrid_swa=True,
+              layer_info=NS(start_layer=0, end_layer=L), pp_size=1,
+              sliding_window_size=config["sliding_window"], page_size=page, attn_dp_size=dp,
+              spec_algorithm=NS(is_dspark=lambda: False, is_none=lambda: True, is_eagle=lambda: False))
+
+
+def _server_fields(R, dp, explicit_ratio, spec, hisparse, chunk=8192):
+    fields = dict(page_size=256, max_running_requests=R, chunked_prefill_size=chunk, tp_size=2 * dp,
+                  attn_dp_size=dp)
+    if explicit_ratio is not None:
+        fields.update(swa_full_tokens_ratio=explicit_ratio, _swa_full_tokens_ratio_explicitly_set=True)
+    if spec:
+        fields.update(speculative_algorithm="EAGLE", speculative_num_draft_tokens=2,
+                      speculative_num_steps=1, speculative_eagle_topk=1)
+    if hisparse:
+        fields.update(enable_hisparse=True, hisparse_config=json.dumps({"host_to_device_ratio": hisparse}))
+    return fields
+
+
+@pytest.fixture
+def env_flags(monkeypatch):
+    def set_flags(bf16: bool, online: bool):
+        monkeypatch.setenv("SGLANG_DSV4_COMPRESS_STATE_DTYPE", "bf16" if bf16 else "float32")
+        monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1" if online else "0")
+        # SGLang reads this flag once at import for its ring size; a launch sets it before.
+        monkeypatch.setattr(sgl_pool, "ONLINE_C128", online)
+    return set_flags
+
+
+def _both(config, fields, budget, dp=1):
+    """SGLang's and our configs for a budget, and for half its tokens; None where both refuse."""
+    with get_context().override_server_args(**fields):
+        kvc = _kvc(config, dp=dp)
+        theirs, ours = sgl_cfg.DSV4PoolConfigurator(kvc), A.TritonDSV4PoolConfigurator(kvc)
+        try:
+            a = theirs.calculate_pool_sizes(budget, 256)
+        except (RuntimeError, ValueError) as refusal:
+            with pytest.raises((RuntimeError, ValueError)):
+                ours.calculate_pool_sizes(budget, 256)
+            return None, None, theirs, ours, refusal
+        b = ours.calculate_pool_sizes(budget, 256)
+        for c in (a, b):
+            c.max_running_requests = fields["max_running_requests"] // dp
+        a, b = theirs.finalize_with_max_running_requests(a), ours.finalize_with_max_running_requests(b)
+        t = theirs.calculate_pool_sizes_from_max_tokens(a.full_max_total_num_tokens // 2, 256)
+        o = ours.calculate_pool_sizes_from_max_tokens(a.full_max_total_num_tokens // 2, 256)
+    return (a, t), (b, o), theirs, ours, None
+
+
+GRID = [c for c in itertools.product(
+    (False, True),          # bf16 state
+    (False, True),          # online C128
+    (False, True),          # speculative (EAGLE, 2 draft tokens)
+    (0, 2, 4),              # HiSparse host-to-device ratio (0 = off)
+    (1, 2),                 # attention DP width (TP 2 x dp)
+    (None, 0.1, 0.25),      # operator's swa ratio (None = SGLang's cap mode)
+) if not (c[1] and c[2])]   # online C128 with speculative decoding is refused by both
+
+
+@pytest.mark.parametrize("config", [FLASH, PRO], ids=["flash", "pro"])
+def test_configurator_parity_with_sglang(config, env_flags):
+    """Every MemoryPoolConfig field equals SGLang's, for budgets and token counts, over the grid."""
+    g = torch.Generator().manual_seed(7)
+    sized = 0
+    for bf16, online, spec, hisparse, dp, ratio in GRID:
+        env_flags(bf16, online)
+        R = int(torch.randint(16, 512, (1,), generator=g)) * dp
+        budget = int(torch.randint(30 << 30, 140 << 30, (1,), generator=g))
+        ab, to, theirs, ours, refusal = _both(config, _server_fields(R, dp, ratio, spec, hisparse), budget, dp)
+        case = dict(bf16=bf16, online=online, spec=spec, hisparse=hisparse, dp=dp, ratio=ratio, R=R, budget=budget)
+        if refusal is not None:
+            continue
+        sized += 1
+        (a, t), (b, o) = ab, to
+        assert b == a, case
+        assert o == t, case
+        assert ours.sizing.bytes_per_full_token() == pytest.approx(theirs.bytes_per_full_token, rel=1e-12), case
+        assert b.c4_max_total_num_tokens == b.full_max_total_num_tokens // (4 * max(hisparse, 1)), case
+    assert sized >= len(GRID) * 3 // 4, f"only {sized} of {len(GRID)} cases were sized by SGLang"
+
+
+def test_flash_figure_by_hand(env_flags):
+    """7,086.75 B per full token on Flash, one rank, fp32 state, operator ratio 0.1, derived here:
+    SWA 149,760 / 256 = 585 B x 43 layers, C4 ring 8 / 256 x (8,192 + 2,048) B x 21, both x 0.1;
+    C4 37,440 / 64 / 4 x 21; C128 1,728 / 2 / 128 x 20; indexer 132 / 4 x 21."""
+    env_flags(False, False)
+    want = 0.1 * (585 * 43 + 8 / 256 * 10240 * 21) + 585 / 4 * 21 + 864 / 128 * 20 + 33 * 21
+    assert want == 7086.75
+    *_, theirs, ours, refusal = _both(FLASH, _server_fields(256, 1, 0.1, False, 0), 100 << 30)
+    assert refusal is None
+    assert theirs.bytes_per_full_token == want
+    assert ours.sizing.bytes_per_full_token() == want
+
+
+def test_hook_picks_our_configurator_only_under_our_backend(env_flags):
+    env_flags(False, False)
+    kvc = _kvc(FLASH)
+    with get_context().override_server_args(**_server_fields(256, 1, 0.1, False, 0),
+                                            attention_backend="dsv4_triton"):
+        assert isinstance(sgl_cfg.create_memory_pool_configurator(kvc), A.TritonDSV4PoolConfigurator)
+    with get_context().override_server_args(**_server_fields(256, 1, 0.1, False, 0), attention_backend="dsv4"):
+        assert type(sgl_cfg.create_memory_pool_configurator(kvc)) is sgl_cfg.DSV4PoolConfigurator
+
+
+def test_configurator_refuses_unserved_modes(env_flags):
+    env_flags(False, False)
+    v41 = dict(FLASH, compress_ratios=[2] + FLASH["compress_ratios"][1:])
+    with get_context().override_server_args(**_server_fields(256, 1, 0.1, False, 0)):
+        with pytest.raises(ValueError, match="ratios 1/2"):
+            A.TritonDSV4PoolConfigurator(_kvc(v41))
+        ours = A.TritonDSV4PoolConfigurator(_kvc(FLASH))
+        with pytest.raises(ValueError, match="page_size 128"):
+            ours.calculate_pool_sizes(100 << 30, 128)
+
+
+# ---- SGLang's pools and our kernels on them --------------------------------------------------
+
+def _sglang_pools(swa_tokens=512, full_tokens=1024):
+    """SGLang's SWA, C4, C128 and C4-indexer pools of one layer each, on the CPU."""
+    with get_context().override_server_args(page_size=256):
+        kv = dict(dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64, layer_num=1,
+                  device="cpu", enable_memory_saver=False, global_page_size=256)
+        swa = DeepSeekV4SingleKVPool(swa_tokens, 256, **kv)
+        c4 = DeepSeekV4SingleKVPool(full_tokens // 4, 64, **kv)
+        c128 = DeepSeekV4SingleKVPool(full_tokens // 128, 2, **kv)
+        idx = DeepSeekV4IndexerPool(full_tokens // 4, 64, torch.float8_e4m3fn, 128, 1, "cpu", False,
+                                    use_fp4_indexer=False, global_page_size=256)
+    return swa.kv_buffer[0], c4.kv_buffer[0], c128.kv_buffer[0], idx.index_k_with_scale_buffer[0]
+
+
+def test_sglang_pool_pages_are_the_documented_bytes():
+    swa, c4, c128, idx = _sglang_pools()
+    assert (swa.shape[1], c4.shape[1], c128.shape[1], idx.shape[1]) == (149_760, 37_440, 1_728, 8_448)
+    assert swa.shape[1] == attention_page_bytes(256) and c128.shape[1] == attention_page_bytes(2)
+    assert all(p.dtype == torch.uint8 and p.is_contiguous() for p in (swa, c4, c128, idx))
+    sizing = SGLangPoolSizing(SGLangPoolInputs(layer_ratios=(0, 4, 128), sliding_window=128,
+                                               max_running_requests=1))
+    assert sizing.kv_bytes_per_row(0) == 585 and sizing.kv_bytes_per_row(4) == 585
+    assert sizing.kv_bytes_per_row(128) == 864
+
+
+@pytest.mark.parametrize("pool_index,rows_per_page", [(0, 256), (1, 64), (2, 2)], ids=["swa", "c4", "c128"])
+def test_kv_store_on_sglang_pages(pool_index, rows_per_page):
+    """Our store on an SGLang page: the page's first P*584 bytes are the documented layout of
+    its rows (all parts, then all scale groups) and the 576-byte-block padding is untouched."""
+    pool = _sglang_pools()[pool_index]
+    g = torch.Generator().manual_seed(11 + pool_index)
+    pool.copy_(torch.randint(0, 256, pool.shape, generator=g, dtype=torch.uint8))
+    before = pool.clone()
+    page = pool.shape[0] - 2
+    rows = torch.randn(rows_per_page, 512, generator=g, dtype=torch.float64) * 3
+    slots = page * rows_per_page + torch.randperm(rows_per_page, generator=g)
+    kv_store_rows(pool, slots, rows[slots - page * rows_per_page])
+    used = rows_per_page * 584
+    assert torch.equal(pool[page, :used], pack_kv_page(rows))
+    assert torch.equal(pool[page, used:], before[page, used:]), "padding written"
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[page] = False
+    assert torch.equal(pool[others], before[others]), "another page written"
+
+
+def test_backend_store_cache_writes_sglang_swa_slots():
+    """TritonDSV4AttnBackend.store_cache: SGLang's SWA locations, the layer's SGLang buffer."""
+    swa = _sglang_pools()[0]
+    backend = object.__new__(A.TritonDSV4AttnBackend)
+    backend.pre_kv_store_hook = None
+    locs = torch.tensor([3, 300, 511], dtype=torch.int32)
+    backend.forward_metadata = NS(core_attn_metadata=NS(swa_out_cache_loc=locs))
+    backend.token_to_kv_pool = NS(request_window=None, get_swa_raw_buffer=lambda layer_id: swa)
+    batch = NS(out_cache_loc=torch.tensor([10, 20, 30]), forward_mode=NS(is_idle=lambda: False))
+    rows = torch.randn(3, 512, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    backend.store_cache(7, rows, batch)
+    want = torch.zeros_like(swa)
+    write_kv_rows(want, locs.long(), rows)
+    assert torch.equal(swa, want)
+
+
+def test_sparse_decode_on_sglang_pools():
+    """Window rows in SGLang's 256-row SWA pages, top-k rows in its 64-row C4 pages."""
+    swa, c4, _, _ = _sglang_pools()
+    g = torch.Generator().manual_seed(21)
+    write_kv_rows(swa, torch.arange(swa.shape[0] * 256), torch.randn(swa.shape[0] * 256, 512, generator=g) * 2)
+    write_kv_rows(c4, torch.arange(c4.shape[0] * 64), torch.randn(c4.shape[0] * 64, 512, generator=g) * 2)
+    b, h, w_len, k = 2, 8, 40, 24
+    win = torch.randint(0, swa.shape[0] * 256, (b, w_len), generator=g, dtype=torch.int32)
+    win[1, 30:] = -1
+    ext = torch.randint(0, c4.shape[0] * 64, (b, k), generator=g, dtype=torch.int32)
+    ext[0, ::5] = -1
+    q = torch.randn(b, h, 512, generator=g) * 3
+    sink = torch.randn(h, generator=g)
+    scale = 512 ** -0.5
+    got = sparse_decode(q, swa, win, c4, ext, sink, scale, num_splits=2,
+                        config=DecodeAttentionConfig(block_n=16))
+    ref = R.sparse_decode_ref(q, swa, win, c4, ext, sink, scale)
+    keys = torch.cat([read_kv_rows(swa, win.clamp_min(0).long()), read_kv_rows(c4, ext.clamp_min(0).long())], 1)
+    valid = torch.cat([win >= 0, ext >= 0], 1)
+    out_b, lse_b = attention_bound(q, keys, valid, sink, scale, bf16_p=False, bf16_out=False)
+    assert_within(got.out, ref.out, out_b, "out")
+    assert_within(got.lse, ref.lse, lse_b, "lse")
+
+
+def test_indexer_scores_on_sglang_indexer_pages():
+    _, _, _, idx = _sglang_pools()
+    g = torch.Generator().manual_seed(31)
+    n = idx.shape[0] * 64
+    write_indexer_rows(idx, torch.arange(n), torch.randn(n, 128, generator=g))
+    b, h, L = 2, 4, 70
+    q = indexer_fake_quant(torch.randn(b, h, 128, generator=g))
+    w = torch.randn(b, h, generator=g)
+    row_ids = torch.randint(0, n, (b, L), generator=g)
+    row_ids[1, 50:] = -1
+    got = indexer_scores(q, w, idx, row_ids=row_ids)
+    ref = R.indexer_scores_ref(q, w, idx, row_ids)
+    keys = sys.modules["memory.layout"].read_indexer_rows(idx, row_ids.clamp_min(0).long())
+    assert_within(got, ref, indexer_score_bound(q, w, keys), "scores")
+
+
+def test_torchvision_stub_only_when_absent():
+    import importlib.util
+    tv = sys.modules.get("torchvision")
+    if importlib.util.find_spec("torchvision") is not None and getattr(tv, "__file__", None):
+        pytest.skip("a real torchvision is installed; the stub is not used")
+    with pytest.raises(ImportError, match="torchvision"):
+        tv.transforms.Compose([])

@@ -174,9 +174,9 @@ def run_workload(eng: Engine, name: str, args: argparse.Namespace) -> dict[str, 
             "outputs": [loop.outputs[r] for r in sorted(loop.outputs)]}
 
 
-def release(eng: Engine) -> None:
-    eng.shutdown()
-    del eng
+def free_device_memory() -> None:
+    """After the caller dropped its last reference to an engine: its weights and pools go back
+    (on a GPU the next engine needs them; the caller's own name would keep them alive)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -193,14 +193,18 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 for m in ("off", "on"):
                     runs[m][w].append(run_workload(engines[m], w, args))
         for eng in engines.values():
-            release(eng)
+            eng.shutdown()
+        del engines, eng
+        free_device_memory()
     else:
         for m in ("off", "on"):
             eng = ready_engine(args, m == "on")
             for _ in range(args.repeats):
                 for w in args.workloads:
                     runs[m][w].append(run_workload(eng, w, args))
-            release(eng)
+            eng.shutdown()
+            del eng
+            free_device_memory()
     return {m: {w: min(rs, key=lambda r: r["wall_s"]) for w, rs in by.items()} for m, by in runs.items()}
 
 

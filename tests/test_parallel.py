@@ -1,0 +1,177 @@
+"""Tensor / expert parallel Engine on the CPU (gloo, one process per rank) against one rank.
+
+In float64, ``Engine(tp_size=2)``, ``(tp_size=4)`` and ``(tp_size=2, ep_size=2)`` must give the
+logits of ``Engine(tp_size=1)`` at every computed position within 1e-9, and the same greedy
+tokens, over chunked prefill with mixed prefill / decode batches, a retraction and aborts (waiting,
+mid-prefill, mid-decode). The ranks differ from one rank only in summation order (partial sums
+all-reduced); a float64 sum of n terms moves by at most ~n eps sum|terms|, about 1e-13 here,
+far below the tolerance, so FP8 rounding of KV rows decides identically on both sides.
+
+One engine per parallel shape, shared by every scenario (process start-up is the cost):
+a 3-layer tiny model (window-only, CSA, HCA), 1024-token vocabulary, o_groups 4 so that 4 ranks
+split the output groups. About 35 s on the shared two-core machine.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dsv4_backend import Engine
+from dsv4_backend.config import DSV4Config
+from dsv4_backend.model import DSV4Model
+from dsv4_backend.parallel import Comm, ParallelConfig, RankShard, split_of
+from dsv4_backend.weights import model_tensors, random_weights
+from scheduler_hooks.io import GenerateRequest, SamplingParams
+
+V = 1024
+OVERRIDES = {"vocab_size": V, "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0], "o_groups": 4}
+EXACT_TOL = 1e-9
+ENGINE_ARGS = dict(preset="tiny", dtype="float64", skip_tokenizer_init=True, config_overrides=OVERRIDES,
+                   capture_logits=True, max_total_tokens=512, max_running_requests=2, chunked_prefill_size=64)
+
+
+def prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(V) for _ in range(n)] for n in lengths]
+
+
+def greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0}
+
+
+def scenario_mixed(eng: Engine) -> dict[str, list[int]]:
+    """Three prompts through chunks of 64 beside decodes of the others."""
+    outs = eng.generate(input_ids=prompts([100, 33, 7], seed=1), sampling_params=[greedy(6), greedy(9), greedy(5)])
+    return {o["meta_info"]["id"]: o["output_ids"] for o in outs}
+
+
+def scenario_retraction(eng: Engine) -> dict[str, list[int]]:
+    """Two requests outgrowing two 256-token pages: the newer is retracted and recomputed."""
+    before = eng.scheduler.num_retractions
+    outs = eng.generate(input_ids=prompts([240, 236], seed=4), sampling_params=[greedy(24), greedy(26)])
+    assert eng.scheduler.num_retractions > before
+    return {o["meta_info"]["id"]: o["output_ids"] for o in outs}
+
+
+def scenario_aborts(eng: Engine) -> dict[str, list[int]]:
+    """Aborts while waiting, mid-prefill and mid-decode; the survivor runs on."""
+    tag = f"ab{eng.scheduler.num_prompt_tokens}-"
+    for i, p in enumerate(prompts([90, 70, 40], seed=8)):
+        eng.scheduler.add(GenerateRequest(p, SamplingParams(max_new_tokens=20, temperature=0.0), rid=f"{tag}{i}"))
+    sched, out = eng.scheduler, {}
+    eng.step()
+    out[f"{tag}2"] = sched.abort(f"{tag}2").output_ids      # waiting
+    out[f"{tag}0"] = sched.abort(f"{tag}0").output_ids      # mid-prefill (90 tokens, 64 per step)
+    for _ in range(4):
+        eng.step()
+    out[f"{tag}1"] = sched.abort(f"{tag}1").output_ids      # decoding
+    assert out[f"{tag}1"] and not sched.reqs and sched.idle
+    return out
+
+
+SCENARIOS = [scenario_mixed, scenario_retraction, scenario_aborts]
+
+
+def run_all(eng: Engine) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+    out = []
+    for scenario in SCENARIOS:
+        ids = scenario(eng)
+        logits = {rid: eng.scheduler.captured.get(rid) for rid in ids}
+        out.append((ids, logits))
+        eng.check_integrity()
+    return out
+
+
+@pytest.fixture(scope="module")
+def single() -> list:
+    with Engine(**ENGINE_ARGS) as eng:
+        return run_all(eng)
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2-ep2"])
+def test_parallel_engine_equals_one_rank(single, tp, ep):
+    with Engine(**ENGINE_ARGS, tp_size=tp, ep_size=ep) as eng:
+        assert eng.ranks is not None and eng.ranks.config.world_size == max(tp, ep)
+        got = run_all(eng)
+        eng.check_integrity()
+    procs = eng.ranks.procs
+    assert all(not p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
+    for scenario, (want_ids, want_logits), (got_ids, got_logits) in zip(SCENARIOS, single, got):
+        name = scenario.__name__
+        assert got_ids == want_ids, name
+        for rid in want_ids:
+            w, g = want_logits[rid], got_logits[rid]
+            if w is None:
+                assert g is None, (name, rid)
+                continue
+            assert g.shape == w.shape and g.dtype == torch.float64, (name, rid, g.shape, w.shape)
+            d = (g - w).abs()
+            worst = divmod(int(d.argmax()), V)
+            assert float(d.max()) <= EXACT_TOL, f"{name} {rid}: |tp{tp}/ep{ep} - tp1| = {float(d.max()):.3e} at {worst}"
+
+
+def test_bad_shapes_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="does not split into 3 ranks"):
+        Engine(**ENGINE_ARGS, tp_size=3)
+    with pytest.raises(ValueError, match="each must be 1 or the other"):
+        Engine(**ENGINE_ARGS, tp_size=2, ep_size=4)
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        Engine(**{**ENGINE_ARGS, "config_overrides": {**OVERRIDES, "n_routed_experts": 6}}, tp_size=4, ep_size=4)
+
+
+def test_split_rules_cover_the_model_once():
+    # every rank's parts of every tensor tile the whole tensor exactly once (names, shapes)
+    for quantized in (False, True):
+        # quantised: a split input dim keeps whole 128-value act-quant blocks (intermediate 512 / 4)
+        cfg = DSV4Config.preset("tiny", **OVERRIDES, moe_intermediate_size=512 if quantized else 128)
+        whole = {t.name: t for t in model_tensors(cfg, torch.bfloat16, include_mtp=True, quantized=quantized)}
+        for tp, ep in [(2, 1), (4, 1), (2, 2), (1, 2)]:
+            world = max(tp, ep)
+            count: dict[str, int] = {}
+            for r in range(world):
+                pc = ParallelConfig(tp, ep, r)
+                for t in RankShard(pc, Comm(world)).local_tensors(list(whole.values()), cfg.n_routed_experts):
+                    count[t.name] = count.get(t.name, 0) + 1
+            for name, t in whole.items():
+                s = split_of(name, ParallelConfig(tp, ep, 0))
+                if ".ffn.experts." in name and ep > 1:
+                    continue
+                assert s is None or s.parts == world or s.parts == tp, name
+            experts = [n for n in whole if ".ffn.experts." in n]
+            local_experts = [n for n in count if ".ffn.experts." in n]
+            if ep > 1:
+                # expert tensors renumbered per rank: each local name held by every rank once
+                assert len(local_experts) * ep == len(experts)
+                assert all(count[n] == ep for n in local_experts)
+            assert all(count[n] == world for n in count if ".ffn.experts." not in n)
+
+
+def test_quantised_split_keeps_whole_blocks():
+    cfg = DSV4Config.preset("tiny", **OVERRIDES)     # routed intermediate 128: 64 per rank
+    tensors = model_tensors(cfg, torch.bfloat16, include_mtp=False, quantized=True)
+    with pytest.raises(ValueError, match=r"experts\.0\.w2\.weight: .* whole 128-value blocks"):
+        RankShard(ParallelConfig(2, 1, 0), Comm(2)).local_tensors(tensors, cfg.n_routed_experts)
+    with pytest.raises(ValueError, match=r"shared_experts\.w1\.weight: .* whole 128-value blocks"):
+        RankShard(ParallelConfig(2, 2, 0), Comm(2)).local_tensors(tensors, cfg.n_routed_experts)   # FP8 rows
+
+
+def test_model_runner_shards_through_the_loader():
+    # one process, one rank of two: the model holds this rank's shapes and the release slices
+    cfg = DSV4Config.preset("tiny", **OVERRIDES)
+    full = random_weights(cfg, seed=0, dtype=torch.float64, include_mtp=False)
+    shard = RankShard(ParallelConfig(2, 2, 1), Comm(2))
+    model = DSV4Model(cfg, dtype=torch.float64, include_mtp=False, shard=shard)
+    model.load_stream(shard.shard_stream(full.items(), cfg.n_routed_experts))
+    own = dict(model.state_dict())
+    H, hd = cfg.num_attention_heads, cfg.head_dim
+    assert torch.equal(own["layers.1.attn.wq_b.weight"], full["layers.1.attn.wq_b.weight"][H // 2 * hd:])
+    assert torch.equal(own["layers.1.attn.wo_b.weight"],
+                       full["layers.1.attn.wo_b.weight"][:, cfg.o_groups // 2 * cfg.o_lora_rank:])
+    E = cfg.n_routed_experts
+    assert torch.equal(own["layers.2.ffn.experts.0.w2.weight"], full[f"layers.2.ffn.experts.{E // 2}.w2.weight"])
+    assert f"layers.2.ffn.experts.{E // 2}.w2.weight" not in own
+    assert model.layers[0].attn.n_heads == H // 2 and model.layers[0].ffn.expert_range == (E // 2, E)
+    assert torch.equal(own["embed.weight"], full["embed.weight"][V // 2:])

@@ -1,7 +1,7 @@
 """Rank processes of a tensor / expert parallel Engine: start, step broadcast, follow, stop.
 
 ``Engine(..., tp_size=N, ep_size=M)`` is rank 0: it starts one process per other rank
-(``torch.multiprocessing``, spawn), each of which builds the same Engine (same config, seeded
+(``multiprocessing``, forked from a forkserver that has imported the engine), each of which builds the same Engine (same config, seeded
 weights or checkpoint, memory plan and pools) holding its own shard of the model, then follows.
 Rank 0 alone owns the scheduler, the tokenizer and sampling. Every rank keeps its own copy of the
 allocator and pools, changed by the same calls in the same order:
@@ -218,10 +218,11 @@ def launch_ranks(config: Any, tp_size: int, ep_size: int, device: torch.device,
         raise ValueError(f"tp_size={tp_size}, ep_size={ep_size} needs {pc.world_size} GPUs, "
                          f"{torch.cuda.device_count()} visible")
     port = free_port()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     procs = []
     for rank in range(1, pc.world_size):
-        p = ctx.Process(target=_rank_main, args=(ParallelConfig(tp_size, ep_size, rank), port, engine_args),
+        p = ctx.Process(target=_rank_main, args=(ParallelConfig(tp_size, ep_size, rank), port, engine_args,
+                                                 torch.get_num_threads()),
                         name=f"dsv4-rank{rank}", daemon=True)
         p.start()
         procs.append(p)
@@ -234,15 +235,26 @@ def launch_ranks(config: Any, tp_size: int, ep_size: int, device: torch.device,
     return Ranks(group, procs)
 
 
+def _context() -> Any:
+    """Rank processes fork from a server that imported the engine once (forkserver): a rank
+    starts in well under a second instead of importing torch anew, and never inherits the
+    threads (or a CUDA context) of the process that made the Engine."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["scheduler_hooks.engine"])
+    return ctx
+
+
 def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def _rank_main(pc: ParallelConfig, port: int, engine_args: dict[str, Any]) -> None:
-    """A rank process: build this rank's Engine (its __init__ joins the group), then follow."""
+def _rank_main(pc: ParallelConfig, port: int, engine_args: dict[str, Any], threads: int) -> None:
+    """A rank process: build this rank's Engine (its __init__ joins the group), then follow.
+    It runs rank 0's number of torch threads (ranks sharing a few CPU cores must not oversubscribe)."""
     global _FOLLOWER
     from .engine import Engine
 
+    torch.set_num_threads(threads)
     _FOLLOWER = (pc, port)
     engine = Engine(**engine_args)
     try:

@@ -1,15 +1,17 @@
 """Tensor / expert parallel Engine on the CPU (gloo, one process per rank) against one rank.
 
-In float64, ``Engine(tp_size=2)``, ``(tp_size=4)`` and ``(tp_size=2, ep_size=2)`` must give the
-logits of ``Engine(tp_size=1)`` at every computed position within 1e-9, and the same greedy
-tokens, over chunked prefill with mixed prefill / decode batches, a retraction and aborts (waiting,
-mid-prefill, mid-decode). The ranks differ from one rank only in summation order (partial sums
-all-reduced); a float64 sum of n terms moves by at most ~n eps sum|terms|, about 1e-13 here,
-far below the tolerance, so FP8 rounding of KV rows decides identically on both sides.
+In float64, ``Engine(tp_size=2)``, ``(tp_size=4)``, ``(tp_size=2, ep_size=2)`` and
+``(ep_size=2)`` give the logits of ``Engine(tp_size=1)`` at every computed position within
+1e-9, and the same greedy tokens, over chunked prefill with mixed prefill / decode batches, a
+retraction and aborts (waiting, mid-prefill, mid-decode). The ranks change only the order of
+sums (partial sums all-reduced): a float64 sum of n terms moves by at most about n eps sum|t|,
+with n <= 2048 (hidden 256 x hc 4 x 2) and sum|t| < 100 here about 5e-11 per layer, so the
+tolerance leaves margin over 3 layers, and FP8 rounding of KV rows decides alike on both sides.
 
 One engine per parallel shape, shared by every scenario (process start-up is the cost):
 a 3-layer tiny model (window-only, CSA, HCA), 1024-token vocabulary, o_groups 4 so that 4 ranks
-split the output groups. About 35 s on the shared two-core machine.
+split the output groups. 25-50 s on the shared two-core machine (rank processes fork from a
+forkserver, so a rank starts in about a second).
 """
 
 from __future__ import annotations
@@ -42,45 +44,50 @@ def greedy(n: int) -> dict:
     return {"max_new_tokens": n, "temperature": 0.0}
 
 
-def scenario_mixed(eng: Engine) -> dict[str, list[int]]:
+Outputs = list[tuple[str, list[int]]]    # (request id, output ids) in submission order
+
+
+def generate(eng: Engine, lengths: list[int], new: list[int], seed: int) -> Outputs:
+    outs = eng.generate(input_ids=prompts(lengths, seed), sampling_params=[greedy(n) for n in new])
+    return [(o["meta_info"]["id"], o["output_ids"]) for o in outs]
+
+
+def scenario_mixed(eng: Engine) -> Outputs:
     """Three prompts through chunks of 64 beside decodes of the others."""
-    outs = eng.generate(input_ids=prompts([100, 33, 7], seed=1), sampling_params=[greedy(6), greedy(9), greedy(5)])
-    return {o["meta_info"]["id"]: o["output_ids"] for o in outs}
+    return generate(eng, [100, 33, 7], [3, 5, 2], seed=1)
 
 
-def scenario_retraction(eng: Engine) -> dict[str, list[int]]:
+def scenario_retraction(eng: Engine) -> Outputs:
     """Two requests outgrowing two 256-token pages: the newer is retracted and recomputed."""
     before = eng.scheduler.num_retractions
-    outs = eng.generate(input_ids=prompts([240, 236], seed=4), sampling_params=[greedy(24), greedy(26)])
+    out = generate(eng, [254, 253], [4, 5], seed=4)
     assert eng.scheduler.num_retractions > before
-    return {o["meta_info"]["id"]: o["output_ids"] for o in outs}
+    return out
 
 
-def scenario_aborts(eng: Engine) -> dict[str, list[int]]:
+def scenario_aborts(eng: Engine) -> Outputs:
     """Aborts while waiting, mid-prefill and mid-decode; the survivor runs on."""
-    tag = f"ab{eng.scheduler.num_prompt_tokens}-"
-    for i, p in enumerate(prompts([90, 70, 40], seed=8)):
+    tag = "ab"
+    for i, p in enumerate(prompts([90, 60, 40], seed=8)):
         eng.scheduler.add(GenerateRequest(p, SamplingParams(max_new_tokens=20, temperature=0.0), rid=f"{tag}{i}"))
-    sched, out = eng.scheduler, {}
+    sched = eng.scheduler
     eng.step()
-    out[f"{tag}2"] = sched.abort(f"{tag}2").output_ids      # waiting
-    out[f"{tag}0"] = sched.abort(f"{tag}0").output_ids      # mid-prefill (90 tokens, 64 per step)
-    for _ in range(4):
+    out = [(r, sched.abort(r).output_ids) for r in (f"{tag}2", f"{tag}0")]    # waiting, mid-prefill
+    for _ in range(3):
         eng.step()
-    out[f"{tag}1"] = sched.abort(f"{tag}1").output_ids      # decoding
-    assert out[f"{tag}1"] and not sched.reqs and sched.idle
+    out.append((f"{tag}1", sched.abort(f"{tag}1").output_ids))               # decoding
+    assert out[-1][1] and not sched.reqs and sched.idle
     return out
 
 
 SCENARIOS = [scenario_mixed, scenario_retraction, scenario_aborts]
 
 
-def run_all(eng: Engine) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+def run_all(eng: Engine) -> list[list[tuple[list[int], torch.Tensor]]]:
+    """Per scenario, per request: its output ids and the logits of every position computed."""
     out = []
     for scenario in SCENARIOS:
-        ids = scenario(eng)
-        logits = {rid: eng.scheduler.captured.get(rid) for rid in ids}
-        out.append((ids, logits))
+        out.append([(ids, eng.scheduler.captured.get(rid)) for rid, ids in scenario(eng)])
         eng.check_integrity()
     return out
 
@@ -91,7 +98,7 @@ def single() -> list:
         return run_all(eng)
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "tp2-ep2"])
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (2, 2), (1, 2)], ids=["tp2", "tp4", "tp2-ep2", "ep2"])
 def test_parallel_engine_equals_one_rank(single, tp, ep):
     with Engine(**ENGINE_ARGS, tp_size=tp, ep_size=ep) as eng:
         assert eng.ranks is not None and eng.ranks.config.world_size == max(tp, ep)
@@ -99,18 +106,17 @@ def test_parallel_engine_equals_one_rank(single, tp, ep):
         eng.check_integrity()
     procs = eng.ranks.procs
     assert all(not p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
-    for scenario, (want_ids, want_logits), (got_ids, got_logits) in zip(SCENARIOS, single, got):
+    for scenario, want, have in zip(SCENARIOS, single, got):
         name = scenario.__name__
-        assert got_ids == want_ids, name
-        for rid in want_ids:
-            w, g = want_logits[rid], got_logits[rid]
-            if w is None:
-                assert g is None, (name, rid)
-                continue
-            assert g.shape == w.shape and g.dtype == torch.float64, (name, rid, g.shape, w.shape)
+        assert [ids for ids, _ in have] == [ids for ids, _ in want], f"{name}: tokens differ"
+        for i, ((_, w), (_, g)) in enumerate(zip(want, have)):
+            assert w is not None and g is not None and g.shape == w.shape, (name, i)
+            if not w.numel():
+                continue     # aborted before its first forward
             d = (g - w).abs()
             worst = divmod(int(d.argmax()), V)
-            assert float(d.max()) <= EXACT_TOL, f"{name} {rid}: |tp{tp}/ep{ep} - tp1| = {float(d.max()):.3e} at {worst}"
+            assert float(d.max()) <= EXACT_TOL, \
+                f"{name} request {i}: |tp{tp}/ep{ep} - tp1| = {float(d.max()):.3e} at (position, token) {worst}"
 
 
 def test_bad_shapes_are_refused_before_any_process_starts():

@@ -82,6 +82,8 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
     attention_kernel: str = "auto"
+    tp_size: int = 1
+    ep_size: int = 1
     log_level: str = "info"
     # limits on one request (serving_protocol.RequestLimits; None: derived from the model)
     max_request_bytes: int = 32 * 2 ** 20
@@ -118,6 +120,8 @@ class ServerArgs:
             kw["cuda_graph_max_bs"] = self.cuda_graph_max_bs
         if self.attention_kernel != "auto":
             kw["attention_kernel"] = self.attention_kernel
+        if self.tp_size != 1 or self.ep_size != 1:
+            kw.update(tp_size=self.tp_size, ep_size=self.ep_size)
         if self.model_path is None and self.device != "cpu":
             kw["random_weights_on_device"] = True  # a Flash-shaped preset draws ~30 GB: on the GPU, in seconds
         return kw
@@ -155,6 +159,10 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
                    help="largest decode batch replayed from a graph (default: --max-running-requests)")
     p.add_argument("--attention-kernel", default=d.attention_kernel, choices=["auto", "flashmla", "triton"],
                    help="GPU sparse attention: auto = FlashMLA on sm90/sm100 where flash_mla imports, else Triton")
+    p.add_argument("--tp-size", type=int, default=d.tp_size,
+                   help="tensor parallel ranks (attention heads, vocabulary; one process per GPU)")
+    p.add_argument("--ep-size", type=int, default=d.ep_size,
+                   help="expert parallel ranks (routed experts; 1 or --tp-size, or alone)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits on one request (each refusal is a 400 naming the field)")
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,

@@ -181,3 +181,11 @@ def test_model_runner_shards_through_the_loader():
     assert f"layers.2.ffn.experts.{E // 2}.w2.weight" not in own
     assert model.layers[0].attn.n_heads == H // 2 and model.layers[0].ffn.expert_range == (E // 2, E)
     assert torch.equal(own["embed.weight"], full["embed.weight"][V // 2:])
+
+
+def test_server_flags_reach_the_engine():
+    from server import parse_args
+
+    kw = parse_args(["--tp-size", "4", "--ep-size", "4"]).engine_kwargs()
+    assert kw["tp_size"] == 4 and kw["ep_size"] == 4
+    assert "tp_size" not in parse_args([]).engine_kwargs()

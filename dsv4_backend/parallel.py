@@ -231,14 +231,17 @@ class RankShard:
         return self.comm.all_gather(out, -1)
 
     def shard(self, model: nn.Module) -> None:
-        """Reshape a just-built ``DSV4Model`` (its tensors not yet placed) into this rank's part."""
+        """Reshape a just-built ``DSV4Model`` (its tensors not yet placed) into this rank's part.
+
+        With one rank the model is left alone, unless a process group is up (NCCL with one
+        rank, e.g. a one-GPU benchmark of this code path): then every collective still runs."""
         pc, cfg = self.config, model.cfg
         check_shardable(cfg, pc)
-        if pc.world_size == 1:
+        if pc.world_size == 1 and not dist.is_initialized():
             return
         for block in list(model.layers) + list(model.mtp or []):
             attn, moe = block.attn, block.ffn
-            if pc.tp_size > 1:
+            if pc.tp_size == pc.world_size:
                 attn.n_heads //= pc.tp_size
                 attn.o_groups //= pc.tp_size
                 attn.wo_b.register_forward_hook(self._reduce)

@@ -17,10 +17,11 @@ objects cross (a few hundred bytes at decode): over gloo, on a group beside NCCL
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,22 @@ logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 30.0
 
-# Set in a rank process before it builds its Engine (``launch_ranks`` then joins, not spawns).
-_FOLLOWER: Optional[tuple[ParallelConfig, int]] = None
+# Set while a process builds its Engine as a given rank (``launch_ranks`` then joins, not spawns).
+_JOIN: Optional[tuple[ParallelConfig, int]] = None
+
+
+@contextlib.contextmanager
+def join_as(pc: ParallelConfig, port: Optional[int] = None) -> Iterator[None]:
+    """Engines built inside join the run at ``port`` as rank ``pc.rank`` instead of starting
+    processes. Rank processes use it; so does a one-rank run with a process group (NCCL with
+    one rank: ``join_as(ParallelConfig())``, a free port), which runs every collective and the
+    step broadcast on one GPU."""
+    global _JOIN
+    _JOIN = (pc, port if port is not None else free_port())
+    try:
+        yield
+    finally:
+        _JOIN = None
 
 
 @dataclass
@@ -207,8 +222,8 @@ def launch_ranks(config: Any, tp_size: int, ep_size: int, device: torch.device,
     """None for one rank. In rank 0: check that ``config`` splits, start the other ranks'
     processes (each builds ``Engine(**engine_args)``) and join them; in a rank process: join
     as that rank."""
-    if _FOLLOWER is not None:
-        pc, port = _FOLLOWER
+    if _JOIN is not None:
+        pc, port = _JOIN
         return Ranks(init_ranks(pc, port, _rank_device(device, pc.rank)), [])
     pc = ParallelConfig(tp_size, ep_size, 0)
     if pc.world_size == 1:
@@ -251,12 +266,11 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
 def _rank_main(pc: ParallelConfig, port: int, engine_args: dict[str, Any], threads: int) -> None:
     """A rank process: build this rank's Engine (its __init__ joins the group), then follow.
     It runs rank 0's number of torch threads (ranks sharing a few CPU cores must not oversubscribe)."""
-    global _FOLLOWER
     from .engine import Engine
 
     torch.set_num_threads(threads)
-    _FOLLOWER = (pc, port)
-    engine = Engine(**engine_args)
+    with join_as(pc, port):
+        engine = Engine(**engine_args)
     try:
         engine.ranks.follow(engine)
     finally:

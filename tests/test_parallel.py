@@ -24,9 +24,10 @@ import torch
 from dsv4_backend import Engine
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model import DSV4Model
-from dsv4_backend.parallel import Comm, ParallelConfig, RankShard, split_of
+from dsv4_backend.parallel import Comm, ParallelConfig, RankShard, VocabParallelEmbedding, split_of
 from dsv4_backend.weights import model_tensors, random_weights
 from scheduler_hooks.io import GenerateRequest, SamplingParams
+from scheduler_hooks.parallel_engine import join_as
 
 V = 1024
 OVERRIDES = {"vocab_size": V, "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0], "o_groups": 4}
@@ -106,6 +107,20 @@ def test_parallel_engine_equals_one_rank(single, tp, ep):
         eng.check_integrity()
     procs = eng.ranks.procs
     assert all(not p.is_alive() for p in procs) and all(p.exitcode == 0 for p in procs)
+    assert_same(single, got, f"tp{tp}/ep{ep}")
+
+
+def test_one_rank_with_a_process_group(single):
+    # the path a one-GPU NCCL run takes: every collective and the step broadcast, world size 1
+    with join_as(ParallelConfig()):
+        eng = Engine(**ENGINE_ARGS)
+    with eng:
+        assert eng.ranks is not None and isinstance(eng.runner.model.embed, VocabParallelEmbedding)
+        got = run_all(eng)
+    assert_same(single, got, "one rank + gloo")
+
+
+def assert_same(single: list, got: list, label: str) -> None:
     for scenario, want, have in zip(SCENARIOS, single, got):
         name = scenario.__name__
         assert [ids for ids, _ in have] == [ids for ids, _ in want], f"{name}: tokens differ"
@@ -116,7 +131,7 @@ def test_parallel_engine_equals_one_rank(single, tp, ep):
             d = (g - w).abs()
             worst = divmod(int(d.argmax()), V)
             assert float(d.max()) <= EXACT_TOL, \
-                f"{name} request {i}: |tp{tp}/ep{ep} - tp1| = {float(d.max()):.3e} at (position, token) {worst}"
+                f"{name} request {i}: |{label} - tp1| = {float(d.max()):.3e} at (position, token) {worst}"
 
 
 def test_bad_shapes_are_refused_before_any_process_starts():

@@ -325,12 +325,15 @@ def close_ranks() -> None:
         dist.destroy_process_group()
 
 
-def rank_weight_bytes(cfg: Any, tp_size: int, ep_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Device bytes of the largest rank's weights as the server keeps them (an FP8 release
-    quantised, no MTP): what the memory plan subtracts per GPU."""
+def rank_weight_bytes(cfg: Any, tp_size: int, ep_size: int, dtype: torch.dtype = torch.bfloat16,
+                      quantized: Optional[bool] = None) -> int:
+    """Device bytes of the largest rank's weights as the server keeps them (no MTP; quantised
+    when ``quantized``, by default when the config is an FP8 release): what the memory plan
+    subtracts per GPU."""
     from .weights import model_tensors
 
-    tensors = model_tensors(cfg, dtype, include_mtp=False, quantized=cfg.quantization == "fp8")
+    quantized = cfg.quantization == "fp8" if quantized is None else quantized
+    tensors = model_tensors(cfg, dtype, include_mtp=False, quantized=quantized)
     ranks = ParallelConfig(tp_size, ep_size).world_size
     check_shardable(cfg, ParallelConfig(tp_size, ep_size))
     return max(RankShard(ParallelConfig(tp_size, ep_size, r), Comm(ranks)).local_nbytes(tensors, cfg.n_routed_experts)

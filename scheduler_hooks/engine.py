@@ -35,7 +35,7 @@ from dsv4_backend.config import DSV4Config
 from dsv4_backend.model_runner import ModelRunner, pool_page_align, resolve_attention_kernel
 from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
 from dsv4_backend.parallel import RankShard
-from dsv4_backend.weights import ModelTensor, model_tensors, random_weights
+from dsv4_backend.weights import ModelTensor, RandomWeightStream, model_tensors, random_weights
 from memory.allocator import KVAllocator
 from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, DSV4PoolConfigurator, PoolPlan
 from memory.layout import (INDEXER_ROW_BYTES, KV_ROW_BYTES, write_indexer_rows,
@@ -165,6 +165,7 @@ class Engine:
         if weight_stream is not None and model_path is not None:
             raise ValueError("pass model_path or weight_stream, not both")
         self._weight_stream = weight_stream
+        self._ranked = max(tp_size, ep_size) > 1
         self.config, weights = self._load_model(model_path, preset, random_seed, config_overrides or {})
         self.ranks = launch_ranks(self.config, tp_size, ep_size, self.device, engine_args)
         try:
@@ -250,8 +251,11 @@ class Engine:
         logger.warning("no model path: the built-in %r preset has SEEDED RANDOM WEIGHTS (seed %d), so its "
                        "output is meaningless text; pass a real DeepSeek-V4 checkpoint (model_path / "
                        "--model-path DIR) for real answers", preset, seed)
-        return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False,
-                                   draw_on_device=self._weights_on_device)
+        draw = dict(seed=seed, dtype=self.dtype, device=self.device, include_mtp=False,
+                    draw_on_device=self._weights_on_device)
+        if self._ranked:   # every rank keeps only its slices: draw tensor by tensor as they stream in
+            return cfg, RandomWeightStream(cfg, **draw)
+        return cfg, random_weights(cfg, **draw)
 
     def _plan(self, conf: DSV4PoolConfigurator, weights: Union[dict[str, torch.Tensor], WeightStream],
               max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:

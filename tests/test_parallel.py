@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dsv4_backend import Engine
+from dsv4_backend.checkpoint import save_checkpoint
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model import DSV4Model
 from dsv4_backend.parallel import Comm, ParallelConfig, RankShard, VocabParallelEmbedding, split_of
@@ -204,3 +205,39 @@ def test_server_flags_reach_the_engine():
     kw = parse_args(["--tp-size", "4", "--ep-size", "4"]).engine_kwargs()
     assert kw["tp_size"] == 4 and kw["ep_size"] == 4
     assert "tp_size" not in parse_args([]).engine_kwargs()
+
+
+# ---- quantised weights (FP8 linears with block scales, FP4 experts) under the split ---------------
+
+Q_OVERRIDES = {"vocab_size": V, "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0],
+               "moe_intermediate_size": 256}     # 128 per rank: whole act-quant blocks
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    cfg = DSV4Config.preset("tiny", **Q_OVERRIDES)
+    path = tmp_path_factory.mktemp("fp8_parallel")
+    save_checkpoint(path, cfg, random_weights(cfg, seed=3, include_mtp=False), fmt="fp8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fp8_single(fp8_checkpoint):
+    with Engine(**fp8_args(fp8_checkpoint)) as one:
+        assert one.runner.model.quantized
+        return [(ids, one.scheduler.captured[rid]) for rid, ids in scenario_mixed(one)]
+
+
+def fp8_args(path: str) -> dict:
+    return {k: v for k, v in ENGINE_ARGS.items() if k != "config_overrides"} | {"model_path": path}
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)], ids=["tp2", "tp2-ep2"])
+def test_quantised_checkpoint_splits_exactly(fp8_checkpoint, fp8_single, tp, ep):
+    # FP8 rows / columns cut with their 128 x 128 scales, FP4 experts cut by intermediate (tp2)
+    # or held whole per rank (ep2), activations rounded on the same 1 x 128 blocks as one rank
+    with Engine(**fp8_args(fp8_checkpoint), tp_size=tp, ep_size=ep) as eng:
+        model = eng.runner.model
+        assert model.quantized and model.layers[1].ffn.fp4.w13.shape[0] == 8 // ep
+        got = [(ids, eng.scheduler.captured[rid]) for rid, ids in scenario_mixed(eng)]
+    assert_same([fp8_single], [got], f"fp8 tp{tp}/ep{ep}")

@@ -383,7 +383,8 @@ class MoE(nn.Module):
         Expert.forward's: projections in x's dtype, SwiGLU and the routing weight in fp32."""
         T, k = ids.shape
         E, inter, limit = len(self.experts), self._w2.shape[2], self.experts[0].limit
-        ids = torch.where(ids < 0, E, ids)     # other ranks' experts: sorted last, past every group
+        if self.expert_range is not None:      # other ranks' experts (-1): sorted last, past every group
+            ids = torch.where(ids < 0, E, ids)
         sorted_ids, order = ids.reshape(-1).sort(stable=True)
         # group ends by binary search (CUDA bincount reads its max on the host: a sync)
         experts = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
@@ -394,7 +395,8 @@ class MoE(nn.Module):
         g, u = gu[:, :inter].to(hi), gu[:, inter:].to(hi)
         h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * w.reshape(-1)[order].to(hi)[:, None]
         y = torch._grouped_mm(h.to(x.dtype), self._w2.transpose(-2, -1), offs=ends)  # [T*k, D]
-        y = torch.where((sorted_ids < E)[:, None], y, 0)   # rows past the last group are not written
+        if self.expert_range is not None:      # rows past the last group are not written
+            y = torch.where((sorted_ids < E)[:, None], y, 0)
         # back to (token, choice) order and a sum over the k choices: a fixed summation order,
         # where index_add_ on CUDA accumulates with atomics in whatever order they land (the
         # same step would then give different bits from run to run)

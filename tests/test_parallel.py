@@ -16,6 +16,7 @@ forkserver, so a rank starts in about a second).
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -241,3 +242,21 @@ def test_quantised_checkpoint_splits_exactly(fp8_checkpoint, fp8_single, tp, ep)
         assert model.quantized and model.layers[1].ffn.fp4.w13.shape[0] == 8 // ep
         got = [(ids, eng.scheduler.captured[rid]) for rid, ids in scenario_mixed(eng)]
     assert_same([fp8_single], [got], f"fp8 tp{tp}/ep{ep}")
+
+
+def test_plan_accounts_one_rank(capsys):
+    from memory.plan import main as plan_main
+
+    cfg = DSV4Config.preset("flash")
+    tensors = model_tensors(cfg, torch.bfloat16, include_mtp=False, quantized=True)
+    whole = sum(t.nbytes for t in tensors)
+    replicated = sum(t.nbytes for t in tensors
+                     if split_of(t.name, ParallelConfig(8, 8, 0)) is None and ".ffn.experts." not in t.name)
+    ranks = [RankShard(ParallelConfig(8, 8, r), Comm(8)).local_nbytes(tensors, cfg.n_routed_experts) for r in range(8)]
+    assert sum(ranks) == whole + 7 * replicated      # split tensors tile once, the rest is on every rank
+    assert plan_main(["--preset", "flash", "--gpu-mem-gb", "139", "--tp-size", "8", "--ep-size", "8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["weights_bytes"] == max(ranks)
+    assert abs(d["budget_bytes"] - (139 * 0.88 * 2 ** 30 - max(ranks))) < 2 ** 20
+    assert plan_main(["--preset", "flash", "--gpu-mem-gb", "139", "--tp-size", "3"]) == 2
+    assert "does not split into 3 ranks" in capsys.readouterr().err

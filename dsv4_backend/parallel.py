@@ -25,6 +25,7 @@ on its way in. Names stay the release's, but routed experts renumber from 0 on e
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 from dataclasses import dataclass
@@ -67,7 +68,11 @@ class ParallelConfig:
     def parts(self, axis: str) -> int:
         """Ranks a tensor of split ``axis`` is cut into: tp (attention), world (vocabulary, the
         shared expert) or moe (a routed expert's intermediate dim: tp when experts are whole)."""
-        return {"tp": self.tp_size, "world": self.world_size, "moe": 1 if self.ep_size > 1 else self.tp_size}[axis]
+        if axis == "tp":
+            return self.tp_size
+        if axis == "world":
+            return self.world_size
+        return 1 if self.ep_size > 1 else self.tp_size
 
     def expert_range(self, n_experts: int) -> tuple[int, int]:
         """Global ids ``lo .. hi - 1`` of the routed experts this rank holds."""
@@ -119,13 +124,24 @@ _RULES_RE = [(re.compile(p), dim, axis) for p, dim, axis in _RULES]
 EXPERT_NAME = re.compile(r"^(.*\.ffn\.experts\.)(\d+)(\..*)$")
 
 
+_INDEX = re.compile(r"\.\d+\.")
+
+
+@functools.lru_cache(maxsize=None)
+def _rule(shape_name: str) -> Optional[tuple[int, str]]:
+    for pattern, dim, axis in _RULES_RE:
+        if pattern.search(shape_name):
+            return dim, axis
+    return None
+
+
 def split_of(name: str, pc: ParallelConfig) -> Optional[Split]:
     """The slice of tensor ``name`` rank ``pc.rank`` holds (None: the whole tensor)."""
-    for pattern, dim, axis in _RULES_RE:
-        if pattern.search(name):
-            parts = pc.parts(axis)
-            return Split(dim, parts, pc.rank) if parts > 1 else None
-    return None
+    rule = _rule(_INDEX.sub(".0.", name))   # one lookup per kind of tensor, not per layer / expert
+    if rule is None:
+        return None
+    parts = pc.parts(rule[1])
+    return Split(rule[0], parts, pc.rank) if parts > 1 else None
 
 
 def local_name(name: str, pc: ParallelConfig, n_experts: int) -> Optional[str]:
@@ -317,6 +333,8 @@ def init_ranks(pc: ParallelConfig, port: int, device: torch.device, timeout_s: f
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=pc.rank, world_size=pc.world_size, timeout=timedelta(seconds=timeout_s))
     objects = dist.new_group(backend="gloo") if cuda else None
+    if cuda:   # NCCL sets its communicator up on the first collective: eagerly, not inside a graph capture
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
     return RankGroup(RankShard(pc, Comm(pc.world_size)), objects)
 
 
@@ -327,14 +345,13 @@ def close_ranks() -> None:
 
 def rank_weight_bytes(cfg: Any, tp_size: int, ep_size: int, dtype: torch.dtype = torch.bfloat16,
                       quantized: Optional[bool] = None) -> int:
-    """Device bytes of the largest rank's weights as the server keeps them (no MTP; quantised
-    when ``quantized``, by default when the config is an FP8 release): what the memory plan
-    subtracts per GPU."""
+    """Device bytes of one rank's weights as the server keeps them (no MTP; quantised when
+    ``quantized``, by default when the config is an FP8 release): what the memory plan subtracts
+    per GPU. Every split is into equal parts, so every rank holds the same bytes."""
     from .weights import model_tensors
 
     quantized = cfg.quantization == "fp8" if quantized is None else quantized
     tensors = model_tensors(cfg, dtype, include_mtp=False, quantized=quantized)
-    ranks = ParallelConfig(tp_size, ep_size).world_size
-    check_shardable(cfg, ParallelConfig(tp_size, ep_size))
-    return max(RankShard(ParallelConfig(tp_size, ep_size, r), Comm(ranks)).local_nbytes(tensors, cfg.n_routed_experts)
-               for r in range(ranks))
+    pc = ParallelConfig(tp_size, ep_size)
+    check_shardable(cfg, pc)
+    return RankShard(pc, Comm(pc.world_size)).local_nbytes(tensors, cfg.n_routed_experts)

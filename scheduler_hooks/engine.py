@@ -211,17 +211,17 @@ class Engine:
         logger.info("attention kernel: %s (%s)", self.attention_kernel, self.runner.attention_kernel_reason)
         self.synthetic_filler = SyntheticContextFiller(self.pools, self.allocator, seed=random_seed)
         if self.ranks is None:
-            self.hooks, runner = SchedulerHooks(self.allocator), self.runner
-        else:
-            self.hooks = self.ranks.hooks(self.allocator, self.synthetic_filler.fill)
-            runner = self.ranks.runner(self.runner)
+            self.hooks, runner, fill = SchedulerHooks(self.allocator), self.runner, self.synthetic_filler.fill
+        else:   # rank 0: hooks that log for the other ranks, a runner that broadcasts each step
+            self.hooks, runner, fill = self.ranks.scheduler_parts(self.allocator, self.runner,
+                                                                  self.synthetic_filler.fill)
         self.scheduler = Scheduler(runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             context_length=self.context_length, eos_token_id=self.config.eos_token_id,
             capture_logits=capture_logits, random_seed=random_seed), self.tokenizer)
         self.max_queued_requests = max_queued_requests
         self.dense = dense
-        self.scheduler.synthetic_fill = getattr(self.hooks, "fill", self.synthetic_filler.fill)
+        self.scheduler.synthetic_fill = fill
         self._synthetic_ids = torch.Generator(device="cpu").manual_seed(random_seed + 1)
 
         self._lock = threading.RLock()           # the scheduler is driven by one thread at a time
@@ -268,7 +268,8 @@ class Engine:
                 mem_fraction_static = DEFAULT_GPU_MEM_FRACTION
         if max_total_tokens is not None:
             return conf.plan_for_tokens(max_total_tokens)
-        weight_bytes = weight_nbytes(weights, self.ranks.shard if self.ranks is not None else None, self.config, self.dtype)
+        shard = self.ranks.shard if self.ranks is not None else None
+        weight_bytes = weight_nbytes(weights, shard, self.config, self.dtype)
         budget = int(_available_bytes(self.device) * mem_fraction_static) - weight_bytes
         if budget <= 0:
             raise ValueError(f"mem_fraction_static={mem_fraction_static} leaves no memory for the KV pools "

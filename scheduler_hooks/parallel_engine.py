@@ -154,16 +154,15 @@ class Ranks:
 
     # ---- rank 0 -----------------------------------------------------------------------
 
-    def hooks(self, allocator: Any, fill: Callable[[str, int], None]) -> SchedulerHooks:
-        """The scheduler's hooks on this rank (rank 0: recording ones)."""
+    def scheduler_parts(self, allocator: Any, runner: Any, fill: Callable[[str, int], None]
+                        ) -> tuple[SchedulerHooks, Any, Callable[[str, int], None]]:
+        """The scheduler's hooks, runner and synthetic fill on this rank: on rank 0 hooks that log
+        each call (the fill too) and a runner that broadcasts each step; elsewhere the plain ones
+        (a follower's scheduler never runs)."""
         if not self.leader:
-            return SchedulerHooks(allocator)
+            return SchedulerHooks(allocator), runner, fill
         self._hooks = RecordingHooks(allocator, fill)
-        return self._hooks
-
-    def runner(self, runner: Any) -> Any:
-        """The runner the scheduler drives (rank 0: one that broadcasts each step)."""
-        return BroadcastingRunner(runner, self) if self.leader else runner
+        return self._hooks, BroadcastingRunner(runner, self), self._hooks.fill
 
     def hooks_log(self) -> list[tuple[str, tuple]]:
         return self._hooks.take_log() if self._hooks is not None else []

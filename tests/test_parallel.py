@@ -247,16 +247,24 @@ def test_quantised_checkpoint_splits_exactly(fp8_checkpoint, fp8_single, tp, ep)
 def test_plan_accounts_one_rank(capsys):
     from memory.plan import main as plan_main
 
-    cfg = DSV4Config.preset("flash")
-    tensors = model_tensors(cfg, torch.bfloat16, include_mtp=False, quantized=True)
-    whole = sum(t.nbytes for t in tensors)
-    replicated = sum(t.nbytes for t in tensors
-                     if split_of(t.name, ParallelConfig(8, 8, 0)) is None and ".ffn.experts." not in t.name)
-    ranks = [RankShard(ParallelConfig(8, 8, r), Comm(8)).local_nbytes(tensors, cfg.n_routed_experts) for r in range(8)]
-    assert sum(ranks) == whole + 7 * replicated      # split tensors tile once, the rest is on every rank
+    def whole_and_replicated(cfg):
+        tensors = model_tensors(cfg, torch.bfloat16, include_mtp=False, quantized=True)
+        replicated = sum(t.nbytes for t in tensors
+                         if split_of(t.name, ParallelConfig(8, 8, 0)) is None and ".ffn.experts." not in t.name)
+        return tensors, sum(t.nbytes for t in tensors), replicated
+
+    flash = DSV4Config.preset("flash")
+    small = flash.replace(num_hidden_layers=3, compress_ratios=(128, 4, 0, 0))
+    tensors, whole, replicated = whole_and_replicated(small)
+    ranks = [RankShard(ParallelConfig(8, 8, r), Comm(8)).local_nbytes(tensors, small.n_routed_experts)
+             for r in range(8)]
+    # every split tensor (experts included) tiles once over the 8 ranks, the rest is on every rank
+    assert sum(ranks) == whole + 7 * replicated and len(set(ranks)) == 1
+    _, whole, replicated = whole_and_replicated(flash)
     assert plan_main(["--preset", "flash", "--gpu-mem-gb", "139", "--tp-size", "8", "--ep-size", "8", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["weights_bytes"] == max(ranks)
-    assert abs(d["budget_bytes"] - (139 * 0.88 * 2 ** 30 - max(ranks))) < 2 ** 20
+    per_rank = (whole - replicated) // 8 + replicated
+    assert d["weights_bytes"] == per_rank
+    assert abs(d["budget_bytes"] - (139 * 0.88 * 2 ** 30 - per_rank)) < 2 ** 20
     assert plan_main(["--preset", "flash", "--gpu-mem-gb", "139", "--tp-size", "3"]) == 2
     assert "does not split into 3 ranks" in capsys.readouterr().err

@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     total = torch.cuda.mem_get_info(0)[1] if device.type == "cuda" else 0
     if device.type == "cuda":
         rep["meta"]["gpu"] = torch.cuda.get_device_name(0)
-    n_layers = args.layers or (fitting_layers(base, pc, total, args) if device.type == "cuda" else base.num_hidden_layers)
+    n_layers = args.layers or (fitting_layers(base, pc, total, args) if device.type == "cuda"
+                               else base.num_hidden_layers)
     cfg = layer_config(base, min(n_layers, base.num_hidden_layers))
     rank_bytes = rank_weight_bytes(cfg, pc.tp_size, pc.ep_size, quantized=True)
     log(f"model: {args.preset} dims, {cfg.num_hidden_layers} of {base.num_hidden_layers} layers, "

@@ -1,8 +1,9 @@
 """Rank processes of a tensor / expert parallel Engine: start, step broadcast, follow, stop.
 
 ``Engine(..., tp_size=N, ep_size=M)`` is rank 0: it starts one process per other rank
-(``multiprocessing``, forked from a forkserver that has imported the engine), each of which builds the same Engine (same config, seeded
-weights or checkpoint, memory plan and pools) holding its own shard of the model, then follows.
+(``multiprocessing``, forked from a forkserver that has imported the engine), each of which
+builds the same Engine (same config, seeded weights or checkpoint, memory plan and pools)
+holding its own shard of the model, then follows.
 Rank 0 alone owns the scheduler, the tokenizer and sampling. Every rank keeps its own copy of the
 allocator and pools, changed by the same calls in the same order:
 

@@ -268,3 +268,11 @@ def test_plan_accounts_one_rank(capsys):
     assert abs(d["budget_bytes"] - (139 * 0.88 * 2 ** 30 - per_rank)) < 2 ** 20
     assert plan_main(["--preset", "flash", "--gpu-mem-gb", "139", "--tp-size", "3"]) == 2
     assert "does not split into 3 ranks" in capsys.readouterr().err
+
+
+def test_a_failed_start_fails_on_every_rank_and_leaves_no_process():
+    import multiprocessing
+
+    with pytest.raises(RuntimeError, match=r"parallel engine start failed: rank 0: .*; rank 1: "):
+        Engine(**{**ENGINE_ARGS, "max_total_tokens": 1, "max_running_requests": 64}, tp_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("dsv4-rank")]

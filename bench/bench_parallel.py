@@ -20,7 +20,8 @@ It prints, each beside its floor where one is defined:
     # 8 GPUs, TP attention + EP MoE
     PYTHONUNBUFFERED=1 python bench/bench_parallel.py --tp-size 8 --ep-size 8 --out $OUT/tp8.json
     # one H200, the same code path (<= 6 min): NCCL with one rank, the layers that fit
-    PYTHONUNBUFFERED=1 python bench/bench_parallel.py --tp-size 1 --nccl-one-rank --out $OUT/tp1.json
+    PYTHONUNBUFFERED=1 timeout 360 python bench/bench_parallel.py --tp-size 1 --nccl-one-rank \
+        --time-budget 300 --prefill-max-seconds 60 --out $OUT/tp1.json
     # the code path on the CPU (gloo, 2 ranks, tiny shape)
     python bench/bench_parallel.py --preset tiny --device cpu --tp-size 2 --ep-size 2 \\
         --override '{"moe_intermediate_size": 256, "vocab_size": 1024}' --contexts 300 --batches 1,2 \\

@@ -162,9 +162,10 @@ def time_collectives(cfg: DSV4Config, pc: ParallelConfig, device: torch.device, 
 # ---- the run -----------------------------------------------------------------------------------
 
 def rank_step_bytes(cfg: DSV4Config, pc: ParallelConfig, batch: int, context: int) -> float:
-    """One rank's bytes read per decode step: its share of every layer's weight reads (the
-    single-GPU model of ``bench_quant_model.layer_read_bytes``; attention and experts split
-    over the ranks, the KV reads not: every rank attends over its full pools)."""
+    """One rank's bytes read per decode step, a floor estimate: the one-GPU weight reads of
+    ``bench_quant_model.layer_read_bytes`` divided by the ranks (the small replicated tensors,
+    wq_a, wkv, compressors, gate, are counted as split too, so the floor is a little low),
+    plus the whole KV read (every rank attends over its full pools)."""
     one = sum(layer_read_bytes(cfg, i, batch, 0) for i in range(cfg.num_hidden_layers))
     kv = sum(layer_read_bytes(cfg, i, batch, context) - layer_read_bytes(cfg, i, batch, 0)
              for i in range(cfg.num_hidden_layers))

@@ -92,6 +92,8 @@ class ServerArgs:
     speculative_num_steps: Optional[int] = None
     speculative_eagle_topk: Optional[int] = None
     speculative_num_draft_tokens: Optional[int] = None
+    tp_size: int = 1
+    ep_size: int = 1
     log_level: str = "info"
     # limits on one request (serving_protocol.RequestLimits; None: derived from the model)
     max_request_bytes: int = 32 * 2 ** 20
@@ -133,6 +135,8 @@ class ServerArgs:
         for name in SPECULATIVE_FLAGS:
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
+        if self.tp_size != 1 or self.ep_size != 1:
+            kw.update(tp_size=self.tp_size, ep_size=self.ep_size)
         if self.model_path is None and self.device != "cpu":
             kw["random_weights_on_device"] = True  # a Flash-shaped preset draws ~30 GB: on the GPU, in seconds
         return kw
@@ -181,6 +185,10 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
                       help="drafts per step kept per position: only 1 (a chain)")
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
                       help="rows verified per request and step: K + 1")
+    p.add_argument("--tp-size", type=int, default=d.tp_size,
+                   help="tensor parallel ranks (attention heads, vocabulary; one process per GPU)")
+    p.add_argument("--ep-size", type=int, default=d.ep_size,
+                   help="expert parallel ranks (routed experts; 1 or --tp-size, or alone)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits on one request (each refusal is a 400 naming the field)")
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,

@@ -218,7 +218,7 @@ class Attention(nn.Module):
         super().__init__()
         D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.cfg, self.layer_id, self.ratio = cfg, layer_id, ratio
-        self.n_heads, self.head_dim = H, hd
+        self.n_heads, self.head_dim, self.o_groups = H, hd, cfg.o_groups   # this rank's (parallel.py)
         self.wq_a = fp8_linear(D, cfg.q_lora_rank, quantized)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = fp8_linear(cfg.q_lora_rank, H * hd, quantized)
@@ -258,7 +258,7 @@ class Attention(nn.Module):
 
     def _project_out(self, o: torch.Tensor) -> torch.Tensor:
         # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
-        G, R = self.cfg.o_groups, self.cfg.o_lora_rank
+        G, R = self.o_groups, self.cfg.o_lora_rank
         og = o.reshape(o.shape[0], G, -1)                                   # [T, G, H/G * hd]
         wa = self.wo_a.weight.to(o.dtype).view(G, R, og.shape[-1])           # [G, R, H/G * hd]
         z = torch.einsum("tgi,gri->tgr", og, wa)                            # [T, G, R]
@@ -321,6 +321,8 @@ class MoE(nn.Module):
         self._w13: Optional[torch.Tensor] = None  # [E, 2 * inter, D]: w1 rows, then w3 rows
         self._w2: Optional[torch.Tensor] = None   # [E, D, inter]
         self._aligned = False
+        # expert parallelism: this rank holds global experts lo .. hi - 1 (parallel.RankShard)
+        self.expert_range: Optional[tuple[int, int]] = None
 
     def stack_experts(self, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the routed experts' weights as slices of two stacked tensors.
@@ -341,6 +343,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x, input_ids)                                    # [T, k]
+        if self.expert_range is not None:     # local ids; -1: another rank's expert (skipped)
+            lo, hi = self.expert_range
+            ids = torch.where((ids >= lo) & (ids < hi), ids - lo, -1)
         out = self.shared_experts(x)
         if self.fp4 is not None:
             return out + self.fp4.forward(x, ids, w, self.limit)
@@ -348,11 +353,11 @@ class MoE(nn.Module):
             return self._grouped(x, ids, w, out)
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat_ids + 1, minlength=len(self.experts) + 1).tolist()
         token = order // ids.shape[1]
         weight = w.reshape(-1)[order]
-        start = 0
-        for e, n in enumerate(counts):
+        start = counts[0]    # the -1s (other ranks' experts) sort first
+        for e, n in enumerate(counts[1:]):
             if n:
                 t, wt = token[start:start + n], weight[start:start + n]
                 out.index_add_(0, t, self.experts[e](x[t], wt))
@@ -377,10 +382,12 @@ class MoE(nn.Module):
         each expert's weights read once per tile of its own rows only. The maths is
         Expert.forward's: projections in x's dtype, SwiGLU and the routing weight in fp32."""
         T, k = ids.shape
-        inter, limit = self._w2.shape[2], self.experts[0].limit
+        E, inter, limit = len(self.experts), self._w2.shape[2], self.experts[0].limit
+        if self.expert_range is not None:      # other ranks' experts (-1): sorted last, past every group
+            ids = torch.where(ids < 0, E, ids)
         sorted_ids, order = ids.reshape(-1).sort(stable=True)
         # group ends by binary search (CUDA bincount reads its max on the host: a sync)
-        experts = torch.arange(len(self.experts), device=ids.device, dtype=sorted_ids.dtype)
+        experts = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
         ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
         token = order // k
         gu = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=ends)  # [T*k, 2*inter]
@@ -388,6 +395,8 @@ class MoE(nn.Module):
         g, u = gu[:, :inter].to(hi), gu[:, inter:].to(hi)
         h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * w.reshape(-1)[order].to(hi)[:, None]
         y = torch._grouped_mm(h.to(x.dtype), self._w2.transpose(-2, -1), offs=ends)  # [T*k, D]
+        if self.expert_range is not None:      # rows past the last group are not written
+            y = torch.where((sorted_ids < E)[:, None], y, 0)
         # back to (token, choice) order and a sum over the k choices: a fixed summation order,
         # where index_add_ on CUDA accumulates with atomics in whatever order they land (the
         # same step would then give different bits from run to run)
@@ -550,13 +559,16 @@ class DSV4Model(nn.Module):
     ``dtype`` is the compute dtype (float64, float32 or bfloat16); parameters take the dtype
     ``weights.param_dtype`` gives their name (fp32 parameters stay fp32 unless float64).
     ``quantized=True`` keeps the FP8 / FP4 weights in their stored form (``weights.model_tensors``).
+    ``shard`` (a ``parallel.RankShard``): build this rank's part of a tensor / expert parallel model
+    (load it through ``shard.shard_stream``).
     """
 
     def __init__(self, cfg: DSV4Config, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", include_mtp: bool = True, quantized: bool = False):
+                 device: str | torch.device = "cpu", include_mtp: bool = True, quantized: bool = False,
+                 shard: Any = None):
         super().__init__()
         D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-        self.cfg, self.dtype, self.quantized = cfg, dtype, quantized
+        self.cfg, self.dtype, self.quantized, self.shard = cfg, dtype, quantized, shard
         self.embed = Embedding(V, D)
         self.head = Linear(D, V)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -568,11 +580,16 @@ class DSV4Model(nn.Module):
         n_main = cfg.num_hidden_layers
         self.mtp = nn.ModuleList(
             MTPBlock(cfg, n_main + j, r, quantized) for j, r in enumerate(cfg.mtp_ratios)) if include_mtp else None
+        if shard is not None:
+            shard.shard(self)
         self._place(include_mtp, dtype, torch.device(device))
 
     def _place(self, include_mtp: bool, dtype: torch.dtype, device: torch.device) -> None:
         """Give every tensor its spec's shape check and dtype; names must equal the specs'."""
-        specs = {s.name: s for s in model_tensors(self.cfg, dtype, include_mtp, self.quantized)}
+        tensors = model_tensors(self.cfg, dtype, include_mtp, self.quantized)
+        if self.shard is not None:
+            tensors = self.shard.local_tensors(tensors, self.cfg.n_routed_experts)
+        specs = {s.name: s for s in tensors}
         own = dict(self.named_parameters())
         own.update(dict(self.named_buffers()))
         missing, extra = sorted(set(specs) - set(own)), sorted(set(own) - set(specs))
@@ -625,5 +642,4 @@ class DSV4Model(nn.Module):
     def logits(self, X: torch.Tensor) -> torch.Tensor:
         """Streams ``[N, hc, D]`` -> logits ``[N, V]`` (float32; float64 in float64 mode)."""
         y = hc_head_collapse(self.cfg, X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base)
-        y = self.norm(y)
-        return F.linear(y, self.head.weight.to(y.dtype))
+        return self.head(self.norm(y))

@@ -28,6 +28,7 @@ from .checkpoint import WeightStream
 from .cuda_graph import DecodeGraphs, GraphUnavailable, cuda_graph_default, graphs_supported
 from .config import DSV4Config
 from .model import DSV4Model, hi_dtype
+from .parallel import RankShard
 from .weights import random_weights
 
 LogitsMode = Literal["last", "all", "none"]
@@ -46,6 +47,10 @@ class ForwardRequest:
     input_ids: list[int]
     logits: LogitsMode = "last"
     rollback_len: Optional[int] = None   # speculative verify: the shortest length it may keep
+
+
+def _sharded(shard: Optional[RankShard], tensors, config: DSV4Config):
+    return tensors if shard is None else shard.shard_stream(tensors, config.n_routed_experts)
 
 
 def default_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -71,6 +76,9 @@ class ModelRunner:
     ``load_checkpoint(..., keep_quantized=True)`` gives) or a ``WeightStream`` (a ``CheckpointReader``),
     streamed into the model tensor by tensor.
 
+    ``shard`` (``parallel.RankShard``): this process is one rank of a tensor / expert parallel
+    run; the model holds its part and the weights are cut on their way in.
+
     ``forward`` returns per request logits ``[n, vocab]`` (float32, float64 in float64 mode):
     n = 1 for ``"last"``, ``len(input_ids)`` for ``"all"``, 0 for ``"none"``.
     """
@@ -78,7 +86,8 @@ class ModelRunner:
     def __init__(self, config: DSV4Config, weights: dict[str, torch.Tensor] | WeightStream, pools: DSV4KVPools,
                  allocator: KVAllocator, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  backend: Optional[str] = None, dense: bool = False, cuda_graph: Optional[bool] = None,
-                 cuda_graph_max_bs: Optional[int] = None, attention_kernel: str = "auto"):
+                 cuda_graph_max_bs: Optional[int] = None, attention_kernel: str = "auto",
+                 shard: Optional[RankShard] = None):
         self.config, self.pools, self.allocator = config, pools, allocator
         self.device, self.dtype, self.dense = torch.device(device), dtype, dense
         if dense != bool(pools.plan.dense):
@@ -86,14 +95,17 @@ class ModelRunner:
         if not isinstance(weights, dict):
             # streamed into the model: no second copy of the weights at any time
             self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=weights.include_mtp,
-                                   quantized=weights.quantized)
-            self.model.load_stream(weights.stream())
+                                   quantized=weights.quantized, shard=shard)
+            self.model.load_stream(_sharded(shard, weights.stream(), config))
         else:
             include_mtp = any(name.startswith("mtp.") for name in weights)
             quantized = any(t.dtype == torch.float8_e4m3fn for t in weights.values())
             self.model = DSV4Model(config, dtype=dtype, device=self.device, include_mtp=include_mtp,
-                                   quantized=quantized)
-            self.model.load_state_dict(weights, strict=True)
+                                   quantized=quantized, shard=shard)
+            if shard is None:
+                self.model.load_state_dict(weights, strict=True)
+            else:
+                self.model.load_stream(_sharded(shard, weights.items(), config))
         self.model.eval()
         if backend is None:
             backend, why = resolve_attention_kernel(attention_kernel, self.device, dtype, config.num_attention_heads)

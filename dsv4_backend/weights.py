@@ -20,7 +20,7 @@ import enum
 import math
 import zlib
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -190,7 +190,13 @@ def random_weights(
     are as seeded and reproducible, but a device's generator gives different ones than the
     CPU's, so only weights drawn the same way are "the same weights".
     """
-    out: dict[str, torch.Tensor] = {}
+    return dict(iter_random_weights(cfg, seed, dtype, device, include_mtp, draw_on_device))
+
+
+def iter_random_weights(cfg: DSV4Config, seed: int = 0, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", include_mtp: bool = True,
+                        draw_on_device: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`random_weights` one ``(name, tensor)`` at a time (each drawn when asked for)."""
     gen_device = torch.device(device) if draw_on_device else torch.device("cpu")
     for spec in weight_specs(cfg, include_mtp):
         g = torch.Generator(device=gen_device).manual_seed(_seed_for(seed, spec.name))
@@ -201,8 +207,29 @@ def random_weights(
         else:
             t = torch.randn(spec.shape, generator=g, dtype=torch.float32, device=gen_device)
             t = t.mul_(spec.init_std).add_(spec.init_mean)
-        out[spec.name] = t.to(device=device, dtype=param_dtype(spec.name, spec.kind, dtype))
-    return out
+        yield spec.name, t.to(device=device, dtype=param_dtype(spec.name, spec.kind, dtype))
+
+
+@dataclass
+class RandomWeightStream:
+    """A ``WeightStream`` of :func:`random_weights`' tensors, drawn as they are streamed (a
+    rank of a parallel run keeps only its slice of each; the whole model never exists at once)."""
+
+    config: DSV4Config
+    seed: int
+    dtype: torch.dtype
+    device: str | torch.device
+    draw_on_device: bool = False
+    include_mtp: bool = False
+    quantized: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in model_tensors(self.config, self.dtype, self.include_mtp))
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_random_weights(self.config, self.seed, self.dtype, self.device, self.include_mtp,
+                                   self.draw_on_device)
 
 
 # ---- the quantised in-memory layout ------------------------------------------------------------

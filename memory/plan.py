@@ -4,10 +4,14 @@
     python -m memory.plan --preset pro --gpu-mem-gb 140 --mem-fraction 0.88 --weights-gb 80 --json
     python -m memory.plan --config path/to/config.json --speculative --plot split.png
     python -m memory.plan --model-path /models/DeepSeek-V4-Flash --gpu-mem-gb 139
+    python -m memory.plan --preset flash --gpu-mem-gb 139 --tp-size 8 --ep-size 8
 
 ``--model-path DIR`` reads the checkpoint's config.json and counts its weights as the server
 keeps them on the GPU (bf16, an FP8 release kept quantised: its real e4m3 / e2m1 bytes plus
 scales, ``wo_a`` in bf16, MTP not loaded), from the safetensors headers alone.
+
+``--tp-size`` / ``--ep-size``: the plan is one rank's (every rank holds the same pools), with that
+rank's share of the weights (``dsv4_backend.parallel``'s split, unless ``--weights-gb`` gives it).
 
 Sizes are GiB (2^30 bytes). The budget is ``--budget-gb``, or ``gpu_mem * mem_fraction - weights``
 (SGLang's static fraction covers weights and KV). The env flags
@@ -43,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="static memory fraction (weights + KV), with --gpu-mem-gb")
     p.add_argument("--weights-gb", type=float, default=None,
                    help="weights in GiB, with --gpu-mem-gb (default 0, or the checkpoint's with --model-path)")
+    p.add_argument("--tp-size", type=int, default=None, help="tensor parallel ranks: plan one rank (its weights)")
+    p.add_argument("--ep-size", type=int, default=None, help="expert parallel ranks: plan one rank (its weights)")
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--swa-ratio", type=float, default=0.1, help="SWA tokens per full token")
     p.add_argument("--speculative", action="store_true", help="MTP speculative decoding (doubles the rings)")
@@ -135,6 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = DSV4Config.preset(args.preset)
         else:
             model = DSV4Config.from_json(args.config)
+        if args.tp_size is not None or args.ep_size is not None:
+            from dsv4_backend.parallel import rank_weight_bytes
+            weights_bytes = rank_weight_bytes(model, args.tp_size or 1, args.ep_size or 1)
+            if args.weights_gb is None or args.model_path:
+                args.weights_gb = weights_bytes / GIB
         configurator = DSV4PoolConfigurator(
             model, max_running_requests=args.max_running_requests, swa_ratio=args.swa_ratio,
             speculative=args.speculative, c4_shrink_factor=args.hisparse_ratio)
@@ -149,7 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(d, indent=2))
     else:
         if weights_bytes is not None:
-            print(f"weights: {weights_bytes / GIB:.3f} GiB as loaded from {args.model_path}")
+            where = f"per rank (tp {args.tp_size or 1}, ep {args.ep_size or 1})" if args.tp_size or args.ep_size \
+                else f"as loaded from {args.model_path}"
+            print(f"weights: {weights_bytes / GIB:.3f} GiB {where}")
         print(plan.table())
     if args.plot:
         plot(plan, args.plot)

@@ -34,7 +34,8 @@ from dsv4_backend.checkpoint import CheckpointReader, WeightStream
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model_runner import ModelRunner, pool_page_align, resolve_attention_kernel
 from dsv4_backend.tokenizer import Tokenizer, load_tokenizer
-from dsv4_backend.weights import random_weights
+from dsv4_backend.parallel import RankShard
+from dsv4_backend.weights import ModelTensor, RandomWeightStream, model_tensors, random_weights
 from memory.allocator import KVAllocator
 from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, DSV4PoolConfigurator, PoolPlan
 from memory.layout import (INDEXER_ROW_BYTES, KV_ROW_BYTES, write_indexer_rows,
@@ -43,6 +44,7 @@ from memory.pools import DSV4KVPools
 from memory.prefix_cache import PrefixCache
 
 from .hooks import SchedulerHooks
+from .parallel_engine import launch_ranks
 from .io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .speculative import SpeculativeConfig, SpeculativeDecoder
@@ -83,8 +85,17 @@ def _available_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
 
 
-def weight_nbytes(weights: Union[dict[str, torch.Tensor], WeightStream]) -> int:
-    """Bytes the model's weights take on the device (a checkpoint's as it will be kept)."""
+def weight_nbytes(weights: Union[dict[str, torch.Tensor], WeightStream], shard: Optional[RankShard] = None,
+                  config: Optional[DSV4Config] = None, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes the model's weights take on the device (a checkpoint's as it will be kept); with
+    ``shard`` (and the model's ``config``), one rank's part (a stream's tensors as
+    ``model_tensors`` lists them for the compute ``dtype``)."""
+    if shard is not None:
+        if isinstance(weights, dict):
+            tensors = [ModelTensor(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+        else:
+            tensors = model_tensors(config, dtype, weights.include_mtp, weights.quantized)
+        return shard.local_nbytes(tensors, config.n_routed_experts)
     if not isinstance(weights, dict):
         return weights.nbytes
     return sum(t.numel() * t.element_size() for t in weights.values())
@@ -146,7 +157,10 @@ class Engine:
         speculative_num_steps: Optional[int] = None,
         speculative_eagle_topk: Optional[int] = None,
         speculative_num_draft_tokens: Optional[int] = None,
+        tp_size: int = 1,
+        ep_size: int = 1,
     ):
+        engine_args = {k: v for k, v in locals().items() if k != "self"}   # what each rank process rebuilds
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.device = torch.device(device)
@@ -160,12 +174,34 @@ class Engine:
                                                         speculative_eagle_topk, speculative_num_draft_tokens)
         if self.speculative is not None and dense:
             raise ValueError("speculative decoding needs the compressed pools; dense=True is the baseline without")
+        if self.speculative is not None and max(tp_size, ep_size) > 1:
+            raise ValueError("speculative decoding runs on one rank only: tp_size and ep_size must be 1 with "
+                             "speculative_algorithm")
 
         self._weights_on_device = random_weights_on_device
         if weight_stream is not None and model_path is not None:
             raise ValueError("pass model_path or weight_stream, not both")
         self._weight_stream = weight_stream
+        self._ranked = max(tp_size, ep_size) > 1
         self.config, weights = self._load_model(model_path, preset, random_seed, config_overrides or {})
+        self.ranks = launch_ranks(self.config, tp_size, ep_size, self.device, engine_args)
+        try:
+            self._build(model_path, preset, weights, max_running_requests, max_total_tokens, mem_fraction_static,
+                        chunked_prefill_size, context_length, skip_tokenizer_init, random_seed, swa_ratio, dense,
+                        max_queued_requests, capture_logits, cuda_graph, cuda_graph_max_bs, attention_kernel,
+                        disable_radix_cache)
+        except Exception as e:
+            if self.ranks is not None:
+                self.ranks.ready(f"{type(e).__name__}: {e}")
+            raise
+        if self.ranks is not None:
+            self.ranks.ready()
+
+    def _build(self, model_path, preset, weights, max_running_requests, max_total_tokens, mem_fraction_static,
+               chunked_prefill_size, context_length, skip_tokenizer_init, random_seed, swa_ratio, dense,
+               max_queued_requests, capture_logits, cuda_graph, cuda_graph_max_bs, attention_kernel,
+               disable_radix_cache) -> None:
+        shard = self.ranks.shard if self.ranks is not None else None
         self.model_name = str(model_path) if model_path else f"dsv4-{preset}"
         self.context_length = int(context_length or self.config.max_position_embeddings)
         self.tokenizer: Optional[Tokenizer] = None if skip_tokenizer_init else load_tokenizer(model_path)
@@ -196,19 +232,26 @@ class Engine:
                                   dense=dense, cuda_graph=False if spec is not None else cuda_graph,
                                   cuda_graph_max_bs=min(cuda_graph_max_bs or max_running_requests,
                                                         max_running_requests),
-                                  attention_kernel=attention_kernel)
+                                  attention_kernel=attention_kernel, shard=shard)
         self.attention_kernel = self.runner.attention_kernel
         logger.info("attention kernel: %s (%s)", self.attention_kernel, self.runner.attention_kernel_reason)
-        self.prefix_cache = None if (disable_radix_cache or dense) else PrefixCache(self.allocator)
-        self.hooks = SchedulerHooks(self.allocator, self.prefix_cache)
-        self.scheduler = Scheduler(self.runner, self.hooks, SchedulerConfig(
+        # the ranks replay rank 0's allocator calls, which know no prefix cache yet: off under TP / EP
+        self.prefix_cache = (None if (disable_radix_cache or dense or self.ranks is not None)
+                             else PrefixCache(self.allocator))
+        self.synthetic_filler = SyntheticContextFiller(self.pools, self.allocator, seed=random_seed)
+        if self.ranks is None:
+            self.hooks, runner, fill = (SchedulerHooks(self.allocator, self.prefix_cache), self.runner,
+                                        self.synthetic_filler.fill)
+        else:   # rank 0: hooks that log for the other ranks, a runner that broadcasts each step
+            self.hooks, runner, fill = self.ranks.scheduler_parts(self.allocator, self.runner,
+                                                                  self.synthetic_filler.fill)
+        self.scheduler = Scheduler(runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             context_length=self.context_length, eos_token_id=self.config.eos_token_id,
             capture_logits=capture_logits, random_seed=random_seed), self.tokenizer)
         self.max_queued_requests = max_queued_requests
         self.dense = dense
-        self.synthetic_filler = SyntheticContextFiller(self.pools, self.allocator, seed=random_seed)
-        self.scheduler.synthetic_fill = self.synthetic_filler.fill
+        self.scheduler.synthetic_fill = fill
         if spec is not None:
             self.scheduler.spec = SpeculativeDecoder(spec, self.runner, self.allocator)
         self._synthetic_ids = torch.Generator(device="cpu").manual_seed(random_seed + 1)
@@ -240,8 +283,11 @@ class Engine:
         logger.warning("no model path: the built-in %r preset has SEEDED RANDOM WEIGHTS (seed %d), so its "
                        "output is meaningless text; pass a real DeepSeek-V4 checkpoint (model_path / "
                        "--model-path DIR) for real answers", preset, seed)
-        return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device,
-                                   include_mtp=self.speculative is not None, draw_on_device=self._weights_on_device)
+        draw = dict(seed=seed, dtype=self.dtype, device=self.device, include_mtp=self.speculative is not None,
+                    draw_on_device=self._weights_on_device)
+        if self._ranked:   # every rank keeps only its slices: draw tensor by tensor as they stream in
+            return cfg, RandomWeightStream(cfg, **draw)
+        return cfg, random_weights(cfg, **draw)
 
     def _plan(self, conf: DSV4PoolConfigurator, weights: Union[dict[str, torch.Tensor], WeightStream],
               max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:
@@ -254,7 +300,8 @@ class Engine:
                 mem_fraction_static = DEFAULT_GPU_MEM_FRACTION
         if max_total_tokens is not None:
             return conf.plan_for_tokens(max_total_tokens)
-        weight_bytes = weight_nbytes(weights)
+        shard = self.ranks.shard if self.ranks is not None else None
+        weight_bytes = weight_nbytes(weights, shard, self.config, self.dtype)
         budget = int(_available_bytes(self.device) * mem_fraction_static) - weight_bytes
         if budget <= 0:
             raise ValueError(f"mem_fraction_static={mem_fraction_static} leaves no memory for the KV pools "
@@ -596,6 +643,8 @@ class Engine:
             self._thread = None
         for out in self._abort_all("the engine shut down"):
             self._deliver(out)
+        if self.ranks is not None:
+            self.ranks.close()
         self._closed = True
 
     def __enter__(self) -> "Engine":

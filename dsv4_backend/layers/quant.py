@@ -109,6 +109,8 @@ def moe_act_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     xa = act_fake_quant(x)                                                   # [T, D]
     y = torch.zeros(T, k, x.shape[1], dtype=x.dtype, device=x.device)
     for e in torch.unique(ids).tolist():
+        if e < 0:       # another rank's expert (expert parallelism): counts as 0
+            continue
         t, j = (ids == e).nonzero(as_tuple=True)
         w13e = w13_of(e)                                                     # [2I, D]
         inter = w13e.shape[0] // 2

@@ -18,7 +18,7 @@ misuse (unknown request, shrinking a sequence, double free) raises.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 
@@ -151,6 +151,7 @@ class KVAllocator:
         self._full_to_swa = torch.full((plan.max_full_tokens + 1,), -1, dtype=torch.int64, device=device)
         self._full_to_swa[-1] = plan.num_swa_pages * SWA_PAGE  # dummy full slot -> dummy SWA page
         self._reqs: dict[Hashable, _Request] = {}
+        self.on_free: list[Callable[[int], None]] = []   # called with the request slot in free() (HiSparse)
         # queued writes per table: (flat indices, values) host tensors, in the order made
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"req_to_token": [], "full_to_swa": []}
 
@@ -294,6 +295,8 @@ class KVAllocator:
         self.swa.free(list(req.swa_pages.values()))
         self.req_pool.free(req.slot)
         del self._reqs[rid]
+        for hook in self.on_free:
+            hook(req.slot)
 
     # ---- helpers ---------------------------------------------------------------------
 

@@ -233,3 +233,19 @@ def read_indexer_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     values, scales, valid = _read(pool, slots, INDEXER_ROW_BYTES, INDEXER_VALUE_BYTES, "indexer")
     rows = indexer_dequantize(_indexer_from_bytes(values, scales))
     return rows.masked_fill(~valid.unsqueeze(-1), 0.0)
+
+
+def gather_kv_row_bytes(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The stored bytes of the attention rows at ``slots`` (int64 ``[N]``, each valid), as
+    uint8 ``[N, 584]`` (part then scale group): what moves a row between pools unchanged."""
+    parts, groups, _ = _read(pool, slots, KV_ROW_BYTES, KV_PART_BYTES, "attention")
+    return torch.cat([parts, groups], dim=-1)
+
+
+def scatter_kv_row_bytes(pool: torch.Tensor, slots: torch.Tensor, row_bytes: torch.Tensor) -> None:
+    """Store ``row_bytes`` uint8 ``[N, 584]`` (as :func:`gather_kv_row_bytes` gives them) at
+    ``slots`` of an attention pool."""
+    if row_bytes.dtype != torch.uint8 or row_bytes.dim() != 2 or row_bytes.shape[1] != KV_ROW_BYTES:
+        raise ValueError(f"row bytes must be uint8 [N, {KV_ROW_BYTES}], got {row_bytes.dtype} {tuple(row_bytes.shape)}")
+    _check_one_slot_per_row(slots, row_bytes)
+    _write(pool, slots, row_bytes[:, :KV_PART_BYTES], row_bytes[:, KV_PART_BYTES:], KV_ROW_BYTES, "attention")

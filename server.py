@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_backend.encoding import EncodingError, encode_messages, parse_message_from_completion_text
 from dsv4_backend.encoding import EOS, THINK_END, TOOL_CALLS_START
+from memory.hisparse import HiSparseConfig
 from scheduler_hooks.io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
 from serving_protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerateReqInput,
                               RequestLimits, SamplingFields, add_request_bodies, bad_request, read_body, sse,
@@ -82,6 +83,8 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
     attention_kernel: str = "auto"
+    enable_hisparse: bool = False
+    hisparse_config: Optional[str] = None
     log_level: str = "info"
     # limits on one request (serving_protocol.RequestLimits; None: derived from the model)
     max_request_bytes: int = 32 * 2 ** 20
@@ -118,6 +121,9 @@ class ServerArgs:
             kw["cuda_graph_max_bs"] = self.cuda_graph_max_bs
         if self.attention_kernel != "auto":
             kw["attention_kernel"] = self.attention_kernel
+        if self.enable_hisparse:
+            kw["enable_hisparse"] = True
+            kw["hisparse_config"] = self.hisparse_config
         if self.model_path is None and self.device != "cpu":
             kw["random_weights_on_device"] = True  # a Flash-shaped preset draws ~30 GB: on the GPU, in seconds
         return kw
@@ -155,6 +161,10 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
                    help="largest decode batch replayed from a graph (default: --max-running-requests)")
     p.add_argument("--attention-kernel", default=d.attention_kernel, choices=["auto", "flashmla", "triton"],
                    help="GPU sparse attention: auto = FlashMLA on sm90/sm100 where flash_mla imports, else Triton")
+    p.add_argument("--enable-hisparse", action="store_true",
+                   help="C4 rows in host memory, a device hot pool, the top-k swapped in (HiSparse)")
+    p.add_argument("--hisparse-config", default=d.hisparse_config,
+                   help='JSON: {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2} (the defaults)')
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits on one request (each refusal is a 400 naming the field)")
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
@@ -179,6 +189,13 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if ns.max_top_logprobs < 0 or ns.graceful_shutdown_timeout < 0:
         p.error("--max-top-logprobs and --graceful-shutdown-timeout must be >= 0")
+    if ns.hisparse_config is not None:
+        if not ns.enable_hisparse:
+            p.error("--hisparse-config needs --enable-hisparse")
+        try:
+            HiSparseConfig.parse(ns.hisparse_config)
+        except ValueError as e:
+            p.error(f"--hisparse-config: {e}")
     if ns.json_model_override_args is not None:
         try:
             overrides = json.loads(ns.json_model_override_args)

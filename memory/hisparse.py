@@ -277,7 +277,7 @@ class HiSparsePool:
         if fetch:
             self.hit_rows += n - m
         used[dev] = self.tick
-        self.cap[layer] = cap
+        self.cap[layer].copy_(cap)     # in place: release() may run outside the forward's inference mode
         return dev
 
     def _unmap(self, layer: int, dev_rows: torch.Tensor) -> None:

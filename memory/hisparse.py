@@ -34,6 +34,7 @@ mapping, eviction and copy logic. Config names and defaults are SGLang's ``--his
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -157,6 +158,8 @@ class HiSparsePool:
         self.swapped_rows = 0      # host -> device row copies
         self.hit_rows = 0          # selected rows found resident
         self.offloaded_rows = 0    # device -> host row copies of new rows
+        self.time_fetch = False    # benchmarks: synchronise around each swap-in copy and add it up
+        self.fetch_seconds = 0.0
         self._copy_stream = torch.cuda.Stream(dev) if pin else None
         self._staging: Optional[torch.Tensor] = None
         self._staging_done = torch.cuda.Event() if pin else None
@@ -299,6 +302,17 @@ class HiSparsePool:
 
     def _fetch(self, layer: int, rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
         """Host rows ``rows`` -> device rows ``dev_rows``: one gather, one transfer, one scatter."""
+        if not self.time_fetch:
+            return self._copy_in(layer, rows, dev_rows)
+        if self._copy_stream is not None:
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self._copy_in(layer, rows, dev_rows)
+        if self._copy_stream is not None:
+            torch.cuda.synchronize(self.device)
+        self.fetch_seconds += time.perf_counter() - t0
+
+    def _copy_in(self, layer: int, rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
         data = gather_kv_row_bytes(self.host[layer], rows.cpu())
         if self._copy_stream is None:
             scatter_kv_row_bytes(self.device_kv[layer], dev_rows, data)

@@ -601,8 +601,8 @@ class SyntheticContextFiller:
     def _randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen, device=self.device).to(dtype)
 
-    def _bank(self, kind: str, page_bytes: int) -> torch.Tensor:
-        key = (kind, page_bytes)
+    def _bank(self, kind: str, page_bytes: int, device: torch.device) -> torch.Tensor:
+        key = (kind, page_bytes, device)
         if key not in self._banks:
             indexer = kind == "c4_indexer"
             row_bytes, dim = (INDEXER_ROW_BYTES, 128) if indexer else (KV_ROW_BYTES, 512)
@@ -610,16 +610,16 @@ class SyntheticContextFiller:
             n = self.BANK_PAGES * (page_bytes // row_bytes)
             slots = torch.arange(n, device=self.device)
             (write_indexer_rows if indexer else write_kv_rows)(bank, slots, self._randn(n, dim))
-            self._banks[key] = bank
+            self._banks[key] = bank.to(device)
         return self._banks[key]
 
     def _copy_pages(self, kind: str, pages: torch.Tensor) -> None:
         for pool in getattr(self.pools, kind).values():
-            bank = self._bank(kind, pool.shape[1])
+            bank = self._bank(kind, pool.shape[1], pool.device)
             for i in range(0, pages.numel(), self.COPY_PAGES):
                 part = pages[i:i + self.COPY_PAGES]
                 pick = torch.randint(0, self.BANK_PAGES, (part.numel(),), generator=self.gen, device=self.device)
-                pool[part.to(pool.device)] = bank[pick].to(pool.device)   # HiSparse: c4_kv is the host pool
+                pool[part.to(pool.device)] = bank[pick.to(pool.device)]   # HiSparse: c4_kv is the host pool
 
     @torch.inference_mode()
     def fill(self, rid: str, num_tokens: int) -> None:

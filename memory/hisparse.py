@@ -11,9 +11,12 @@ is then handed *device* rows. The indexer pool (which scores every row) stays on
 Per CSA layer the bookkeeping is four device tensors::
 
     full_to_dev  int32 [host rows]   device row holding full row f, -1 when not resident
-    dev_to_full  int64 [D]           full row held by device row d, -1 when free
-    owner        int64 [D]           request slot owning device row d, -1 when free
-    last_used    int64 [D]           tick of d's last use (one tick per placement call)
+    dev_to_full  int32 [D]           full row held by device row d, -1 when free
+    owner        int32 [D]           request slot owning device row d, -1 when free
+    last_used    int32 [D]           tick of d's last use (one tick per placement call)
+
+(12 B per device row and 4 B per host row and layer: about 21 B per full token of Flash at
+ratio 4, outside the plan's budget like its dummy pages.)
 
 Placement (:meth:`HiSparsePool.swap_in` before attention, :meth:`HiSparsePool.write_rows` on
 compression) takes the rows a call needs, keeps the resident ones (pinned for the call), and
@@ -147,9 +150,9 @@ class HiSparsePool:
             i: torch.zeros(_pages(D), page_bytes, dtype=torch.uint8, device=dev) for i in self.layers}
         host_cap = _pages(host_rows) * ROWS_PER_PAGE
         self.full_to_dev = {i: torch.full((host_cap,), -1, dtype=torch.int32, device=dev) for i in self.layers}
-        self.dev_to_full = {i: torch.full((D,), -1, dtype=torch.int64, device=dev) for i in self.layers}
-        self.owner = {i: torch.full((D,), -1, dtype=torch.int64, device=dev) for i in self.layers}
-        self.last_used = {i: torch.zeros(D, dtype=torch.int64, device=dev) for i in self.layers}
+        self.dev_to_full = {i: torch.full((D,), -1, dtype=torch.int32, device=dev) for i in self.layers}
+        self.owner = {i: torch.full((D,), -1, dtype=torch.int32, device=dev) for i in self.layers}
+        self.last_used = {i: torch.zeros(D, dtype=torch.int32, device=dev) for i in self.layers}
         # per owner the most rows it may hold: max(device_buffer_size, its last call's need)
         self.cap = {i: torch.full((self.num_req_slots,), self.buffer_size, dtype=torch.int64, device=dev)
                     for i in self.layers}
@@ -256,20 +259,20 @@ class HiSparsePool:
             pinned = torch.zeros(D, dtype=torch.bool, device=rows.device)
             pinned[dev[hit]] = True
             c = torch.nonzero((own >= 0) & ~pinned & (excess[own.clamp_min(0)] > 0)).flatten()
-            c = c[torch.argsort(used[c] * D + c)]                       # oldest first
+            c = c[torch.argsort(used[c].to(torch.int64) * D + c)]       # oldest first
             c = c[torch.argsort(own[c], stable=True)]                   # grouped by owner, oldest first in each
             o = own[c]
             rank = torch.arange(c.numel(), device=c.device) - torch.searchsorted(o, o)
             forced = c[rank < excess[o]]
         if m:
-            key = torch.where(own < 0, self._arange - 2 * D, used * D + self._arange)
+            key = torch.where(own < 0, self._arange - 2 * D, used.to(torch.int64) * D + self._arange)
             if forced is not None:
                 key[forced] = forced - 3 * D
             key[dev[hit]] = _NEVER
             victims = torch.topk(key, m, largest=False).indices
             self._unmap(layer, victims if forced is None else torch.unique(torch.cat([victims, forced])))
-            d2f[victims] = miss_rows
-            own[victims] = miss_owner
+            d2f[victims] = miss_rows.to(d2f.dtype)
+            own[victims] = miss_owner.to(own.dtype)
             f2d[miss_rows] = victims.to(f2d.dtype)
             dev[miss] = victims
             if fetch:
@@ -353,7 +356,7 @@ class HiSparsePool:
             mapped = torch.nonzero(f2d >= 0).flatten()
             assert mapped.numel() == dev_used.numel(), (
                 f"layer {layer}: {mapped.numel()} full rows mapped, {dev_used.numel()} device rows used")
-            assert torch.equal(d2f[f2d[mapped].to(torch.int64)], mapped), f"layer {layer}: full_to_dev is not inverse"
+            assert torch.equal(d2f[f2d[mapped]].to(torch.int64), mapped), f"layer {layer}: full_to_dev is not inverse"
             assert torch.equal(f2d[d2f[dev_used]].to(torch.int64), dev_used), f"layer {layer}: dev_to_full is not inverse"
             held = torch.bincount(own[dev_used], minlength=self.num_req_slots)
             over = torch.nonzero(held > self.cap[layer]).flatten().tolist()
@@ -363,7 +366,7 @@ class HiSparsePool:
                 assert not stray, f"layer {layer}: device rows owned by request slots no longer live: {sorted(stray)[:8]}"
             if dev_used.numel():
                 on_dev = gather_kv_row_bytes(self.device_kv[layer], dev_used).cpu()
-                on_host = gather_kv_row_bytes(self.host[layer], d2f[dev_used].cpu())
+                on_host = gather_kv_row_bytes(self.host[layer], d2f[dev_used].to(torch.int64).cpu())
                 bad = torch.nonzero((on_dev != on_host).any(dim=1)).flatten()
                 assert bad.numel() == 0, (f"layer {layer}: device rows {dev_used[bad[:8]].tolist()} differ from "
                                           "their host copies")

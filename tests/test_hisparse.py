@@ -18,6 +18,7 @@ it, and the model's logits with HiSparse on against HiSparse off.
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -400,3 +401,39 @@ def test_triton_backend_bit_identical():
     assert hs.rows == 2 and hs.swapped_rows > 0 and hs.groups(torch.tensor([[0, 1], [1, 2]])) == [(0, 1), (1, 2)]
     assert torch.equal(out[0], out[1])
     hs.check_integrity([0])
+
+
+# ---- the flags: memory.plan, server, Engine ---------------------------------------------------
+
+def test_plan_cli_device_and_host_bytes(capsys):
+    from memory.plan import main
+    assert main(["--preset", "flash", "--budget-gb", "100", "--enable-hisparse", "--hisparse-config",
+                 '{"host_to_device_ratio": 4}', "--context-len", "1048576", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    full = d["max_full_tokens"]
+    assert d["c4_shrink_factor"] == 4 and d["c4_rows"] == full // 16 and d["c4_indexer_rows"] == full // 4
+    # host: every C4 row of the 21 CSA layers in 64-row pages plus a dummy page
+    assert d["host_bytes"] == d["host_pool_bytes"]["c4_kv"] == 21 * (-(-full // 4 // 64) + 1) * 64 * 584
+    assert d["pool_bytes"]["c4_kv"] == 21 * (-(-full // 16 // 64) + 1) * 64 * 584
+    assert d["requests_fit"]["1048576"] == full // 1048576
+    off = DSV4PoolConfigurator(DSV4Config.preset("flash")).plan_for_budget(100 * 2**30)
+    assert full // 1048576 >= 1.4 * off.requests_fit(1048576)       # 18 against 12
+    assert main(["--preset", "flash", "--enable-hisparse", "--context-len", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert "device GiB" in out and "host GiB" in out and "requests of 131,072 tokens that fit" in out
+    assert main(["--preset", "flash", "--hisparse-config", "{}"]) == 2
+    assert "--enable-hisparse" in capsys.readouterr().err
+
+
+def test_server_and_engine_flags():
+    from server import parse_args
+    kw = parse_args(["--enable-hisparse", "--hisparse-config", '{"top_k": 16, "device_buffer_size": 32}']).engine_kwargs()
+    assert kw["enable_hisparse"] and json.loads(kw["hisparse_config"])["device_buffer_size"] == 32
+    assert "enable_hisparse" not in parse_args([]).engine_kwargs()
+    for bad in (["--hisparse-config", "{}"], ["--enable-hisparse", "--hisparse-config", '{"top_k": 0}']):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    with pytest.raises(ValueError, match="enable_hisparse"):
+        _engine(None, hisparse_config="{}")
+    eng = _engine(smallest())
+    assert eng.pools.hisparse.rows == TOPK and eng.plan.c4_shrink_factor == TOKENS / (4 * TOPK)

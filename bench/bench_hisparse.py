@@ -241,7 +241,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--ratio", type=float, default=4.0, help="hisparse host_to_device_ratio")
     ap.add_argument("--top-k", type=int, default=0, help="hisparse top_k (default: the model's index_topk)")
     ap.add_argument("--device-buffer-size", type=int, default=0, help="hisparse device_buffer_size (0: 2 x top_k)")
-    ap.add_argument("--max-batch", type=int, default=None, help="cap on the batch (default 64 on CUDA, 8 on the CPU)")
+    ap.add_argument("--max-batch", type=int, default=None, help="cap on the batch (default 96 on CUDA, 8 on the CPU)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--mem-fraction", type=float, default=0.92)
@@ -259,7 +259,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if args.experts is None and args.preset != "tiny":
         args.experts = 8
-    args.max_batch = args.max_batch or (64 if cuda else 8)
+    args.max_batch = args.max_batch or (96 if cuda else 8)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {list(MODES)}")

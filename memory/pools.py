@@ -55,7 +55,7 @@ class DSV4KVPools:
 
     def __init__(self, model_config: Any, plan: PoolPlan, device: str | torch.device = "cpu",
                  state_dtype: torch.dtype | None = None, page_align: int = 1,
-                 hisparse: HiSparseConfig | None = None, top_k: int | None = None) -> None:
+                 hisparse: HiSparseConfig | None = None) -> None:
         if page_align < 1:
             raise ValueError(f"page_align must be >= 1, got {page_align}")
         if plan.c4_shrink_factor != 1 and not plan.dense and hisparse is None:
@@ -88,9 +88,8 @@ class DSV4KVPools:
         self.hisparse: HiSparsePool | None = None
         if hisparse is not None and self.c4_kv:
             page_bytes = next(iter(self.c4_kv.values())).shape[1]
-            k = int(model_config.index_topk if top_k is None else top_k)
             self.hisparse = HiSparsePool(self.c4_kv, plan.c4_indexer_rows, plan.c4_rows, plan.max_running_requests,
-                                         hisparse, k, page_bytes, self.device)
+                                         hisparse, int(model_config.index_topk), page_bytes, self.device)
             self.c4_kv = self.hisparse.host   # every writer that addresses full rows writes the host copy
 
     # ---- dummy targets for padded writes ---------------------------------------------

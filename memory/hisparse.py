@@ -43,11 +43,11 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from memory.configurator import COMPRESSED_PAGE
 from memory.layout import KV_ROW_BYTES, gather_kv_row_bytes, scatter_kv_row_bytes
 
 DEFAULT_TOP_K = 2048
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
-ROWS_PER_PAGE = 64
 _NEVER = torch.iinfo(torch.int64).max
 
 
@@ -113,7 +113,7 @@ class HiSparseConfig:
 
 def _pages(rows: int) -> int:
     """Pages of a row pool of ``rows`` rows, plus the dummy page."""
-    return -(-rows // ROWS_PER_PAGE) + 1
+    return -(-rows // COMPRESSED_PAGE) + 1
 
 
 class HiSparsePool:
@@ -148,7 +148,7 @@ class HiSparsePool:
             i: torch.zeros(_pages(host_rows), page_bytes, dtype=torch.uint8, pin_memory=pin) for i in self.layers}
         self.device_kv: dict[int, torch.Tensor] = {
             i: torch.zeros(_pages(D), page_bytes, dtype=torch.uint8, device=dev) for i in self.layers}
-        host_cap = _pages(host_rows) * ROWS_PER_PAGE
+        host_cap = _pages(host_rows) * COMPRESSED_PAGE
         self.full_to_dev = {i: torch.full((host_cap,), -1, dtype=torch.int32, device=dev) for i in self.layers}
         self.dev_to_full = {i: torch.full((D,), -1, dtype=torch.int32, device=dev) for i in self.layers}
         self.owner = {i: torch.full((D,), -1, dtype=torch.int32, device=dev) for i in self.layers}
@@ -174,9 +174,8 @@ class HiSparsePool:
 
     def device_bytes(self) -> int:
         """Hot pools plus the mapping tensors."""
-        n = sum(t.numel() * t.element_size() for d in (self.device_kv, self.full_to_dev, self.dev_to_full,
-                                                         self.owner, self.last_used, self.cap) for t in d.values())
-        return n
+        return sum(t.numel() * t.element_size() for d in (self.device_kv, self.full_to_dev, self.dev_to_full,
+                                                            self.owner, self.last_used, self.cap) for t in d.values())
 
     # ---- the swap-in -----------------------------------------------------------------
 

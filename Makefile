@@ -6,6 +6,8 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 30000
+# the suite runs on two worker processes (a file per worker at a time: module fixtures are built once)
+PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test bench-offline clean
@@ -23,7 +25,7 @@ serve: $(STAMP)
 	$(PY) server.py --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench-offline: $(STAMP)
 	$(PY) bench/bench_offline.py

@@ -38,13 +38,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Histogram, generate_latest, CONTENT_TYPE_LATEST
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_backend.encoding import EncodingError, encode_messages, parse_message_from_completion_text
 from dsv4_backend.encoding import EOS, THINK_END, TOOL_CALLS_START
 from memory.hisparse import HiSparseConfig
 from scheduler_hooks.io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
+from scheduler_hooks.speculative import SpeculativeConfig
 from serving_protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerateReqInput,
                               RequestLimits, SamplingFields, add_request_bodies, bad_request, read_body, sse,
                               validation_error)
@@ -59,6 +60,9 @@ STREAM_END_GRACE_S = 5.0    # after ending the requests at shutdown: time for th
 
 
 # ---- configuration ------------------------------------------------------------------------------
+
+SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                     "speculative_num_draft_tokens")
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,11 @@ class ServerArgs:
     attention_kernel: str = "auto"
     enable_hisparse: bool = False
     hisparse_config: Optional[str] = None
+    disable_radix_cache: bool = False
+    speculative_algorithm: Optional[str] = None
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
     log_level: str = "info"
     # limits on one request (serving_protocol.RequestLimits; None: derived from the model)
     max_request_bytes: int = 32 * 2 ** 20
@@ -124,6 +133,11 @@ class ServerArgs:
         if self.enable_hisparse:
             kw["enable_hisparse"] = True
             kw["hisparse_config"] = self.hisparse_config
+        if self.disable_radix_cache:
+            kw["disable_radix_cache"] = True
+        for name in SPECULATIVE_FLAGS:
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
         if self.model_path is None and self.device != "cpu":
             kw["random_weights_on_device"] = True  # a Flash-shaped preset draws ~30 GB: on the GPU, in seconds
         return kw
@@ -165,6 +179,17 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
                    help="C4 rows in host memory, a device hot pool, the top-k swapped in (HiSparse)")
     p.add_argument("--hisparse-config", default=d.hisparse_config,
                    help='JSON: {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2} (the defaults)')
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="turn the prefix cache off (every request is prefilled from its first token)")
+    spec = p.add_argument_group("speculative decoding (the MTP layer drafts; chain, top-1)")
+    spec.add_argument("--speculative-algorithm", default=d.speculative_algorithm,
+                      help="EAGLE (NEXTN is an alias): draft with the MTP layer, verify in one step")
+    spec.add_argument("--speculative-num-steps", type=int, default=d.speculative_num_steps,
+                      help="K, draft tokens per step (default 3)")
+    spec.add_argument("--speculative-eagle-topk", type=int, default=d.speculative_eagle_topk,
+                      help="drafts per step kept per position: only 1 (a chain)")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+                      help="rows verified per request and step: K + 1")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     lim = p.add_argument_group("limits on one request (each refusal is a 400 naming the field)")
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
@@ -196,6 +221,10 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
             HiSparseConfig.parse(ns.hisparse_config)
         except ValueError as e:
             p.error(f"--hisparse-config: {e}")
+    try:
+        SpeculativeConfig.from_flags(*(getattr(ns, name) for name in SPECULATIVE_FLAGS))
+    except ValueError as e:
+        p.error(str(e))
     if ns.json_model_override_args is not None:
         try:
             overrides = json.loads(ns.json_model_override_args)
@@ -308,6 +337,39 @@ class _EngineCollector:
         yield used
         yield total
         yield usage
+        cached = GaugeMetricFamily("dsv4_pool_cached", "Units of each pool only the prefix cache holds "
+                                   "(given back under pressure).", labels=["pool"])
+        for pool, v in sorted((s.get("pools") or {}).items()):
+            if isinstance(v, dict) and "cached" in v:
+                cached.add_metric([pool], v["cached"])
+        yield cached
+        pc = s.get("prefix_cache")
+        if isinstance(pc, dict):
+            yield GaugeMetricFamily("dsv4_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                                    "prompt tokens looked up.", value=pc["hit_rate"])
+            yield CounterMetricFamily("dsv4_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                                      value=pc["hit_tokens"])
+            yield GaugeMetricFamily("dsv4_cache_restore_points", "Prefix-cache nodes a request can start at.",
+                                    value=pc["restore_points"])
+        if isinstance(s.get("speculative"), dict):
+            yield from _speculative_metrics(s["speculative"])
+
+
+def _speculative_metrics(spec: dict[str, Any]):
+    """Accepted length per verify (accepted drafts + 1): its mean and its histogram."""
+    yield GaugeMetricFamily("dsv4_spec_accept_length", "Mean accepted length per speculative verify.",
+                            value=spec["accept_length_mean"])
+    hist = sorted((int(k), v) for k, v in spec["accept_length_histogram"].items())
+    buckets, cum = [], 0
+    for length, count in hist:
+        cum += count
+        buckets.append((str(length), cum))
+    buckets.append(("+Inf", cum))
+    total = sum(length * count for length, count in hist)
+    yield HistogramMetricFamily("dsv4_spec_accept_length_per_step", "Accepted length of each speculative verify.",
+                                buckets=buckets, sum_value=total)
+    yield CounterMetricFamily("dsv4_spec_verify_steps", "Speculative verifies (request-steps with drafts).",
+                              value=spec["num_verify"])
 
 
 def _find_stat(stats: dict[str, Any], key: str) -> Optional[float]:
@@ -508,9 +570,16 @@ def check_finished(finals: dict[int, RequestOutput], n: int) -> None:
         raise APIError(499, "the client closed the request", type="client_closed_request")
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage; ``cached_tokens``: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached_per_prompt(finals: dict[int, RequestOutput], n: int) -> int:
+    """Cached prompt tokens counted once per prompt (as prompt_tokens is): its first generation's."""
+    return sum(out.cached_tokens for i, out in finals.items() if i % n == 0)
 
 
 class EventStream(StreamingResponse):
@@ -789,6 +858,12 @@ def create_app(engine: Any, args: ServerArgs) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        """SGLang's route: empty the prefix cache (running requests keep their own pages)."""
+        await asyncio.to_thread(state.engine.flush_cache)
+        return PlainTextResponse("Cache flushed.\n")
+
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
@@ -926,7 +1001,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, request: Reques
                         "logprobs": {"content": lp_items[i]} if body.logprobs else None})
     completion_tokens = sum(o.completion_tokens for o in finals.values())
     return {"id": rid, "object": "chat.completion", "created": created, "model": body.model or state.args.model_name,
-            "choices": choices, "usage": usage_of(finals[0].prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage_of(finals[0].prompt_tokens, completion_tokens, finals[0].cached_tokens)}
 
 
 async def _chat_stream(state: ServerState, request: Request, running: Running, plan: _ChatPlan,
@@ -974,7 +1049,8 @@ async def _chat_stream(state: ServerState, request: Request, running: Running, p
         if include_usage and len(finals) == len(reqs):
             completion_tokens = sum(o.completion_tokens for o in finals.values())
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "choices": [], "usage": usage_of(finals[0].prompt_tokens, completion_tokens)})
+                       "choices": [], "usage": usage_of(finals[0].prompt_tokens, completion_tokens,
+                                                        finals[0].cached_tokens)})
     except Exception as e:
         for event in stream_failure(e, [i for i in range(len(reqs)) if i not in finals],
                                     lambda i: chunk(i, {}, "abort")):
@@ -1063,7 +1139,7 @@ async def _completions(state: ServerState, body: CompletionRequest, request: Req
         choices.append({"index": i, "text": echo_text + text, "logprobs": lp, "finish_reason": finish_reason_of(out)})
     completion_tokens = sum(o.completion_tokens for o in finals.values())
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_of(prompt_tokens, completion_tokens)}
+            "usage": usage_of(prompt_tokens, completion_tokens, _cached_per_prompt(finals, body.n))}
 
 
 async def _completion_stream(state: ServerState, request: Request, running: Running, prompt_of: list,
@@ -1102,7 +1178,7 @@ async def _completion_stream(state: ServerState, request: Request, running: Runn
         if include_usage and len(finals) == len(reqs):
             completion_tokens = sum(o.completion_tokens for o in finals.values())
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                       "usage": usage_of(prompt_tokens, completion_tokens)})
+                       "usage": usage_of(prompt_tokens, completion_tokens, _cached_per_prompt(finals, body.n))})
     except Exception as e:
         for event in stream_failure(e, [i for i in range(len(reqs)) if i not in finals],
                                     lambda i: chunk(i, "", "abort", None)):

@@ -28,6 +28,7 @@ replays each after an L2 flush (``bench_kernels.cold_replay_us``): weights come 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -180,8 +181,9 @@ def bench_fp8(quick: bool, copy_gbps: float, fp8_tflops: float, bf16_tflops: flo
 
 def moe_sweep_configs(T: int) -> list[moe.MoeConfig]:
     """Decode: the switches (split_nibbles, swap_ab, int_decode) on the rule's tiles, then tile
-    and pipeline variants of the best-guess combination. Prefill: tiles x int_decode."""
-    C = moe.MoeConfig
+    and pipeline variants of the best-guess combination. Prefill: tiles x int_decode. All on the
+    grouped kernels (``decode_max_pairs=0``; the decode GEMVs are swept by gpu_moe_sweep.py)."""
+    C = functools.partial(moe.MoeConfig, decode_max_pairs=0)
     if T <= 64:
         bm = 16 if T <= 16 else 32 if T <= 32 else 64
         cands = [C(bm, 128, 128, 4, 3, sn, sw, idc) for sn in (False, True) for sw in (False, True)

@@ -16,7 +16,8 @@ tests/test_fp4_moe.py (the same code, run on the device):
   ambiguity window 2^-22 (|g| + 8) relative: Triton's exp is ex2.approx (2^-22) of g log2(e)
   rounded to fp32 (|g| 2^-24 after exponentiation), plus four fp32 roundings, times four for
   margin; the MMA's fp32 accumulation bound doubled (truncating adds);
-- at T = 1 and 64 the MoeConfig switches too (swap_ab + int_decode, split_nibbles + int_decode,
+- at T = 1 and 64 the grouped kernels beside the default (decode GEMVs up to MoeConfig.decode_max_pairs)
+  and their switches (swap_ab + int_decode, split_nibbles + int_decode,
   the torch routing), and the one-launch routing equal to the torch routing bit for bit;
 - determinism (two calls bit-identical) and CUDA-graph replay equal to the eager call.
 Prints one line per check with the measured max error beside the bound; exits 1 on any failure.
@@ -172,10 +173,11 @@ def check_moe(gen, quick: bool) -> None:
             ids[3, 2] = E
         weights = torch.rand(T, k, generator=gen, device=DEV) + 0.25
         x = make_x(T, D, gen)
-        base = pick_moe_config(T * k, E)
+        base = pick_moe_config(T * k, E)._replace(decode_max_pairs=0)  # the grouped kernels
         variants = [("", None)]
         if name in ("T=1", "T=64 padded", "T=64"):
-            variants += [(" [swap_ab int_decode]", base._replace(swap_ab=True, int_decode=True)),
+            variants += [(" [grouped]", base),
+                         (" [swap_ab int_decode]", base._replace(swap_ab=True, int_decode=True)),
                          (" [split_nibbles int_decode]", base._replace(split_nibbles=True, int_decode=True)),
                          (" [torch route]", base._replace(fused_route=False))]
             if T * k <= ROUTE_FUSED_MAX_PAIRS:

@@ -9,7 +9,9 @@ Per layer, :meth:`TorchDSV4Backend.forward` does, in this order:
 1. write the new tokens' KV rows (FP8, 584 B) into the SWA pool;
 2. compression (ratio 4 / 128 layers): gather the ring candidates of every block completed in
    this step, write the new tokens' raw (C, Z) into the ring(s) (only the tail future blocks
-   still need), compress each completed block from ring + new tokens, and write the row at
+   still need, and for C4 the block before each full-page boundary the step crosses, which a
+   prefix-cache restore point there reads), compress each completed block from ring + new
+   tokens, and write the row at
    ``full_slot // m`` (C4 KV + indexer row, or C128 KV). Online C128 updates a running
    (max, sum, kv) state per request instead of a ring;
 3. CSA: indexer scores over the visible indexer rows (read from the pool), top-k row ids;
@@ -21,7 +23,8 @@ a chunk boundary anywhere gives identical results. ``dense=True`` is the benchma
 every layer attends every previous token's stored row, nothing is compressed.
 
 Ring addressing (docs/architecture.md): C4 (and indexer) ring slot of position ``p`` =
-``(full_to_swa[full_slot(p)] // 128) * 8 + p % 8``; C128 ring row = ``req_slot * 128 + p % 128``;
+``(full_to_swa[full_slot(p)] // 128) * R4 + p % R4``; C128 ring row = ``req_slot * R128 + p % R128``
+with the plan's ring sizes R4 = 8, R128 = 128 (16 and 256 in a speculative plan);
 online C128 state slot = ``req_slot``; compressed row = ``full_slot(first token of block) // m``.
 """
 
@@ -34,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from memory.configurator import C4_RING, C128_RING, SWA_PAGE
+from memory.configurator import FULL_PAGE, SWA_PAGE
 from memory.layout import read_indexer_rows, read_kv_rows, write_indexer_rows, write_kv_rows
 
 from .config import DSV4Config
@@ -79,6 +82,9 @@ class ForwardBatch:
     req_slots: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
+    # speculative verify: the shortest length each request may be rolled back to (None: its
+    # seq_len). Ring writes then cover every token a rollback to that length still needs.
+    rollback_lens: Optional[list[int]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -264,8 +270,10 @@ def _ranges(lo: list[int], hi: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return owner, value
 
 
-def _events_host(m: int, step: _StepHost) -> dict:
-    """Ring path, ratio m: the events' and ring writes' host-computable parts (keys ``(m, name)``)."""
+def _events_host(m: int, step: _StepHost, c128_ring: int, keep_lens: list[int]) -> dict:
+    """Ring path, ratio m: the events' and ring writes' host-computable parts (keys ``(m, name)``).
+    ``c128_ring``: ring rows per request; ``keep_lens``: per request the shortest length the
+    step may be rolled back to (its seq_len outside speculative verification)."""
     L = step.lists
     slot, prefix, offset, start = step.per_req[0], step.per_req[1], step.per_req[5], step.per_req[4]
     ev_req, ev_block = _ranges([p // m for p in L.prefix_lens], [s // m for s in L.seq_lens])
@@ -277,12 +285,23 @@ def _events_host(m: int, step: _StepHost) -> dict:
            (m, "ev_new"): torch.where(P >= pre, P - pre + offset[ev_req][:, None], -1),
            (m, "ev_cand"): torch.nonzero(old.reshape(-1)).flatten()}
     # the tail future blocks read: the open block (and for m = 4 the last complete one)
-    tail = [max(0, (s // m - (1 if m == 4 else 0)) * m) for s in L.seq_lens]
-    w_req, w_pos = _ranges([max(p, t) for p, t in zip(L.prefix_lens, tail)], L.seq_lens)
+    tail = [max(0, (s // m - (1 if m == 4 else 0)) * m) for s in keep_lens]
+    lo, hi = [max(p, t) for p, t in zip(L.prefix_lens, tail)], list(L.seq_lens)
+    owner = list(range(len(lo)))
+    if m == 4:
+        # also the last C4 block before every full-page boundary the step crosses: the prefix
+        # cache can restore at such a boundary while its window page (and these slots) is held
+        for r, (p, t) in enumerate(zip(L.prefix_lens, tail)):
+            for b in range((p // FULL_PAGE + 1) * FULL_PAGE, t + 1, FULL_PAGE):
+                lo.append(max(p, b - m))
+                hi.append(b)
+                owner.append(r)
+    w_req, w_pos = _ranges(lo, hi)
+    w_req = torch.tensor(owner, dtype=torch.int64)[w_req]
     out[m, "w_tok"] = w_pos - prefix[w_req] + offset[w_req]
     if m == 128:
-        out[m, "ev_ring"] = torch.where(old, slot[ev_req][:, None] * C128_RING + P % C128_RING, -1)
-        out[m, "w_slot"] = slot[w_req] * C128_RING + w_pos % C128_RING
+        out[m, "ev_ring"] = torch.where(old, slot[ev_req][:, None] * c128_ring + P % c128_ring, -1)
+        out[m, "w_slot"] = slot[w_req] * c128_ring + w_pos % c128_ring
         return out
     col = P - start[ev_req][:, None]                                      # column in the request's kv_slots
     outside = old & (col < 0)
@@ -368,6 +387,9 @@ class TorchDSV4Backend(AttentionBackend):
         self.device = pools.device
         ratios = set(cfg.layer_ratios) - {0}
         self.ratios = () if dense else tuple(sorted(ratios))
+        # ring slots per SWA page / per request: the plan's (doubled for speculative decoding)
+        self.c4_ring = pools.plan.c4_ring_size or 1
+        self.c128_ring = pools.plan.c128_ring_size or 1
 
     # ---- metadata ------------------------------------------------------------------------
 
@@ -383,9 +405,10 @@ class TorchDSV4Backend(AttentionBackend):
         dev = tables.req_to_token.device
         step = _StepHost.build(batch, self.window, self.dense)
         host = {"req": step.per_req, "token_req": step.token_req, "positions": step.positions}
+        keep = batch.rollback_lens or step.lists.seq_lens
         for m in self.ratios if events else ():
             online = m == 128 and self.online_compress
-            host.update(_segments_host(m, step) if online else _events_host(m, step))
+            host.update(_segments_host(m, step) if online else _events_host(m, step, self.c128_ring, keep))
         d = _upload(host, dev)
         per_req, token_req, positions = d["req"], d["token_req"], d["positions"]
         slots, seq, start = per_req[0], per_req[3], per_req[4]
@@ -467,10 +490,10 @@ class TorchDSV4Backend(AttentionBackend):
         if m == 4:   # ring slots hang off the candidates' SWA pages
             col = d[m, "ev_col"]
             swa = meta.kv_slots[ev_req[:, None], col.clamp_min(0)]
-            src_ring = torch.where(col >= 0, (swa // SWA_PAGE) * C4_RING + d[m, "ev_pos"] % C4_RING, -1)
+            src_ring = torch.where(col >= 0, (swa // SWA_PAGE) * self.c4_ring + d[m, "ev_pos"] % self.c4_ring, -1)
             w_req, w_pos = d[m, "w_req"], d[m, "w_pos"]
             swa = meta.kv_slots[w_req, w_pos - meta.kv_start[w_req]]
-            ring_slot = (swa // SWA_PAGE) * C4_RING + w_pos % C4_RING
+            ring_slot = (swa // SWA_PAGE) * self.c4_ring + w_pos % self.c4_ring
         else:
             src_ring, ring_slot = d[m, "ev_ring"], d[m, "w_slot"]
         events = CompressionEvents(req=ev_req, block=ev_block, first_pos=ev_block * m, row=rows[ev_req, ev_block],

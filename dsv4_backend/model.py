@@ -517,8 +517,8 @@ def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch
 class MTPBlock(Block):
     """``mtp.j``: a window-only block with its own embedding merge, hc_head and norm.
 
-    Its weights load with the model; the engine does not run speculative decoding yet, and
-    running it needs a KV cache of its own, so :meth:`DSV4Model.forward` never calls it."""
+    Its weights load with the model; :meth:`DSV4Model.forward` never calls it: speculative
+    decoding runs it as the draft layer over its own window KV (``dsv4_backend/mtp.py``)."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, ratio: int, quantized: bool = False):
         super().__init__(cfg, layer_id, ratio, hash_routed=False, quantized=quantized)

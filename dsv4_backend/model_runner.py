@@ -46,6 +46,7 @@ class ForwardRequest:
     prefix_len: int
     input_ids: list[int]
     logits: LogitsMode = "last"
+    rollback_len: Optional[int] = None   # speculative verify: the shortest length it may keep
 
 
 def default_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -113,6 +114,9 @@ class ModelRunner:
         self.attention_kernel, self.attention_kernel_reason = backend, why
         self.backend = get_attention_backend(self.backend_name)(config, pools, allocator, dtype=dtype, dense=dense)
         self.last_metadata: Optional[ForwardMetadata] = None
+        # the last eager forward's final streams [T, hc, D] (the MTP draft layer's input);
+        # None after a graph replay
+        self.last_hidden: Optional[torch.Tensor] = None
         self.cuda_graphs: Optional[DecodeGraphs] = None
         if cuda_graph is None:
             cuda_graph = cuda_graph_default() and self.device.type == "cuda"
@@ -144,16 +148,21 @@ class ModelRunner:
             except GraphUnavailable:
                 pass     # logged; this step and the next run eagerly
             else:
-                self.last_metadata = meta
+                self.last_metadata, self.last_hidden = meta, None
                 # the graph's output buffer is rewritten by the next replay: hand out a copy
                 logits = logits.clone()
                 return [logits[i:i + (r.logits != "none")] for i, r in enumerate(reqs)]
+        rollback = None
+        if any(r.rollback_len is not None for r in reqs):
+            rollback = [r.prefix_len + len(r.input_ids) if r.rollback_len is None else r.rollback_len
+                        for r in reqs]
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs],
-                             [len(r.input_ids) for r in reqs])
+                             [len(r.input_ids) for r in reqs], rollback)
         meta = self.backend.init_forward_metadata(batch)
         self.last_metadata = meta
         ids = torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64, device=self.device)
         X = self.model(ids, meta.positions.to(self.device), self.backend, meta)          # [T, hc, D]
+        self.last_hidden = X
         pick, counts = [], []
         for r, start in zip(reqs, meta.token_offsets):
             n = len(r.input_ids)

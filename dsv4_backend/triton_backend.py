@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from memory.configurator import C4_RING, C128_RING, COMPRESSED_PAGE, FULL_PAGE, SWA_PAGE
+from memory.configurator import COMPRESSED_PAGE, FULL_PAGE, SWA_PAGE
 
 from .backend import (
     CompressedMeta, ForwardMetadata, TorchDSV4Backend, register_attention_backend,
@@ -245,12 +245,14 @@ class _StaticDecodeMixin:
                 if m == 4:   # candidates p - 7 .. p hang off their own SWA pages (the window's last 8)
                     cand = pos[:, None] - 7 + torch.arange(8, device=dev)[None, :]
                     swa = window[:, self.window - 8:]
-                    rp.sources.copy_(torch.where((cand >= 0) & (swa >= 0), (swa // SWA_PAGE) * C4_RING + cand % C4_RING,
-                                                 -1))
-                    rp.ring_slot.copy_((meta.swa_slots[g] // SWA_PAGE) * C4_RING + pos % C4_RING)
-                else:        # the request's 128 ring rows, in position order once the block is complete
-                    rp.sources.copy_(slot[:, None] * C128_RING + torch.arange(m, device=dev)[None, :])
-                    rp.ring_slot.copy_(slot * C128_RING + pos % C128_RING)
+                    R = self.c4_ring
+                    rp.sources.copy_(torch.where((cand >= 0) & (swa >= 0), (swa // SWA_PAGE) * R + cand % R, -1))
+                    rp.ring_slot.copy_((meta.swa_slots[g] // SWA_PAGE) * R + pos % R)
+                else:        # the block's 128 ring rows of the request, in position order
+                    R = self.c128_ring
+                    cand = block[:, None] * m + torch.arange(m, device=dev)[None, :]
+                    rp.sources.copy_(slot[:, None] * R + cand % R)
+                    rp.ring_slot.copy_(slot * R + pos % R)
             visible = cm.num_visible[g]
             if m == 4:
                 pages = _c4_pages(rows)
@@ -285,8 +287,8 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
 
     # ---- per step ------------------------------------------------------------------------
 
-    def init_forward_metadata(self, batch: Any) -> ForwardMetadata:
-        meta = super().init_forward_metadata(batch)
+    def init_forward_metadata(self, batch: Any, events: bool = True) -> ForwardMetadata:
+        meta = super().init_forward_metadata(batch, events)
         self._step_plan(meta)
         return meta
 

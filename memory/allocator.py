@@ -11,14 +11,20 @@ Three address spaces (docs/architecture.md, glossary):
   mapped to the pools' dummy SWA page. The C4 ring slots hang off the SWA pages.
 - request slot: the request's row in ``req_to_token`` and its C128 ring / online-state index.
 
+Pages have holder counts: a request holds its own pages, and with the prefix cache
+(``memory/prefix_cache.py``) a cache node and the requests that reuse its prefix hold them too.
+A page returns to its free list when its last holder lets go; an SWA page's ``full_to_swa``
+entries are cleared then, not before (another holder may still read them).
+
 Allocation failure is a returned :class:`AllocResult` the scheduler acts on (retract, queue);
 misuse (unknown request, shrinking a sequence, double free) raises.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, NamedTuple
+from typing import Callable, Hashable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -26,14 +32,19 @@ from memory.configurator import SWA_PAGE, PoolPlan
 
 
 class PagedAllocator:
-    """A free list of page ids ``0 .. num_pages - 1``: lowest ids first, freed ids reused first (LIFO)."""
+    """A free list of page ids ``0 .. num_pages - 1``: lowest ids first, freed ids reused first (LIFO).
+
+    A used page has a holder count: ``alloc`` gives one holder, ``retain`` adds one (the prefix
+    cache, a request reusing a cached prefix), ``free`` drops one and returns the page to the free
+    list only when none is left.
+    """
 
     def __init__(self, num_pages: int) -> None:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.capacity = int(num_pages)
         self._free = list(range(self.capacity - 1, -1, -1))  # a stack: pop() gives the lowest id
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}                        # used page -> holders (>= 1)
 
     @property
     def num_free(self) -> int:
@@ -41,7 +52,7 @@ class PagedAllocator:
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` page ids, or None (nothing taken) if fewer than ``n`` are free."""
@@ -53,28 +64,53 @@ class PagedAllocator:
             return []
         pages = self._free[-n:][::-1]
         del self._free[-n:]
-        self._used.update(pages)
+        self._refs.update(dict.fromkeys(pages, 1))
         return pages
 
-    def free(self, pages: list[int]) -> None:
-        """Return ``pages``; raises ValueError (and frees nothing) if any is not allocated."""
-        bad = [p for p in pages if p not in self._used]
+    def retain(self, pages: list[int]) -> None:
+        """One more holder for each of ``pages`` (all must be in use)."""
+        bad = [p for p in pages if p not in self._refs]
+        if bad:
+            raise ValueError(f"retaining pages that are not allocated: {sorted(set(bad))[:8]}")
+        for p in pages:
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> list[int]:
+        """Drop one holder of each of ``pages``; returns those that went back to the free list.
+        Raises ValueError (and frees nothing) if any is not allocated or one is repeated."""
+        bad = [p for p in pages if p not in self._refs]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"freeing pages that are not allocated or repeated: {sorted(set(bad)) or pages}")
-        self._used.difference_update(pages)
-        self._free.extend(pages)
+        gone = []
+        for p in pages:
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                del self._refs[p]
+                gone.append(p)
+        self._free.extend(gone)
+        return gone
 
     def is_used(self, page: int) -> bool:
-        return page in self._used
+        return page in self._refs
+
+    def refcount(self, page: int) -> int:
+        """Holders of ``page`` (0 when free)."""
+        return self._refs.get(page, 0)
+
+    @property
+    def used_pages(self) -> set[int]:
+        return set(self._refs)
 
     def check(self, name: str) -> None:
         """free + used == capacity, no id both free and used, no id out of range."""
         free = set(self._free)
+        used = set(self._refs)
         assert len(free) == len(self._free), f"{name}: a page is on the free list twice"
-        assert not free & self._used, f"{name}: pages both free and used: {sorted(free & self._used)[:8]}"
-        assert len(free) + len(self._used) == self.capacity, (
-            f"{name}: free {len(free)} + used {len(self._used)} != capacity {self.capacity}")
-        assert all(0 <= p < self.capacity for p in free | self._used), f"{name}: page id out of range"
+        assert not free & used, f"{name}: pages both free and used: {sorted(free & used)[:8]}"
+        assert len(free) + len(used) == self.capacity, (
+            f"{name}: free {len(free)} + used {len(used)} != capacity {self.capacity}")
+        assert all(0 <= p < self.capacity for p in free | used), f"{name}: page id out of range"
+        assert all(n >= 1 for n in self._refs.values()), f"{name}: a used page with no holder"
 
 
 class ReqToTokenPool:
@@ -115,6 +151,16 @@ class PoolStat(NamedTuple):
     total: int
 
 
+class PageHolder(Protocol):
+    """Something besides the requests that holds pages (the prefix cache)."""
+
+    def held_pages(self) -> tuple[list[int], list[int]]:
+        """(full pages, SWA pages) it holds, each at most once."""
+
+    def check(self) -> None:
+        """AssertionError if its own bookkeeping is inconsistent."""
+
+
 @dataclass
 class _Request:
     slot: int
@@ -152,6 +198,9 @@ class KVAllocator:
         self._full_to_swa[-1] = plan.num_swa_pages * SWA_PAGE  # dummy full slot -> dummy SWA page
         self._reqs: dict[Hashable, _Request] = {}
         self.on_free: list[Callable[[int], None]] = []   # called with the request slot in free() (HiSparse)
+        # SWA page -> full slot of the first of its 128 tokens: the entries of full_to_swa it fills
+        self._swa_home: dict[int, int] = {}
+        self.holder: Optional[PageHolder] = None   # the prefix cache, when one is attached
         # queued writes per table: (flat indices, values) host tensors, in the order made
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"req_to_token": [], "full_to_swa": []}
 
@@ -253,7 +302,11 @@ class KVAllocator:
             return res
         keys = self._new_swa_keys(req, new_len)
         req.full_pages += self.full.alloc(res.full_pages)
-        req.swa_pages.update(zip(keys, self.swa.alloc(res.swa_pages)))
+        new_swa = self.swa.alloc(res.swa_pages)
+        req.swa_pages.update(zip(keys, new_swa))
+        if keys:
+            homes = self._full_slots(req, torch.tensor(keys, dtype=torch.int64) * SWA_PAGE).tolist()
+            self._swa_home.update(zip(new_swa, homes))
 
         pos = torch.arange(req.seq_len, new_len)
         full_slots = self._full_slots(req, pos)
@@ -264,6 +317,24 @@ class KVAllocator:
         self._queue("full_to_swa", full_slots, swa_slots)
         req.seq_len = new_len
         return res
+
+    def truncate(self, rid: Hashable, new_len: int) -> None:
+        """Shrink ``rid`` to its first ``new_len`` positions (speculative decoding's rollback of
+        rejected draft tokens): full and SWA pages past them are freed and unmapped; the rows the
+        kept positions' pages hold past ``new_len`` are stale and rewritten before any read."""
+        req = self._req(rid)
+        if not 0 <= new_len <= req.seq_len:
+            raise ValueError(f"request {rid!r}: truncate to {new_len} outside [0, {req.seq_len}]")
+        if new_len == req.seq_len:
+            return
+        pos = torch.arange(new_len, req.seq_len)
+        self._queue("full_to_swa", self._full_slots(req, pos), torch.full_like(pos, -1))
+        keep_full = -(-new_len // self.full_page)
+        self.full.free(req.full_pages[keep_full:])
+        del req.full_pages[keep_full:]
+        gone = [k for k in req.swa_pages if k * SWA_PAGE >= new_len]
+        self.swa.free([req.swa_pages.pop(k) for k in gone])
+        req.seq_len = new_len
 
     def evict_swa(self, rid: Hashable) -> int:
         """Free ``rid``'s SWA pages that no future token can see; returns how many.
@@ -278,25 +349,71 @@ class KVAllocator:
         gone = [k for k in req.swa_pages if (k + 1) * SWA_PAGE <= first_visible]
         if not gone:
             return 0
-        self.swa.free([req.swa_pages.pop(k) for k in gone])
-        for k in gone:   # the page's full slots, from the request's own pages (no table read)
-            slots = self._full_slots(req, torch.arange(k * SWA_PAGE, (k + 1) * SWA_PAGE))
-            self._queue("full_to_swa", slots, torch.full_like(slots, -1))
+        self._release_swa([req.swa_pages.pop(k) for k in gone])
         return len(gone)
 
     def free(self, rid: Hashable) -> None:
-        """Release everything ``rid`` holds (finish, abort or retraction)."""
+        """Release everything ``rid`` holds (finish, abort or retraction); pages another holder
+        (the prefix cache, a request sharing its prefix) still holds stay allocated."""
         req = self._req(rid)
-        if req.full_pages:
-            pages = torch.tensor(req.full_pages, dtype=torch.int64)
-            slots = (pages[:, None] * self.full_page + torch.arange(self.full_page)[None, :]).reshape(-1)
-            self._queue("full_to_swa", slots, torch.full_like(slots, -1))
         self.full.free(req.full_pages)
-        self.swa.free(list(req.swa_pages.values()))
+        self._release_swa(list(req.swa_pages.values()))
         self.req_pool.free(req.slot)
         del self._reqs[rid]
         for hook in self.on_free:
             hook(req.slot)
+
+    # ---- sharing (the prefix cache) ------------------------------------------------------
+
+    def attach_prefix(self, rid: Hashable, full_pages: list[int], swa_pages: dict[int, int], seq_len: int) -> None:
+        """Make ``rid`` (admitted, empty) start at ``seq_len`` over already written pages: it takes
+        a holder on each. ``full_pages`` cover ``[0, seq_len)`` (``seq_len`` a whole number of full
+        pages, so the request never writes into them); ``swa_pages`` maps ``k`` to the SWA page of
+        positions ``[128k, 128k + 128)`` and must cover the window of position ``seq_len``."""
+        req = self._req(rid)
+        if req.seq_len or req.full_pages:
+            raise ValueError(f"request {rid!r} already holds {req.seq_len} tokens")
+        if seq_len % self.full_page or len(full_pages) != seq_len // self.full_page:
+            raise ValueError(f"a shared prefix is whole full pages: {len(full_pages)} pages for {seq_len} tokens")
+        if seq_len > self.max_context:
+            raise ValueError(f"a shared prefix of {seq_len} tokens exceeds max_context {self.max_context}")
+        need = {k for k in range(seq_len // SWA_PAGE) if (k + 1) * SWA_PAGE > seq_len - (self.window - 1)}
+        if not self.dense and not need <= set(swa_pages):
+            raise ValueError(f"the SWA pages {sorted(need - set(swa_pages))} of the window at {seq_len} are missing")
+        self.full.retain(list(full_pages))
+        self.swa.retain(list(swa_pages.values()))
+        req.full_pages = list(full_pages)
+        req.swa_pages = dict(swa_pages)
+        req.seq_len = seq_len
+        if seq_len:
+            pos = torch.arange(seq_len)
+            self._queue("req_to_token", req.slot * self.max_context + pos, self._full_slots(req, pos))
+
+    def full_pages_of(self, rid: Hashable) -> list[int]:
+        """``rid``'s full pages, in position order (page i holds positions ``[256 i, 256 (i + 1))``)."""
+        return list(self._req(rid).full_pages)
+
+    def retain(self, full_pages: list[int], swa_pages: list[int]) -> None:
+        """A holder besides the requests (the prefix cache) takes these pages."""
+        self.full.retain(full_pages)
+        self.swa.retain(swa_pages)
+
+    def release(self, full_pages: list[int], swa_pages: list[int]) -> None:
+        """That holder lets go; pages no one else holds are freed."""
+        self.full.free(full_pages)
+        self._release_swa(swa_pages)
+
+    def swa_home(self, page: int) -> int:
+        """Full slot of the first token whose row SWA page ``page`` holds."""
+        return self._swa_home[page]
+
+    def _release_swa(self, pages: list[int]) -> None:
+        """Drop a holder of each SWA page; a freed page's tokens no longer have an SWA slot."""
+        gone = self.swa.free(pages)
+        if gone:
+            homes = torch.tensor([self._swa_home.pop(p) for p in gone], dtype=torch.int64)
+            slots = (homes[:, None] + torch.arange(SWA_PAGE)[None, :]).reshape(-1)
+            self._queue("full_to_swa", slots, torch.full_like(slots, -1))
 
     # ---- helpers ---------------------------------------------------------------------
 
@@ -318,19 +435,36 @@ class KVAllocator:
         self.full.check("full pool")
         self.swa.check("SWA pool")
         self.req_pool.slots.check("request slots")
-        for name, pool, owned in (
-            ("full", self.full, [p for r in self._reqs.values() for p in r.full_pages]),
-            ("SWA", self.swa, [p for r in self._reqs.values() for p in r.swa_pages.values()]),
-            ("request slot", self.req_pool.slots, [r.slot for r in self._reqs.values()]),
+        cache_full, cache_swa = self.holder.held_pages() if self.holder is not None else ([], [])
+        if self.holder is not None:
+            self.holder.check()
+        reqs = list(self._reqs.values())
+        for name, pool, held in (
+            ("full", self.full, [r.full_pages for r in reqs] + [cache_full]),
+            ("SWA", self.swa, [list(r.swa_pages.values()) for r in reqs] + [cache_swa]),
+            ("request slot", self.req_pool.slots, [[r.slot] for r in reqs]),
         ):
-            dup = sorted({p for p in owned if owned.count(p) > 1}) if len(set(owned)) != len(owned) else []
-            assert not dup, f"{name} pages owned twice: {dup[:8]}"
-            assert set(owned) == pool._used, (
-                f"{name} pool: pages in use but owned by no request {sorted(pool._used - set(owned))[:8]}, "
-                f"owned but marked free {sorted(set(owned) - pool._used)[:8]}")
+            for pages in held:   # each holder (a request, the cache) holds a page once
+                assert len(set(pages)) == len(pages), f"{name} pages held twice by one holder: {pages[:8]}"
+            counts = collections.Counter(p for pages in held for p in pages)
+            if name == "request slot":
+                assert all(n == 1 for n in counts.values()), "request slots owned twice"
+            assert set(counts) == pool.used_pages, (
+                f"{name} pool: pages in use but held by no request or cache {sorted(pool.used_pages - set(counts))[:8]}, "
+                f"held but marked free {sorted(set(counts) - pool.used_pages)[:8]}")
+            wrong = [p for p, n in counts.items() if pool.refcount(p) != n]
+            assert not wrong, (f"{name} pages owned twice or more than counted: page {wrong[0]} is held "
+                               f"{counts[wrong[0]]} times, its holder count is {pool.refcount(wrong[0])}")
+        assert set(self._swa_home) == self.swa.used_pages, "SWA pages without a home full slot (or freed ones with one)"
+        live_full = {p * self.full_page for p in self.full.used_pages}
+        orphans = [p for p, h in self._swa_home.items() if h - h % self.full_page not in live_full]
+        assert not orphans, f"SWA pages {orphans[:8]} map tokens of a freed full page"
 
         expect = torch.full_like(self.full_to_swa, -1, device="cpu")
         expect[-1] = self.plan.num_swa_pages * SWA_PAGE
+        for page in cache_swa:   # a cached window page maps all its 128 tokens
+            home = self._swa_home[page]
+            expect[home:home + SWA_PAGE] = page * SWA_PAGE + torch.arange(SWA_PAGE)
         for rid, req in self._reqs.items():
             n = req.seq_len
             assert len(req.full_pages) == -(-n // self.full_page), (
@@ -352,33 +486,62 @@ class KVAllocator:
                 f"request {rid!r}: holds an SWA page past its {n} tokens")
             for k, page in req.swa_pages.items():
                 sel = pos[k * SWA_PAGE:(k + 1) * SWA_PAGE]
+                assert self._swa_home[page] == int(slots[k * SWA_PAGE]), (
+                    f"request {rid!r}: SWA page {page} (positions from {k * SWA_PAGE}) maps another request's tokens")
                 expect[slots[sel]] = page * SWA_PAGE + sel % SWA_PAGE
         actual = self.full_to_swa.cpu()
         if not torch.equal(actual, expect):
             bad = int((actual != expect).nonzero()[0])
             raise AssertionError(f"full_to_swa[{bad}] = {int(actual[bad])}, its pages say {int(expect[bad])}")
 
+    def cache_only_pages(self) -> tuple[int, int]:
+        """(full, SWA) pages the prefix cache alone holds: freed if it let go of them."""
+        if self.holder is None:
+            return 0, 0
+        full, swa = self.holder.held_pages()
+        return (sum(self.full.refcount(p) == 1 for p in full), sum(self.swa.refcount(p) == 1 for p in swa))
+
     def stats(self) -> dict[str, PoolStat]:
         """(used, total) per pool: full / SWA in token slots, request slots, and the rows and ring
-        slots implied by them (compressed rows per full page, ring slots per SWA page / request)."""
-        plan, fp = self.plan, self.full_page
-        full_used = self.full.num_used * fp
-        out = {
-            "full": PoolStat(full_used, self.full.capacity * fp),
-            "swa": PoolStat(self.swa.num_used * SWA_PAGE, self.swa.capacity * SWA_PAGE),
-            "req_slots": PoolStat(self.req_pool.slots.num_used, self.req_pool.max_requests),
-        }
+        slots implied by them (compressed rows per full page, ring slots per SWA page / request).
+        ``used`` counts what running requests hold; pages only the prefix cache holds are not
+        used but :meth:`cached_stats` (they are given back on demand)."""
+        full_only, swa_only = self.cache_only_pages()
+        used = self._units(self.full.num_used - full_only, self.swa.num_used - swa_only,
+                           self.req_pool.slots.num_used)
+        return {k: PoolStat(u, self._units_total[k]) for k, u in used.items()}
+
+    def cached_stats(self) -> dict[str, int]:
+        """Per pool (the keys of :meth:`stats`), the units only the prefix cache holds."""
+        full_only, swa_only = self.cache_only_pages()
+        return self._units(full_only, swa_only, 0)
+
+    @property
+    def _units_total(self) -> dict[str, int]:
+        plan = self.plan
+        totals = {"full": self.full.capacity * self.full_page, "swa": self.swa.capacity * SWA_PAGE,
+                  "req_slots": self.req_pool.max_requests, "c4_rows": plan.c4_rows,
+                  "c4_indexer_rows": plan.c4_indexer_rows, "c4_ring_slots": plan.c4_ring_slots,
+                  "c128_rows": plan.c128_rows, "c128_online_slots": plan.online_state_slots,
+                  "c128_ring_rows": plan.c128_ring_rows}
+        return totals
+
+    def _units(self, full_pages: int, swa_pages: int, reqs: int) -> dict[str, int]:
+        """The units of every pool that ``full_pages`` full pages, ``swa_pages`` SWA pages and
+        ``reqs`` request slots take."""
+        plan = self.plan
+        full = full_pages * self.full_page
+        out = {"full": full, "swa": swa_pages * SWA_PAGE, "req_slots": reqs}
         if plan.dense:
             return out
-        reqs = self.req_pool.slots.num_used
         if plan.num_c4_layers:
-            out["c4_rows"] = PoolStat(min(full_used // 4, plan.c4_rows), plan.c4_rows)
-            out["c4_indexer_rows"] = PoolStat(full_used // 4, plan.c4_indexer_rows)
-            out["c4_ring_slots"] = PoolStat(self.swa.num_used * plan.c4_ring_size, plan.c4_ring_slots)
+            out["c4_rows"] = min(full // 4, plan.c4_rows)
+            out["c4_indexer_rows"] = full // 4
+            out["c4_ring_slots"] = swa_pages * plan.c4_ring_size
         if plan.num_c128_layers:
-            out["c128_rows"] = PoolStat(full_used // 128, plan.c128_rows)
+            out["c128_rows"] = full // 128
             if plan.online_compress:
-                out["c128_online_slots"] = PoolStat(reqs, plan.online_state_slots)
+                out["c128_online_slots"] = reqs
             else:
-                out["c128_ring_rows"] = PoolStat(reqs * plan.c128_ring_size, plan.c128_ring_rows)
+                out["c128_ring_rows"] = reqs * plan.c128_ring_size
         return out

@@ -244,6 +244,8 @@ class PoolPlan:
             f"(minimum {self.min_swa_tokens:,})",
         ]
         if not self.dense:
+            lines.append("  prefix cache: no bytes of its own; it holds finished prompts' full pages and one SWA page "
+                         "(+ its ring slots) per restore point inside these pools, given back LRU on demand")
             c128_state = (f"{self.online_state_slots:,} online slots" if self.online_compress
                           else f"{self.c128_ring_rows:,} ring rows")
             lines += [

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from memory.configurator import COMPRESSED_PAGE
-from memory.layout import KV_ROW_BYTES, gather_kv_row_bytes, scatter_kv_row_bytes
+from memory.layout import KV_ROW_BYTES, read_row_bytes, write_row_bytes
 
 DEFAULT_TOP_K = 2048
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
@@ -315,9 +315,9 @@ class HiSparsePool:
         self.fetch_seconds += time.perf_counter() - t0
 
     def _copy_in(self, layer: int, rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
-        data = gather_kv_row_bytes(self.host[layer], rows.cpu())
+        data = read_row_bytes(self.host[layer], rows.cpu())
         if self._copy_stream is None:
-            scatter_kv_row_bytes(self.device_kv[layer], dev_rows, data)
+            write_row_bytes(self.device_kv[layer], dev_rows, data)
             return
         n = data.shape[0]
         if self._staging is None or self._staging.shape[0] < n:
@@ -330,14 +330,14 @@ class HiSparsePool:
         self._copy_stream.wait_stream(main)       # dev_rows were computed on the main stream
         with torch.cuda.stream(self._copy_stream):
             buf = self._staging[:n].to(self.device, non_blocking=True)
-            scatter_kv_row_bytes(self.device_kv[layer], dev_rows, buf)
+            write_row_bytes(self.device_kv[layer], dev_rows, buf)
             self._staging_done.record(self._copy_stream)
         dev_rows.record_stream(self._copy_stream)
         main.wait_stream(self._copy_stream)
 
     def _offload(self, layer: int, rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
-        data = gather_kv_row_bytes(self.device_kv[layer], dev_rows)
-        scatter_kv_row_bytes(self.host[layer], rows.cpu(), data.cpu())
+        data = read_row_bytes(self.device_kv[layer], dev_rows)
+        write_row_bytes(self.host[layer], rows.cpu(), data.cpu())
         self.offloaded_rows += rows.numel()
 
     # ---- invariants and accounting ---------------------------------------------------
@@ -364,8 +364,8 @@ class HiSparsePool:
                 stray = set(own[dev_used].tolist()) - live
                 assert not stray, f"layer {layer}: device rows owned by request slots no longer live: {sorted(stray)[:8]}"
             if dev_used.numel():
-                on_dev = gather_kv_row_bytes(self.device_kv[layer], dev_used).cpu()
-                on_host = gather_kv_row_bytes(self.host[layer], d2f[dev_used].to(torch.int64).cpu())
+                on_dev = read_row_bytes(self.device_kv[layer], dev_used).cpu()
+                on_host = read_row_bytes(self.host[layer], d2f[dev_used].to(torch.int64).cpu())
                 bad = torch.nonzero((on_dev != on_host).any(dim=1)).flatten()
                 assert bad.numel() == 0, (f"layer {layer}: device rows {dev_used[bad[:8]].tolist()} differ from "
                                           "their host copies")

@@ -235,17 +235,21 @@ def read_indexer_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.masked_fill(~valid.unsqueeze(-1), 0.0)
 
 
-def gather_kv_row_bytes(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The stored bytes of the attention rows at ``slots`` (int64 ``[N]``, each valid), as
-    uint8 ``[N, 584]`` (part then scale group): what moves a row between pools unchanged."""
-    parts, groups, _ = _read(pool, slots, KV_ROW_BYTES, KV_PART_BYTES, "attention")
-    return torch.cat([parts, groups], dim=-1)
+def _row_format(indexer: bool) -> tuple[int, int, str]:
+    return (INDEXER_ROW_BYTES, INDEXER_VALUE_BYTES, "indexer") if indexer else (KV_ROW_BYTES, KV_PART_BYTES, "attention")
 
 
-def scatter_kv_row_bytes(pool: torch.Tensor, slots: torch.Tensor, row_bytes: torch.Tensor) -> None:
-    """Store ``row_bytes`` uint8 ``[N, 584]`` (as :func:`gather_kv_row_bytes` gives them) at
-    ``slots`` of an attention pool."""
-    if row_bytes.dtype != torch.uint8 or row_bytes.dim() != 2 or row_bytes.shape[1] != KV_ROW_BYTES:
-        raise ValueError(f"row bytes must be uint8 [N, {KV_ROW_BYTES}], got {row_bytes.dtype} {tuple(row_bytes.shape)}")
-    _check_one_slot_per_row(slots, row_bytes)
-    _write(pool, slots, row_bytes[:, :KV_PART_BYTES], row_bytes[:, KV_PART_BYTES:], KV_ROW_BYTES, "attention")
+def read_row_bytes(pool: torch.Tensor, slots: torch.Tensor, indexer: bool = False) -> torch.Tensor:
+    """The stored bytes of the rows at ``slots`` (int64 ``[N]``, each >= 0), uint8 ``[N, row_bytes]``
+    (head part then scale part): a copy that :func:`write_row_bytes` puts back bit for bit."""
+    row_bytes, head_width, what = _row_format(indexer)
+    _check_slots(slots, pool.shape[0] * pool_page_size(pool, row_bytes, what), allow_negative=False)
+    head, tail, _ = _read(pool, slots, row_bytes, head_width, what)
+    return torch.cat([head, tail], dim=-1)
+
+
+def write_row_bytes(pool: torch.Tensor, slots: torch.Tensor, raw: torch.Tensor, indexer: bool = False) -> None:
+    """Store rows' bytes ``raw [N, row_bytes]`` (from :func:`read_row_bytes`) at ``slots``."""
+    row_bytes, head_width, what = _row_format(indexer)
+    _check_one_slot_per_row(slots, raw)
+    _write(pool, slots, raw[:, :head_width], raw[:, head_width:], row_bytes, what)

@@ -1,10 +1,12 @@
 """The physical pools: the only place in memory/ that holds KV bytes and compressor state.
 
-Every pool is a dict ``{layer_id: tensor}`` keyed by the layer's index in the model (MTP
-layers have no pools here). Shapes come from :meth:`PoolPlan.pool_shapes`; each pool ends with
+Every pool is a dict ``{layer_id: tensor}`` keyed by the layer's index in the model. A
+speculative plan adds one ``swa_kv`` tensor per MTP layer (window-only, the draft layer of
+speculative decoding) at its model index ``num_hidden_layers + j``; other plans hold none.
+Shapes come from :meth:`PoolPlan.pool_shapes`; each pool ends with
 one dummy page / slot that padded writes may target (the ``dummy_*`` properties give its index):
 
-    swa_kv[l]           uint8 [num_swa_pages + 1, 128 * 584]        every main layer
+    swa_kv[l]           uint8 [num_swa_pages + 1, 128 * 584]        every main layer (+ MTP if speculative)
     c4_kv[l]            uint8 [ceil(c4_rows / 64) + 1, 64 * 584]     CSA layers
     c4_indexer[l]       uint8 [ceil(c4_indexer_rows / 64) + 1, 64 * 132]
     c4_ring[l]          S     [c4_ring_slots + ring, 2048]           slot = [C (1024) | Z (1024)]
@@ -84,6 +86,11 @@ class DSV4KVPools:
                 if kind in _KV_KINDS:
                     dims = (dims[0], -(-dims[1] // page_align) * page_align)
                 pool = {i: torch.zeros(dims, dtype=dtype, device=self.device) for i in ids}
+                if kind == "swa_kv" and plan.speculative and not plan.dense:
+                    # the MTP draft layers are window-only: an SWA pool each, at their model index
+                    n_main, n_mtp = len(ratios), int(getattr(model_config, "num_nextn_predict_layers", 0))
+                    pool.update({n_main + j: torch.zeros(dims, dtype=dtype, device=self.device)
+                                 for j in range(n_mtp)})
             setattr(self, kind, pool)
         self.hisparse: HiSparsePool | None = None
         if hisparse is not None and self.c4_kv:

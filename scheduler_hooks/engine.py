@@ -41,10 +41,12 @@ from memory.hisparse import HiSparseConfig
 from memory.layout import (INDEXER_ROW_BYTES, KV_ROW_BYTES, write_indexer_rows,
                            write_kv_rows)
 from memory.pools import DSV4KVPools
+from memory.prefix_cache import PrefixCache
 
 from .hooks import SchedulerHooks
 from .io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
+from .speculative import SpeculativeConfig, SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,9 @@ class Engine:
     ``dtype="float64"`` (CPU only) also keeps the compressor state in float64: the exact mode
     of the tests. ``capture_logits=True`` keeps every computed position's raw logits per
     request (``captured_logits(rid)``) for comparisons with the reference.
+    The prefix cache (``memory/prefix_cache.py``) is on unless ``disable_radix_cache=True``
+    (SGLang's name) or ``dense=True``: a request whose ids start with a cached restore point
+    prefills only the rest (``meta_info["cached_tokens"]``); ``flush_cache()`` empties it.
     On CUDA (bf16, the Triton backend) pure-decode steps replay CUDA graphs
     (``dsv4_backend/cuda_graph.py``) up to ``cuda_graph_max_bs`` requests;
     ``cuda_graph=False`` (or ``DSV4_CUDA_GRAPH=0``) runs every step eagerly.
@@ -141,6 +146,11 @@ class Engine:
         weight_stream: Optional[WeightStream] = None,
         enable_hisparse: bool = False,
         hisparse_config: Union[None, str, dict[str, Any], HiSparseConfig] = None,
+        disable_radix_cache: bool = False,
+        speculative_algorithm: Optional[str] = None,
+        speculative_num_steps: Optional[int] = None,
+        speculative_eagle_topk: Optional[int] = None,
+        speculative_num_draft_tokens: Optional[int] = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -151,6 +161,10 @@ class Engine:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
         self.dtype = DTYPES[dtype]
         torch.manual_seed(random_seed)
+        self.speculative = SpeculativeConfig.from_flags(speculative_algorithm, speculative_num_steps,
+                                                        speculative_eagle_topk, speculative_num_draft_tokens)
+        if self.speculative is not None and dense:
+            raise ValueError("speculative decoding needs the compressed pools; dense=True is the baseline without")
 
         self._weights_on_device = random_weights_on_device
         if weight_stream is not None and model_path is not None:
@@ -169,9 +183,14 @@ class Engine:
             raise ValueError("hisparse_config is given but HiSparse is off; pass enable_hisparse=True "
                              "(--enable-hisparse) as well")
         self.hisparse_config = HiSparseConfig.parse(hisparse_config) if enable_hisparse else None
+        spec = self.speculative
+        if spec is not None and self.config.num_nextn_predict_layers < 1:
+            raise ValueError("speculative decoding drafts with the MTP layer; this config has "
+                             "num_nextn_predict_layers = 0")
         conf = DSV4PoolConfigurator(self.config, max_running_requests=max_running_requests,
                                     swa_ratio=0.1 if swa_ratio is None else swa_ratio,
-                                    state_dtype=state_dtype, dense=dense,
+                                    state_dtype=state_dtype, dense=dense, speculative=spec is not None,
+                                    draft_tokens=spec.num_draft_tokens if spec else 0,
                                     c4_shrink_factor=self.hisparse_config.host_to_device_ratio
                                     if self.hisparse_config else 1.0)
         self.plan = self._plan(conf, weights, max_total_tokens, mem_fraction_static)
@@ -182,14 +201,17 @@ class Engine:
                                  page_align=pool_page_align(kernel), hisparse=self.hisparse_config)
         self.allocator = KVAllocator(self.plan, max_context=self.context_length,
                                      window=self.config.sliding_window, dense=dense, device=self.device)
+        if spec is not None and cuda_graph:
+            logger.warning("speculative decoding runs its verify steps eagerly: decode CUDA graphs are off")
         self.runner = ModelRunner(self.config, weights, self.pools, self.allocator, self.device, self.dtype,
-                                  dense=dense, cuda_graph=cuda_graph,
+                                  dense=dense, cuda_graph=False if spec is not None else cuda_graph,
                                   cuda_graph_max_bs=min(cuda_graph_max_bs or max_running_requests,
                                                         max_running_requests),
                                   attention_kernel=attention_kernel)
         self.attention_kernel = self.runner.attention_kernel
         logger.info("attention kernel: %s (%s)", self.attention_kernel, self.runner.attention_kernel_reason)
-        self.hooks = SchedulerHooks(self.allocator)
+        self.prefix_cache = None if (disable_radix_cache or dense) else PrefixCache(self.allocator)
+        self.hooks = SchedulerHooks(self.allocator, self.prefix_cache)
         self.scheduler = Scheduler(self.runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             context_length=self.context_length, eos_token_id=self.config.eos_token_id,
@@ -198,6 +220,8 @@ class Engine:
         self.dense = dense
         self.synthetic_filler = SyntheticContextFiller(self.pools, self.allocator, seed=random_seed)
         self.scheduler.synthetic_fill = self.synthetic_filler.fill
+        if spec is not None:
+            self.scheduler.spec = SpeculativeDecoder(spec, self.runner, self.allocator)
         self._synthetic_ids = torch.Generator(device="cpu").manual_seed(random_seed + 1)
 
         self._lock = threading.RLock()           # the scheduler is driven by one thread at a time
@@ -220,15 +244,15 @@ class Engine:
             if overrides:
                 raise ValueError("config_overrides apply to presets only, not to a checkpoint")
             # checked now, streamed into the model by the runner; an FP8 release stays quantised
-            reader = CheckpointReader(model_path, dtype=self.dtype, device=self.device, include_mtp=False,
-                                      keep_quantized=_is_fp8(model_path))
+            reader = CheckpointReader(model_path, dtype=self.dtype, device=self.device,
+                                      include_mtp=self.speculative is not None, keep_quantized=_is_fp8(model_path))
             return reader.config, reader
         cfg = DSV4Config.preset(preset, **overrides)
         logger.warning("no model path: the built-in %r preset has SEEDED RANDOM WEIGHTS (seed %d), so its "
                        "output is meaningless text; pass a real DeepSeek-V4 checkpoint (model_path / "
                        "--model-path DIR) for real answers", preset, seed)
-        return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device, include_mtp=False,
-                                   draw_on_device=self._weights_on_device)
+        return cfg, random_weights(cfg, seed=seed, dtype=self.dtype, device=self.device,
+                                   include_mtp=self.speculative is not None, draw_on_device=self._weights_on_device)
 
     def _plan(self, conf: DSV4PoolConfigurator, weights: Union[dict[str, torch.Tensor], WeightStream],
               max_total_tokens: Optional[int], mem_fraction_static: Optional[float]) -> PoolPlan:
@@ -541,16 +565,33 @@ class Engine:
             "num_failed": s.num_failed,
             "pools": self.pool_usage(),
             **({"hisparse": self.pools.hisparse.stats()} if self.pools.hisparse is not None else {}),
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
+            **({"speculative": s.spec.stats()} if s.spec is not None else {}),
         }
 
     def pool_usage(self) -> dict[str, dict[str, int]]:
-        """{pool: {"used", "total"}}: full / swa in tokens, req_slots, c4_rows, c4_indexer_rows,
-        c4_ring_slots, c128_rows, c128_ring_rows or c128_online_slots (the allocator's accounting)."""
-        return _pool_usage(self.allocator.stats())
+        """{pool: {"used", "total", "cached"}}: full / swa in tokens, req_slots, c4_rows,
+        c4_indexer_rows, c4_ring_slots, c128_rows, c128_ring_rows or c128_online_slots (the
+        allocator's accounting). ``used``: held by requests; ``cached``: held by the prefix cache
+        alone (given back under pressure); free = total - used - cached."""
+        cached = self.allocator.cached_stats()
+        return {name: {**u, "cached": int(cached.get(name, 0))}
+                for name, u in _pool_usage(self.allocator.stats()).items()}
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (running requests keep what they hold)."""
+        if self.prefix_cache is not None:
+            with self._lock:
+                self.prefix_cache.flush()
 
     def captured_logits(self, rid: str) -> torch.Tensor:
-        """Raw logits of every position computed for a finished request: [n, V] (capture_logits only)."""
+        """Raw logits of every position computed for a finished request: [n, V] (capture_logits
+        only), from position ``captured_from(rid)`` (0 unless a cached prefix was not recomputed)."""
         return self.scheduler.captured[rid]
+
+    def captured_from(self, rid: str) -> int:
+        """The position of ``captured_logits(rid)[0]``."""
+        return self.scheduler.captured_from[rid]
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()

@@ -160,12 +160,14 @@ class RequestOutput:
     input_top_logprobs: Optional[list[Optional[list[LogprobEntry]]]] = None
     output_top_logprobs: Optional[list[list[LogprobEntry]]] = None
     error: Optional[str] = None
+    cached_tokens: int = 0      # prompt ids served from the prefix cache (not prefilled)
 
     def meta_info(self) -> dict[str, Any]:
         m: dict[str, Any] = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
         }
         for k in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):

@@ -102,6 +102,7 @@ class Req:
     output_top: list[list[TokenLogprob]] = field(default_factory=list)
     captured: dict[int, torch.Tensor] = field(default_factory=dict)   # position -> logits [V]
     synthetic: bool = False              # benchmark request: admitted without a prefill forward
+    cached_tokens: int = 0               # ids taken from the prefix cache at the latest admission
 
     @property
     def all_ids(self) -> list[int]:
@@ -137,10 +138,11 @@ class Req:
 class ScheduledChunk:
     req: Req
     num_tokens: int
+    num_drafts: int = 0     # speculative verify: the last num_drafts of num_tokens are drafts
 
     @property
     def completes(self) -> bool:
-        return self.req.kv_len + self.num_tokens == self.req.num_ids
+        return self.req.kv_len + self.num_tokens - self.num_drafts == self.req.num_ids
 
 
 class Scheduler:
@@ -167,10 +169,13 @@ class Scheduler:
         self.num_failed = 0                   # requests finished with an error
         # rid -> logits [n, V] of every computed position (capture_logits only), kept after finish
         self.captured: dict[str, torch.Tensor] = {}
+        self.captured_from: dict[str, int] = {}   # rid -> position of captured[rid][0] (after a cached prefix)
         # (rid, num_tokens) -> None: writes random valid pool contents for a synthetic request's
         # first num_tokens positions (set by the engine; see the module docstring)
         self.synthetic_fill: Optional[Callable[[str, int], None]] = None
         self._synthetic_outputs: list[RequestOutput] = []
+        # speculative decoding (scheduler_hooks/speculative.py), set by the engine; None: off
+        self.spec: Optional[Any] = None
 
     # ---- requests in and out --------------------------------------------------------
 
@@ -209,6 +214,8 @@ class Scheduler:
         out = self._output(req, [])
         del self.reqs[rid]
         self.suspects.discard(rid)
+        if self.spec is not None:
+            self.spec.forget({r.rid for r in self.running})
         self._maybe_idle_check()
         return out
 
@@ -240,24 +247,32 @@ class Scheduler:
             return synthetic_outs
         self._was_busy = True
         self.num_steps += 1
-        fwd = []
-        for ch in batch:
-            r = ch.req
-            ids = r.ids_between(r.kv_len, r.kv_len + ch.num_tokens)
-            fwd.append(ForwardRequest(req_slot=self.hooks.req_slot(r.rid), prefix_len=r.kv_len,
-                                      input_ids=ids,
-                                      logits=self._logits_mode(ch)))
+        starts = [ch.req.kv_len for ch in batch]
+        slots = [self.hooks.req_slot(ch.req.rid) for ch in batch]
+        verifies = [(ch.req, slot, ch.num_drafts) for ch, slot in zip(batch, slots) if ch.num_drafts]
         try:
+            drafts = self.spec.draft(verifies) if verifies else {}
+            fwd = []
+            for ch, slot in zip(batch, slots):
+                r = ch.req
+                ids = r.ids_between(r.kv_len, r.kv_len + ch.num_tokens - ch.num_drafts) + drafts.get(r.rid, [])
+                fwd.append(ForwardRequest(req_slot=slot, prefix_len=r.kv_len, input_ids=ids,
+                                          logits=self._logits_mode(ch),
+                                          rollback_len=r.kv_len + 1 if ch.num_drafts else None))
+            snapshot = self.spec.snapshot(verifies) if verifies else None
             logits = self.runner.forward(fwd)
         except Exception as e:
             return synthetic_outs + self._forward_failed(batch, e)
-        self.hooks.after_forward(ch.req.rid for ch in batch)
+        if self.spec is None:
+            self.hooks.after_forward(ch.req.rid for ch in batch)
         self.suspects.difference_update(ch.req.rid for ch in batch)
 
         outputs: list[RequestOutput] = synthetic_outs
         sampled: list[tuple[Req, torch.Tensor]] = []
         for ch, lg in zip(batch, logits):
             r = ch.req
+            if ch.num_drafts:
+                continue       # a speculative verify: accepted after this loop
             completes = ch.completes
             try:
                 if lg.shape[0] == ch.num_tokens:      # every position's logits came back
@@ -281,7 +296,49 @@ class Scheduler:
                     outputs.append(self._append_token(r, res.token_ids[i], res.logprobs[i], res.top_logprobs[i]))
                 except Exception as e:
                     outputs.append(self._fail(r, f"processing the new token failed: {type(e).__name__}: {e}"))
+        if self.spec is not None:
+            outputs += self._finish_speculative(batch, logits, starts, slots, drafts, snapshot)
         self._maybe_idle_check()
+        return outputs
+
+    def _finish_speculative(self, batch: list[ScheduledChunk], logits: list[torch.Tensor], starts: list[int],
+                            slots: list[int], drafts: dict[str, list[int]], snapshot: Any) -> list[RequestOutput]:
+        """Speculative steps: accept the verifies' tokens, roll back what their rejected rows
+        wrote, run the MTP layer over what the target kept, then evict SWA pages."""
+        spec, outputs, keep = self.spec, [], {}
+        for ch, lg in zip(batch, logits):
+            r = ch.req
+            if not ch.num_drafts:
+                continue
+            toks, res = spec.accept(r, drafts[r.rid], lg)
+            bad = next((e for e in res.errors[:len(toks)] if e is not None), None)
+            if bad is not None:
+                outputs.append(self._fail(r, bad))
+                continue
+            start = r.kv_len
+            keep[r.rid] = r.kv_len = start + len(toks)
+            try:
+                outputs.append(self._append_tokens(r, toks, res.logprobs, res.top_logprobs, (start, lg)))
+            except Exception as e:
+                outputs.append(self._fail(r, f"processing the new tokens failed: {type(e).__name__}: {e}"))
+        if snapshot is not None:
+            snapshot.restore(keep)
+        alloc = self.hooks.allocator
+        for rid, n in keep.items():
+            if rid in alloc:
+                alloc.truncate(rid, n)
+        token_offsets = torch.cumsum(torch.tensor([0] + [ch.num_tokens for ch in batch]), 0).tolist()
+        live = [(ch.req, slot, start, off) for ch, slot, start, off in zip(batch, slots, starts, token_offsets)
+                if ch.req.state is ReqState.RUNNING]
+        try:
+            spec.extend_mtp(live, self.runner.last_hidden)
+        except Exception:
+            # drafts only decide speed, never tokens: these requests decode without drafts until
+            # a later MTP pass succeeds
+            logger.exception("the MTP pass failed; its requests decode without drafts for now")
+            spec.forget({r.rid for r in self.running} - {r.rid for r, _, _, _ in live})
+        self.hooks.after_forward(r.rid for r, _, _, _ in live)
+        spec.forget({r.rid for r in self.running})
         return outputs
 
     def _forward_failed(self, batch: list[ScheduledChunk], e: Exception) -> list[RequestOutput]:
@@ -303,6 +360,8 @@ class Scheduler:
 
     def _logits_mode(self, ch: ScheduledChunk) -> str:
         r = ch.req
+        if ch.num_drafts:
+            return "all"
         if self.cfg.capture_logits or (r.input_logprobs_pending()
                                        and r.kv_len + ch.num_tokens > r.logprob_start - 1):
             return "all"
@@ -352,7 +411,11 @@ class Scheduler:
         for r in decodes:
             if r.state is not ReqState.RUNNING:
                 continue   # retracted while making room for an older one
-            while not (res := self.hooks.reserve(r.rid, r.kv_len + 1)).ok:
+            k = self.spec.num_drafts(r, self.cfg.context_length) if self.spec is not None else 0
+            while not (res := self.hooks.reserve(r.rid, r.kv_len + 1 + k)).ok:
+                if k:
+                    k = 0      # no room for the drafts: a plain decode first
+                    continue
                 if res.failed_pool == "context":
                     raise RuntimeError(f"request {r.rid} reached the allocator's max_context; "
                                        "the engine's context check should have stopped it")
@@ -361,7 +424,9 @@ class Scheduler:
                 if victim is r:
                     break
             else:
-                batch.append(ScheduledChunk(r, 1))
+                batch.append(ScheduledChunk(r, 1 + k, k))
+                if self.spec is not None and not k:
+                    self.spec.num_plain_decodes += 1
 
         budget = self.cfg.chunked_prefill_size
         for r in [r for r in self.running if r.remaining > 1]:
@@ -376,15 +441,17 @@ class Scheduler:
         while (self.waiting and budget > 0 and not self._retracted_this_step
                and len(self.running) < self.cfg.max_running_requests):
             r = self.waiting[0]
-            if self.hooks.admit(r.rid) is None:
-                break
             if r.synthetic:
-                if not self._admit_synthetic(r):
+                if self.hooks.admit(r.rid) is None or not self._admit_synthetic(r):
                     break
                 continue
+            if self.hooks.admit(r.rid, r.ids_between, r.num_ids, self._max_cached(r)) is None:
+                break
+            r.kv_len = r.cached_tokens = self.hooks.seq_len(r.rid)
             n = self._reserve_chunk(r, min(r.remaining, budget))
             if not n:
                 self.hooks.release(r.rid)
+                r.kv_len = r.cached_tokens = 0
                 break
             self.waiting.popleft()
             r.state = ReqState.RUNNING
@@ -406,6 +473,14 @@ class Scheduler:
         r.state = ReqState.RUNNING
         self.running.append(r)
         return [ScheduledChunk(r, n)]
+
+    def _max_cached(self, r: Req) -> int:
+        """Ids of ``r`` that may come from the prefix cache: all but the last (its logits give the
+        next token), and none whose input logprobs are still wanted."""
+        limit = r.num_ids - 1
+        if r.input_logprobs_pending():
+            limit = min(limit, max(0, r.logprob_start - 1))
+        return limit
 
     def _reserve_chunk(self, r: Req, n: int) -> int:
         """Reserve pages for the next ``n`` ids of ``r``, halving ``n`` until it fits; 0 if none does."""
@@ -440,7 +515,8 @@ class Scheduler:
         """Free everything ``r`` holds and put it back at the head of the queue for recompute."""
         self.running.remove(r)
         self.hooks.release(r.rid)
-        r.kv_len = 0
+        r.kv_len = r.cached_tokens = 0
+        r.captured.clear()          # its recompute may start from a cached prefix
         r.state = ReqState.WAITING
         r.num_retractions += 1
         self.num_retractions += 1
@@ -465,6 +541,30 @@ class Scheduler:
 
     def _append_token(self, r: Req, tok: int, logprob: Optional[float],
                       top: Optional[list[TokenLogprob]]) -> RequestOutput:
+        return self._append_tokens(r, [tok], [logprob], [top])
+
+    def _append_tokens(self, r: Req, toks: list[int], logprobs: list[Optional[float]],
+                       tops: list[Optional[list[TokenLogprob]]],
+                       rows: Optional[tuple[int, torch.Tensor]] = None) -> RequestOutput:
+        """Append tokens in order until one finishes the request; one output for all of them.
+        ``rows = (position, logits [n, V])``: token i came from the logits of position + i,
+        recorded (captured logits) only for the tokens appended."""
+        done = []
+        for i, (tok, lp, top) in enumerate(zip(toks, logprobs, tops)):
+            if rows is not None:
+                self._record_positions(r, rows[0] + i, rows[1][i:i + 1])
+            self._push_token(r, tok, lp, top)
+            done.append(tok)
+            if r.state is ReqState.FINISHED:
+                break
+        out = self._output(r, done)
+        if r.state is ReqState.FINISHED:
+            self.running.remove(r)
+            self.hooks.finish(r.rid)
+            del self.reqs[r.rid]
+        return out
+
+    def _push_token(self, r: Req, tok: int, logprob: Optional[float], top: Optional[list[TokenLogprob]]) -> None:
         r.output_ids.append(tok)
         self.num_generated_tokens += 1
         if r.greq.return_logprob:
@@ -483,12 +583,6 @@ class Scheduler:
             self._finish(r, {"type": "length", "length": p.max_new_tokens})
         elif r.num_ids >= self.cfg.context_length:
             self._finish(r, {"type": "length", "length": len(r.output_ids)})
-        out = self._output(r, [tok])
-        if r.state is ReqState.FINISHED:
-            self.running.remove(r)
-            self.hooks.release(r.rid)
-            del self.reqs[r.rid]
-        return out
 
     def _match_stop_string(self, r: Req) -> Optional[tuple[str, int]]:
         """(stop string, where the text ends) for the earliest stop string in the text, if any."""
@@ -524,9 +618,11 @@ class Scheduler:
         r.state = ReqState.FINISHED
         r.finish_reason = reason
         if self.cfg.capture_logits:
-            pos = sorted(r.captured)
-            assert pos == list(range(len(pos))), f"captured positions of {r.rid} are not contiguous"
+            pos = sorted(r.captured)   # from the first computed one (a cached prefix is not computed)
+            first = pos[0] if pos else 0
+            assert pos == list(range(first, first + len(pos))), f"captured positions of {r.rid} are not contiguous"
             self.captured[r.rid] = torch.stack([r.captured[p] for p in pos]) if pos else torch.empty(0)
+            self.captured_from[r.rid] = first
             r.captured.clear()
         if r.detok is not None:
             if text_end is None:
@@ -544,6 +640,7 @@ class Scheduler:
             text=visible, delta_text=delta_text, finished=r.state is ReqState.FINISHED,
             finish_reason=r.finish_reason, prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
+            cached_tokens=min(r.cached_tokens, len(r.prompt_ids)),   # a recompute may reuse outputs too
         )
         if r.greq.return_logprob:
             self._fill_logprobs(r, out)

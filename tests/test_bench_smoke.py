@@ -67,7 +67,8 @@ def assert_valid_rows(pool: torch.Tensor, slots: torch.Tensor, indexer: bool = F
 def test_synthetic_admission_equals_prefill_and_frees(dense, online, monkeypatch):
     monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1" if online else "0")
     n = 700   # crosses five SWA pages, two full pages, five C128 blocks; 700 % 4 == 0
-    real, syn = make_engine(dense), make_engine(dense)
+    # a synthetic request is never cached: compare with a prefill that is not cached either
+    real, syn = make_engine(dense, disable_radix_cache=True), make_engine(dense)
     ids = [random.Random(1).randrange(VOCAB) for _ in range(n)]
     real.scheduler.add(GenerateRequest(ids, SamplingParams(**greedy(9)), rid="r"))
     while real.scheduler.reqs["r"].kv_len < n:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dsv4_backend.kernels import fp4_moe as M
+from dsv4_backend.kernels import fp4_moe_decode as D
 from test_fp8_gemm import U32, act_quant_sim
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -160,17 +161,31 @@ def check_routing(r: M.Routing, ids, E, block_m):
     assert torch.equal(covered[: int(r.offsets[E])], torch.ones(int(r.offsets[E]), dtype=torch.long))
 
 
-CASES = {  # name: (T, k, E, D, I, ids rule, config)
+GROUPED = dict(decode_max_pairs=0)  # the grouped tensor-core kernels at any T k
+G = M.GemvConfig
+CASES = {  # name: (T, k, E, D, I, ids rule, config); None: the default rule (decode GEMVs here)
     "t1": (1, 2, 8, 256, 256, "random", None),
-    "empty_experts": (5, 3, 8, 256, 256, "random", None),
-    "all_to_one": (20, 2, 8, 256, 256, "one", None),
-    "padded_rows": (6, 3, 8, 256, 256, "padded", None),
-    "d_tail_prefill_tiles": (20, 2, 4, 160, 256, "one", M.MoeConfig(32, 64, 64, 4, 2)),
-    "split_nibbles": (20, 2, 4, 160, 256, "one", M.MoeConfig(16, 64, 64, 4, 2, True)),
+    "empty_experts": (5, 3, 8, 256, 256, "random", M.pick_moe_config(15, 8)._replace(**GROUPED)),
+    "all_to_one": (20, 2, 8, 256, 256, "one", M.pick_moe_config(40, 8)._replace(**GROUPED)),
+    # decode GEMVs (wide tiles: few interpreted programs), skipped pairs and a repeated expert
+    "padded_rows": (6, 3, 8, 256, 256, "padded", M.MoeConfig(
+        gemv_gate_up=G(128, 128, 1), gemv_down=G(256, 128, 1))),
+    "grouped_padded_rows": (6, 3, 8, 256, 256, "padded", M.pick_moe_config(18, 8)._replace(**GROUPED)),
+    "d_tail_prefill_tiles": (20, 2, 4, 160, 256, "one", M.MoeConfig(32, 64, 64, 4, 2, **GROUPED)),
+    "split_nibbles": (20, 2, 4, 160, 256, "one", M.MoeConfig(16, 64, 64, 4, 2, True, **GROUPED)),
     # weights as the MMA's M side, decoded to bf16 bits by integer operations
-    "swap_int_decode": (6, 3, 8, 256, 256, "padded", M.MoeConfig(16, 128, 64, 4, 2, False, True, True)),
-    "swap_split_int": (20, 2, 4, 160, 256, "one", M.MoeConfig(16, 64, 64, 4, 2, True, True, True)),
+    "swap_int_decode": (6, 3, 8, 256, 256, "padded", M.MoeConfig(16, 128, 64, 4, 2, False, True, True,
+                                                                 **GROUPED)),
+    "swap_split_int": (20, 2, 4, 160, 256, "one", M.MoeConfig(16, 64, 64, 4, 2, True, True, True, **GROUPED)),
+    # decode GEMVs: a K tail in the last split (D = 160: splits of 128 and 32), N tails (block_n
+    # 64 over D = 160), the e4m3 and table nibble routes, six rows of one expert, four down
+    # splits, K steps of 256 (two activation scales per step)
+    "gemv_tails_e4m3": (6, 2, 4, 160, 256, "one", M.MoeConfig(
+        gemv_gate_up=G(128, 64, 2, decode="e4m3"), gemv_down=G(64, 64, 4, decode="lut"))),
+    "gemv_split_padded": (6, 3, 8, 256, 256, "padded", M.MoeConfig(
+        gemv_gate_up=G(256, 256, 1), gemv_down=G(256, 64, 4))),
 }
+DECODE_CASES = ["t1", "padded_rows", "gemv_tails_e4m3", "gemv_split_padded"]
 
 
 def case_inputs(name):
@@ -184,6 +199,7 @@ def case_inputs(name):
         ids[4, :] = -1  # a CUDA-graph padding row
         ids[1, 2] = E  # out of range: skipped too
         ids[2, 0] = -1
+        ids[3, 1] = ids[3, 0]  # one expert twice in a token's choices: two rows of one expert
     weights = torch.rand(T, k, generator=gen) + 0.25
     return ids, weights, make_x(T, D, gen), make_experts(E, D, I, gen), cfg
 
@@ -241,7 +257,60 @@ def test_down_and_combine_from_kernel_h(name):
         assert torch.equal(out[4], torch.zeros_like(out[4]))
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+def run_decode_gate_up(name):
+    """A case through the decode gate-up GEMV and the SwiGLU + quant kernel: (inputs, configs, hq, hs)."""
+    ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
+    T, k = ids.shape
+    cfg = cfg or M.pick_moe_config(T * k, w13.shape[0])
+    auto = D.pick_gemv_configs(T * k)
+    up, down = cfg.gemv_gate_up or auto[0], cfg.gemv_down or auto[1]
+    xq, xs = M.act_quant_fp8(x)
+    flat = ids.reshape(-1)
+    part = D.fp4_gemv(xq, xs, flat, w13, s13, k, up)
+    assert part.shape[0] == D._splits(x.shape[1], up)[1]
+    hq, hs = D.swiglu_quant(part, flat, weights.reshape(-1), w13.shape[0], LIMIT)
+    return (ids, weights, x, (w13, s13, w2, s2)), down, hq, hs
+
+
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_decode_stages(name):
+    """The GEMV path stage by stage. Gate-up + SwiGLU-quant as test_gate_up_codes_exact, at each
+    pair's own row (a skipped pair's h is 0); then the down GEMV's split sums against float64
+    from the kernel's own h, and the combine of those."""
+    (ids, weights, x, (w13, s13, w2, s2)), down, hq, hs = run_decode_gate_up(name)
+    T, k = ids.shape
+    E, I = w13.shape[0], w13.shape[1] // 2
+    h, hb, amb = h_reference(x, ids, weights, w13, s13, LIMIT)
+    bound, deq_ref = h_bound(h, hb, amb)
+    q, s = act_quant_sim(hb)
+    flat = ids.reshape(-1)
+    pairs = ((flat >= 0) & (flat < E)).nonzero().squeeze(1)
+    n = pairs.numel()
+    got = hq[pairs].view(torch.uint8).view(n, -1, 128)
+    want = q[pairs].float().to(torch.float8_e4m3fn).view(torch.uint8).view(n, -1, 128)
+    exact = ~amb[pairs].view(n, -1, 128).any(2)
+    assert bool((got == want).all(2)[exact].all())
+    assert torch.equal(hs[pairs][exact].double(), s[pairs][exact])
+    assert int(exact.sum()) >= n
+    hdeq = torch.zeros(T * k, I, dtype=torch.float64)
+    hdeq[pairs] = hq[pairs].double() * hs[pairs].double().repeat_interleave(128, 1)
+    assert_within(hdeq[pairs], deq_ref[pairs], bound[pairs], "dequantised h")
+    skipped = ((flat < 0) | (flat >= E)).nonzero().squeeze(1)
+    assert bool((hq[skipped].view(torch.uint8) == 0).all())
+
+    part = D.fp4_gemv(hq, hs, flat, w2, s2, 1, down)
+    assert part.shape[0] == D._splits(I, down)[1]
+    y = part[0].clone()
+    for sp in range(1, part.shape[0]):  # the kernels' order: fp32 adds, split by split
+        y += part[sp]
+    yr, mag, _ = y_reference(hdeq, torch.zeros_like(hdeq), ids, w2, s2)
+    assert_within(y[pairs], yr[pairs], (I + 2) * U32 * 1.01 * mag[pairs], "y (fp32 split sums)")
+    out = D.combine_splits(part, ids, E)
+    ref, tol = combine_tol(bf16(y), torch.zeros_like(yr), ids, E)
+    assert_within(out, ref, tol, "out")
+
+
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"padded_rows", "gemv_tails_e4m3", "gemv_split_padded"}))
 def test_fp4_moe_end_to_end(name):
     ids, weights, x, (w13, s13, w2, s2), cfg = case_inputs(name)
     E, I = w13.shape[0], w13.shape[1] // 2

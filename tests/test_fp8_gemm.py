@@ -10,7 +10,7 @@ a bf16 ulp (2^-8 relative) for bf16 outputs.
 import pytest
 import torch
 
-from dsv4_backend.kernels.fp8_gemm import GemmConfig, act_quant_fp8, fp8_block_gemm, fp8_linear
+from dsv4_backend.kernels.fp8_gemm import Fp8GemvConfig, GemmConfig, act_quant_fp8, fp8_block_gemm, fp8_linear
 
 U32 = 2.0 ** -24
 
@@ -104,7 +104,9 @@ def test_act_quant_partial_block_and_strided_rows():
 
 
 CASES = [  # (M, N, K, config or None for the shape rule)
-    (1, 64, 256, None),  # decode: swapped, split K
+    (1, 64, 256, None),  # decode: the CUDA-core GEMV, split K
+    (3, 200, 320, None),  # the GEMV over three rows, K and N tails
+    (2, 96, 384, Fp8GemvConfig(64, 3, 4, 2)),  # the GEMV, 64-row tiles, three splits
     (5, 200, 320, None),  # K not a multiple of 128, N not a multiple of 128
     (3, 96, 384, GemmConfig(16, 32, 3, True, 4, 2)),  # swapped, three splits
     (70, 96, 256, None),  # mid M: 64 x 128 tiles

@@ -34,7 +34,7 @@ from dsv4_backend.weights import random_weights
 from memory import env
 from memory.configurator import DSV4PoolConfigurator
 from memory.hisparse import HiSparseConfig, HiSparseConfigError, HiSparsePool
-from memory.layout import gather_kv_row_bytes, write_kv_rows
+from memory.layout import read_row_bytes, write_kv_rows
 from memory.pools import DSV4KVPools
 from scheduler_hooks.io import GenerateRequest, SamplingParams
 
@@ -173,8 +173,8 @@ def test_policy_matches_reference(data):
                 ref.place(rows, [row_owner[f] for f in rows])
                 assert torch.equal(got < 0, sel_t[lo:hi] < 0)
                 v = sel_t[lo:hi] >= 0
-                assert torch.equal(gather_kv_row_bytes(hs.device_kv[0], got[v]),
-                                   gather_kv_row_bytes(hs.host[0], sel_t[lo:hi][v]))
+                assert torch.equal(read_row_bytes(hs.device_kv[0], got[v]),
+                                   read_row_bytes(hs.host[0], sel_t[lo:hi][v]))
         else:
             o = data.draw(st.integers(0, S - 1))
             rows = sorted(set(data.draw(st.lists(st.integers(o * ROWS_PER_OWNER, (o + 1) * ROWS_PER_OWNER - 1),
@@ -186,8 +186,8 @@ def test_policy_matches_reference(data):
                 ref.place(rows[e0:e0 + D], [o] * len(rows[e0:e0 + D]))
             want = torch.zeros(1, 64 * 584, dtype=torch.uint8)
             write_kv_rows(want, torch.arange(len(rows)), vals)
-            assert torch.equal(gather_kv_row_bytes(hs.host[0], torch.tensor(rows)),
-                               gather_kv_row_bytes(want, torch.arange(len(rows))))
+            assert torch.equal(read_row_bytes(hs.host[0], torch.tensor(rows)),
+                               read_row_bytes(want, torch.arange(len(rows))))
         assert _mapping(hs) == ref.where(), op
         assert hs.owner[0].tolist() == [-1 if r is None else r[1] for r in ref.rows]
         hs.check_integrity(live)

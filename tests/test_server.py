@@ -157,6 +157,30 @@ def test_chat_usage_counts_the_encoded_prompt(client, model, tok):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_shared_system_prompt_is_served_from_the_prefix_cache(server, client, model, tok):
+    # a system prompt longer than one 256-token full page: the first request leaves a restore
+    # point at 256 inside it, the second (another question) starts there
+    system = {"role": "system", "content": " ".join(f"rule {i}: be brief." for i in range(60))}
+    first = [system, {"role": "user", "content": "Name a colour."}]
+    second = [system, {"role": "user", "content": "Name a fruit."}]
+    n = chat_prompt_len(tok, first, thinking_mode="chat")
+    assert 256 < n < CONTEXT - 8
+    before = metrics(server.url)
+    r1 = client.chat.completions.create(model=model, messages=first, max_tokens=2, temperature=0)
+    r2 = client.chat.completions.create(model=model, messages=second, max_tokens=2, temperature=0)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    assert r2.usage.prompt_tokens_details.cached_tokens == 256
+    after = metrics(server.url)
+    assert after["dsv4_cache_hit_tokens_total"] - before.get("dsv4_cache_hit_tokens_total", 0) == 256
+    assert 0 < after["dsv4_cache_hit_rate"] <= 1 and after['dsv4_pool_cached{pool="full"}'] >= 256
+
+
+def test_disable_radix_cache_flag_reaches_the_engine():
+    from server import parse_args
+    assert "disable_radix_cache" not in parse_args([]).engine_kwargs()      # on by default
+    assert parse_args(["--disable-radix-cache"]).engine_kwargs()["disable_radix_cache"] is True
+
+
 def test_streamed_chat_equals_non_streamed_and_reports_usage(client, model):
     kw = dict(model=model, messages=MSGS, max_tokens=6, temperature=0)
     full = client.chat.completions.create(**kw)

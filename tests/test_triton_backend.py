@@ -13,6 +13,9 @@ backend's pools so that a rounding the two backends land on differently never ca
   compression switched off, its output within the float32 bound of a softmax over n keys
   (tests/bounds.py), from the largest |score| and |value| the layer can see.
 
+Each half runs only the kernels it checks (the writes half no attention, the attention half no
+store or compression): under the interpreter a kernel not needed is time not spent.
+
 Runs: chunked prefills crossing blocks of 4 and 128 with decode steps that complete C4 and C128
 blocks (ring and online C128), and dense mode. Plus the store-only KV kernel against
 ``write_kv_rows`` byte for byte, and the default backend choice.
@@ -20,12 +23,15 @@ blocks (ring and online C128), and dense mode. Plus the store-only KV kernel aga
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from dsv4_backend.backend import AttentionBackend, TorchDSV4Backend
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model_runner import ModelRunner, default_backend, run_schedule
+from dsv4_backend import triton_backend
 from dsv4_backend.triton_backend import TritonDSV4Backend
 from dsv4_backend.weights import random_weights
 from memory.layout import read_indexer_rows, read_kv_rows
@@ -112,6 +118,38 @@ def _attention_bound(q: torch.Tensor, pools: DSV4KVPools, layer: int, ratio: int
     return (eps_p + 2 * gamma(n_keys) + (n_keys + 4) * U32) * 2 * v_max
 
 
+@contextlib.contextmanager
+def _without(backend, **methods):
+    """Replaces some of ``backend``'s methods for the duration of the block."""
+    backend.__dict__.update(methods)
+    try:
+        yield
+    finally:
+        for name in methods:
+            del backend.__dict__[name]
+
+
+@contextlib.contextmanager
+def _kv_store_off():
+    """The Triton backend's KV-row store as a no-op for the duration of the block."""
+    kernels = triton_backend._kernels()
+
+    class NoStore:
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        @staticmethod
+        def kv_store_rows(*args, **kw):
+            return None
+
+    saved = triton_backend._kernels
+    triton_backend._kernels = lambda: NoStore()
+    try:
+        yield
+    finally:
+        triton_backend._kernels = saved
+
+
 class LockStep(AttentionBackend):
     """Runs both backends on one metadata object and the same inputs; returns torch's output.
 
@@ -131,20 +169,21 @@ class LockStep(AttentionBackend):
     def forward(self, layer_id, layer, inputs, meta):
         _copy_pools(self.test.pools, self.ref.pools)
         o_ref = self.ref.forward(layer_id, layer, inputs, meta)
-        self.test.forward(layer_id, layer, inputs, meta)
+        test = self.test
+        # writes half: the attention kernel's output is not looked at, so it does not run
+        # (under the interpreter it is most of a layer's time)
+        with _without(test, _sparse_attention=lambda ratio, q, *a: torch.zeros_like(q)):
+            test.forward(layer_id, layer, inputs, meta)
         _compare_writes(self.ref.pools, self.test.pools, layer_id, inputs, meta)
         for kind in ("c4_kv", "c128_kv"):
             if layer_id in getattr(self.ref.pools, kind) and getattr(self.ref.pools, kind)[layer_id].any():
                 self.rows_written.add(kind)
+        # attention half: the pools already hold the layer's writes (torch's), so neither the
+        # store nor the compression runs
         _copy_pools(self.test.pools, self.ref.pools)
-        test = self.test
-        off = {"_compress": lambda *a, **k: None, "_compress_online_kernel": lambda *a, **k: None}
-        try:
-            test.__dict__.update(off)
+        with _without(test, _compress=lambda *a, **k: None, _compress_online_kernel=lambda *a, **k: None), \
+                _kv_store_off():
             o_test = test.forward(layer_id, layer, inputs, meta)
-        finally:
-            for name in off:
-                del test.__dict__[name]
         assert torch.isfinite(o_test).all()
         ratio = 0 if meta.dense else layer.ratio
         n_keys = {0: 128, 4: 128 + CFG.index_topk}.get(ratio, 128 + 2048 // 128)

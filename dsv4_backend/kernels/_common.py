@@ -137,6 +137,16 @@ def e4m3_decode(bits, NATIVE: tl.constexpr):
         return tl.where((b & 128) != 0, -v, v)
 
 
+@triton.jit
+def e2m1_times_2m14(code):
+    """e2m1 nibble (int32: bit 3 sign, magnitudes 0 .5 1 1.5 2 3 4 6) -> fp32 value x 2^-14, exact.
+    The nibble's exponent and mantissa bits, moved to an fp16's exponent (bits 11..10) and top
+    mantissa bit (9), read as fp16 give the value x 2^-14 for every code, 0.5 (an fp16
+    subnormal) included: five integer operations, no table, no select."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
 # ---- rows ---------------------------------------------------------------------------------
 
 @triton.jit

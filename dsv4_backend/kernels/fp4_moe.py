@@ -1,5 +1,8 @@
 """Routed experts with FP4 (e2m1) weights: grouped gate-up + SwiGLU, grouped down projection, combine.
 
+At decode sizes (T k <= ``MoeConfig.decode_max_pairs``) ``fp4_moe`` runs the split-K GEMVs of
+``fp4_moe_decode`` instead (same contract); what follows is the grouped tensor-core path.
+
 Semantics (QUANT_INTERFACE.md; ``docs/kernels.md``): x is act-quantised (1x128 e4m3 blocks); per
 (token t, choice j) with expert e = ids[t, j]:
 g, u = (xq xs) . w13[e] (fp32 sums, rounded to bf16); h = silu(min(g, limit)) clamp(u, +-limit)
@@ -36,8 +39,9 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import (
-    check_device, dot_dtype, e4m3_decode, exp2_int, native, round_bf16,
+    check_device, dot_dtype, e2m1_times_2m14, e4m3_decode, exp2_int, native, round_bf16,
 )
+from dsv4_backend.kernels.fp4_moe_decode import GemvConfig, fp4_moe_decode, pick_gemv_configs
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, quant_block_e4m3
 
 class MoeConfig(NamedTuple):
@@ -57,6 +61,11 @@ class MoeConfig(NamedTuple):
     int_decode: bool = False
     # routing in one Triton launch (``route_fused``) when T k <= ROUTE_FUSED_MAX_PAIRS
     fused_route: bool = True
+    # T k <= decode_max_pairs: the split-K GEMVs of ``fp4_moe_decode`` instead of the grouped
+    # tensor-core kernels (the fields above then do not apply); None: ``pick_gemv_configs``
+    decode_max_pairs: int = 384
+    gemv_gate_up: GemvConfig | None = None
+    gemv_down: GemvConfig | None = None
 
 
 def pick_moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -156,16 +165,6 @@ def route_fused(ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
 
 
 # ---- in-register conversions --------------------------------------------------------------
-
-@triton.jit
-def e2m1_times_2m14(code):
-    """e2m1 nibble (int32: bit 3 sign, magnitudes 0 .5 1 1.5 2 3 4 6) -> fp32 value x 2^-14, exact.
-    The nibble's exponent and mantissa bits, moved to an fp16's exponent (bits 11..10) and top
-    mantissa bit (9), read as fp16 give the value x 2^-14 for every code, 0.5 (an fp16
-    subnormal) included: five integer operations, no table, no select."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
 
 @triton.jit
 def e2m1_scaled_bits(code, sbyte, NATIVE: tl.constexpr):
@@ -473,6 +472,10 @@ def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
     if T == 0:
         return torch.empty(0, x.shape[1], dtype=torch.bfloat16, device=x.device)
     cfg = config or pick_moe_config(T * k, E)
+    if T * k <= cfg.decode_max_pairs:
+        auto_up, auto_down = pick_gemv_configs(T * k)
+        return fp4_moe_decode(x, ids, weights, w13, w13_scale, w2, w2_scale, limit,
+                              cfg.gemv_gate_up or auto_up, cfg.gemv_down or auto_down)
     if 128 % cfg.block_k or cfg.block_k % 32:
         raise ValueError(f"fp4_moe: block_k={cfg.block_k} must be a multiple of 32 dividing 128")
     fused = cfg.fused_route and T * k <= ROUTE_FUSED_MAX_PAIRS

@@ -10,7 +10,10 @@ Semantics (docs/kernels.md, QUANT_INTERFACE.md):
   each 128-deep block product is one tensor-core dot into a fresh fp32 accumulator, scaled and
   added to the fp32 running sum (the per-K-block promotion of DeepSeek's kernels).
 
-Launch shapes (``GemmConfig``): prefill tiles ``[block_m, block_n]`` in L2-friendly groups of
+Launch shapes: M <= ``GEMV_MAX_M`` (the shape rule; ``Fp8GemvConfig``) a GEMV on the CUDA
+cores: a program per 32 weight rows and K split, each thread's 16 e4m3 bytes decoded and
+multiplied in fp32, summed in the thread, the two block scales applied per 16 terms (no padding
+of one token to a 16-row MMA tile). Otherwise (``GemmConfig``) prefill tiles ``[block_m, block_n]`` in L2-friendly groups of
 ``group_m`` rows; decode (small M) swaps the operands (``swap_ab``: the weight tile is the MMA's
 M side, so a 16-row activation tile does not waste a 64-row wgmma) and splits K over
 ``split_k`` programs whose fp32 partials a second kernel sums in split order (deterministic, no
@@ -34,7 +37,7 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import (
-    check_device, e4m3_encode, exp2_int, native, pow2_scale_exp, round_bf16,
+    check_device, e4m3_decode, e4m3_encode, exp2_int, native, pow2_scale_exp, round_bf16,
 )
 
 FP8_MAX = 448.0
@@ -187,6 +190,57 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, NB, a_sm, ws_
     tl.store(c, acc, mask=mmask[:, None] & nmask[None, :])
 
 
+# ---- decode GEMV -----------------------------------------------------------------------------
+
+GEMV_MAX_M = 4  # the shape rule's CUDA-core GEMV for M <= this; larger M: the tensor-core kernel
+
+
+class Fp8GemvConfig(NamedTuple):
+    block_n: int = 32  # weight rows per program
+    split_k: int = 1  # 128-blocks of K split over this many programs (partials summed in order)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def pick_gemv_config(N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> Fp8GemvConfig:
+    """32-row tiles; K split until there are about four programs per SM."""
+    tiles = triton.cdiv(N, 32)
+    return Fp8GemvConfig(32, max(1, min(triton.cdiv(K, QBLOCK), (4 * num_sms) // tiles)))
+
+
+@triton.jit
+def _fp8_gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, NB, a_sm, ws_sn, c_ss, kb_per_split,
+                     BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """Rows n of this program over K-blocks [split * kb_per_split, ...), for each of the M rows
+    of a in turn (the second and later rows re-read the weight slice from L1 / L2). A block of
+    128 is [8, 16] per weight row: each thread's 16-byte load is summed in the thread, the
+    block's two scales applied to the eight partial sums, which meet only at the end."""
+    split = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    j = tl.arange(0, 8)
+    c = tl.arange(0, 16)
+    w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + (j * 16)[None, :, None] + c[None, None, :]
+    ws_rows = ws_ptr + (n // 128) * ws_sn
+    kb0 = split * kb_per_split
+    kb1 = tl.minimum(kb0 + kb_per_split, NB)
+    for m in range(0, M):
+        a_row = a_ptr + m * a_sm + (j * 16)[:, None] + c[None, :]
+        acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            k0 = tl.multiple_of(kb * 128, 128)
+            kmask = (k0 + j[:, None] * 16 + c[None, :]) < K  # [8, 16]
+            w = tl.load(w_tile + k0, mask=nmask[:, None, None] & kmask[None, :, :], other=0)
+            a = tl.load(a_row + k0, mask=kmask, other=0)
+            part = tl.sum(e4m3_decode(w, NATIVE) * e4m3_decode(a, NATIVE)[None, :, :], axis=2)
+            s = tl.load(as_ptr + m * NB + kb) * tl.load(ws_rows + kb, mask=nmask, other=0.0)
+            acc += part * s[:, None]
+        y = tl.sum(acc, axis=1)
+        if OUT_BF16:
+            y = round_bf16(y, NATIVE)
+        tl.store(c_ptr + split.to(tl.int64) * c_ss + m * N + n, y, mask=nmask)
+
+
 @triton.jit
 def _split_sum_kernel(p_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                       OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
@@ -221,9 +275,11 @@ def _check_gemm_inputs(xq, xs, w, w_scale):
 
 def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                    out_dtype: torch.dtype = torch.bfloat16,
-                   config: GemmConfig | None = None, backend: str = "auto") -> torch.Tensor:
+                   config: "GemmConfig | Fp8GemvConfig | None" = None, backend: str = "auto") -> torch.Tensor:
     """y [M, N] = block-scaled (xq * xs) @ (w * w_scale)^T in fp32, cast to ``out_dtype``
     (bf16 or fp32). ``backend``: "auto" (the module's backend rule), "triton" or "torch".
+    ``config``: a ``GemmConfig`` (tensor cores), an ``Fp8GemvConfig`` (CUDA-core GEMV) or None
+    (the shape rule: the GEMV for M <= GEMV_MAX_M, else ``pick_config``).
     No host synchronisation after the one-time probe; the grid depends only on the shapes."""
     check_device(xq, xs, w, w_scale)
     _check_gemm_inputs(xq, xs, w, w_scale)
@@ -239,6 +295,8 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0 or N == 0:
         return out
+    if config is None and M <= GEMV_MAX_M:
+        config = pick_gemv_config(N, K, _num_sms(xq.device))
     cfg = config or pick_config(M, N, K, _num_sms(xq.device))
     kb_per_split = triton.cdiv(nb, cfg.split_k)
     split = triton.cdiv(nb, kb_per_split)  # no empty split
@@ -248,13 +306,20 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
     else:
         dest = torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
         c_ss, out_bf16 = M * N, False
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
-    _fp8_gemm_kernel[grid](
-        xq.view(torch.uint8), xs, w.view(torch.uint8), w_scale, dest, M, N, K, nb,
-        xq.stride(0), w_scale.stride(0), c_ss, N, kb_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-        EVEN_K=K % QBLOCK == 0, OUT_BF16=out_bf16, NATIVE=nat,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if isinstance(cfg, Fp8GemvConfig):
+        _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
+            xq.view(torch.uint8), xs, w.view(torch.uint8), w_scale, dest, M, N, K, nb,
+            xq.stride(0), w_scale.stride(0), c_ss, kb_per_split,
+            BLOCK_N=cfg.block_n, OUT_BF16=out_bf16, NATIVE=nat,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
+        _fp8_gemm_kernel[grid](
+            xq.view(torch.uint8), xs, w.view(torch.uint8), w_scale, dest, M, N, K, nb,
+            xq.stride(0), w_scale.stride(0), c_ss, N, kb_per_split,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
+            EVEN_K=K % QBLOCK == 0, OUT_BF16=out_bf16, NATIVE=nat,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         block = 1024
         _split_sum_kernel[(triton.cdiv(M * N, block),)](

@@ -1,0 +1,185 @@
+"""Speculative decoding (the MTP layer drafting K tokens, one verify of K + 1 rows) vs plain decoding.
+
+The Flash-shaped model of bench_long_context.py (43 layers + the MTP layer, Flash's attention
+shapes, MoE cut to ``--experts`` routed experts, random bf16 weights drawn on the GPU) through
+the Engine, with synthetic contexts (``Engine.add_synthetic_request``). Random weights make the
+MTP's real acceptance rate meaningless, so the speculative engine's step is timed at every
+*forced* acceptance length L = 1 .. K + 1 (``SpeculativeDecoder.accept_override``: L - 1
+drafts accepted whatever they are): a step then drafts K tokens (K - 1 MTP passes), verifies
+K + 1 rows per request, rolls back, and runs the MTP pass over the L kept positions. Each row
+reports ms per step and the tokens/s that acceptance length gives (batch x L per step), beside
+plain decoding (CUDA graphs on, the engine's default, and off: speculative verify steps run
+eagerly). Per context and batch it also prints the break-even acceptance length (the smallest
+L whose tokens/s beats plain decoding with graphs).
+
+    # one H200, <= 6 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3; a time guard
+    # skips what would start after --time-budget seconds, default 330, and lists it)
+    PYTHONUNBUFFERED=1 python3 bench/bench_speculative.py --out $OUT/spec.json
+    # the code path on the CPU, tiny stand-in
+    python bench/bench_speculative.py --preset tiny --device cpu --contexts 512 --batches 1,2 --steps 2
+
+What is measured: wall time of ``Engine.step()`` (synchronised) over ``--steps`` steps after
+``--warmup`` untimed ones (Triton compiles there), per configuration. Not measured: a real
+acceptance rate (needs the release's weights), CUDA graphs of verify steps (not implemented).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+START = time.time()
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._bench_common import admit_synthetic, finish_all, fmt_tokens, sync  # noqa: E402
+from bench.bench_long_context import memory_setup, model_config, plan_for  # noqa: E402
+from dsv4_backend import Engine  # noqa: E402
+
+
+def build(cfg: Any, args: argparse.Namespace, mem: Any, k: Optional[int]) -> Engine:
+    kw: dict[str, Any] = dict(
+        preset=args.preset, device=args.device, dtype=args.dtype, skip_tokenizer_init=True, random_seed=0,
+        max_running_requests=mem.max_running, chunked_prefill_size=8192, context_length=mem.context_length,
+        swa_ratio=0.1, config_overrides={"n_routed_experts": cfg.n_routed_experts,
+                                         "num_experts_per_tok": cfg.num_experts_per_tok},
+        random_weights_on_device=torch.device(args.device).type == "cuda")
+    if mem.mem_fraction is not None:
+        kw["mem_fraction_static"] = mem.mem_fraction
+    else:
+        kw["max_total_tokens"] = plan_for(cfg, "compressed", mem).max_full_tokens
+    if k is not None:
+        kw.update(speculative_algorithm="EAGLE", speculative_num_steps=k, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=k + 1)
+    return Engine(**kw)
+
+
+def timed(eng: Engine, steps: int) -> tuple[float, int]:
+    """(ms per step, tokens emitted) over ``steps`` engine steps."""
+    sync(eng.device)
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(steps):
+        tokens += sum(len(o.delta_ids) for o in eng.step())
+    sync(eng.device)
+    return 1e3 * (time.perf_counter() - t0) / steps, tokens
+
+
+def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace, lengths: list[Optional[int]]) -> list[dict]:
+    """One row per forced acceptance length (None: plain decoding / the MTP's own drafts)."""
+    k = args.k
+    per = args.warmup + args.steps
+    rids = admit_synthetic(eng, ctx, batch, max_new_tokens=per * (k + 1) * len(lengths) + 8)
+    rows = []
+    try:
+        spec = eng.scheduler.spec
+        for L in lengths:
+            if spec is not None:
+                spec.accept_override = None if L is None else (lambda rid, n, a=L - 1: a)
+            timed(eng, args.warmup)
+            ms, tokens = timed(eng, args.steps)
+            rows.append({"context": ctx, "batch": batch, "accept_length": L, "ms_per_step": ms,
+                         "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / (ms * args.steps) * 1e3})
+    finally:
+        finish_all(eng, rids)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="flash", choices=["flash", "pro", "tiny"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"])
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default 8; the preset's for tiny)")
+    ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 131072])
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    ap.add_argument("--k", type=int, default=3, help="speculative_num_steps (drafts per verify)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--mem-fraction", type=float, default=0.92)
+    ap.add_argument("--reserve-gb", type=float, default=14.0)
+    ap.add_argument("--time-budget", type=float, default=330.0,
+                    help="seconds for the whole run; configurations that would start later are skipped (and listed)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    cuda = torch.device(args.device).type == "cuda"
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.experts is None and args.preset != "tiny":
+        args.experts = 8
+    if not cuda:
+        torch.set_num_threads(1)
+    # what bench_long_context.memory_setup reads
+    args.prefill_contexts, args.prefill_long, args.max_batch, args.cpu_pool_tokens = [], 0, max(args.batches), 0
+    cfg = model_config(args)
+    headroom = (args.warmup + args.steps) * (args.k + 1) * (args.k + 2) + 64
+    mem = memory_setup(cfg, args, torch.device(args.device), headroom)
+    print("\n".join(mem.notes), flush=True)
+    report: dict[str, Any] = {"k": args.k, "preset": args.preset, "experts": cfg.n_routed_experts,
+                              "device": torch.cuda.get_device_name() if cuda else "cpu", "rows": []}
+    lengths = list(range(1, args.k + 2))
+    report["skipped"] = []
+    # (engine, mode name, graphs on, acceptance lengths): the plain engine runs with its decode
+    # CUDA graphs, then with them switched off (speculative verify steps run eagerly)
+    runs = [(None, "plain, graphs", True, [None]), (None, "plain, eager", False, [None]),
+            (args.k, f"EAGLE K={args.k}", False, lengths + [None])]
+    eng, built_for = None, "none"
+    for k, name, graphs, ls in runs:
+        if not cuda and name == "plain, eager":
+            continue    # no graphs on the CPU: the same as the row above
+        if built_for != ("plain" if k is None else "spec"):
+            eng = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            t = time.time()
+            eng = build(cfg, args, mem, k)
+            built_for = "plain" if k is None else "spec"
+            print(f"[{time.time() - START:6.1f}s] built {built_for} engine in {time.time() - t:.1f}s", flush=True)
+        if not graphs:
+            eng.runner.cuda_graphs = None
+        for ctx in args.contexts:
+            for b in args.batches:
+                if b > eng.scheduler.cfg.max_running_requests:
+                    report["skipped"].append(f"{name} ctx {ctx} b {b}: above max_running_requests")
+                    continue
+                if time.time() - START > args.time_budget:
+                    report["skipped"].append(f"{name} ctx {ctx} b {b}: past the time budget")
+                    print(f"  skipped {name} ctx {fmt_tokens(ctx)} b {b}: past --time-budget", flush=True)
+                    continue
+                for row in measure(eng, ctx, b, args, ls):
+                    row["mode"] = name
+                    report["rows"].append(row)
+                    L = row["accept_length"]
+                    what = "plain" if k is None else ("MTP drafts" if L is None else f"L={L}")
+                    print(f"[{time.time() - START:6.1f}s] {name:<14} ctx {fmt_tokens(ctx):>5} b {b:>3} {what:<10} "
+                          f"{row['ms_per_step']:8.2f} ms/step  {row['tokens_per_s']:9.1f} tok/s", flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps(report, indent=1))
+        if k is not None:
+            report["accept_stats_mtp_drafts"] = eng.stats()["speculative"]
+    print("\nbreak-even: smallest forced acceptance length whose tok/s beats plain decoding (graphs on)")
+    for ctx in args.contexts:
+        for b in args.batches:
+            base = [r for r in report["rows"] if r["mode"] == runs[0][1] and (r["context"], r["batch"]) == (ctx, b)]
+            spec = [r for r in report["rows"] if r["mode"] == runs[2][1] and (r["context"], r["batch"]) == (ctx, b)
+                    and r["accept_length"] is not None]
+            if base and spec:
+                win = [r["accept_length"] for r in spec if r["tokens_per_s"] > base[0]["tokens_per_s"]]
+                print(f"  ctx {fmt_tokens(ctx):>5} b {b:>3}: plain {base[0]['tokens_per_s']:.1f} tok/s; "
+                      f"L = {min(win) if win else 'none up to K+1'}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

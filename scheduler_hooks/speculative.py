@@ -1,0 +1,224 @@
+"""Speculative decoding with the MTP layer as the draft model (SGLang's EAGLE, chain, top-1).
+
+Flags (SGLang's names, the same on :class:`~scheduler_hooks.engine.Engine` and the server):
+``speculative_algorithm="EAGLE"`` (``"NEXTN"`` is an alias, as in SGLang),
+``speculative_num_steps=K``, ``speculative_eagle_topk=1``, ``speculative_num_draft_tokens=K+1``.
+
+One decode step of a request with ``n = kv_len`` ids in the pools and its last token ``t_n``:
+
+1. **draft**: draft 1 is already known (the MTP pass that ended the previous step gave it);
+   drafts 2..k are k - 1 chained MTP decode passes at positions ``n .. n + k - 2``
+   (:class:`dsv4_backend.mtp.MTPDraftLayer`), batched over the step's requests;
+2. **verify**: the target model runs ``[t_n, d_1 .. d_k]`` at positions ``n .. n + k`` as one
+   extend of k + 1 rows (mixed freely with other requests' prefill chunks), after the
+   allocator reserved ``n + k + 1`` positions and :func:`dsv4_backend.rollback.snapshot_for_verify`
+   saved what rejected rows could overwrite;
+3. **accept**: row i is sampled exactly as a plain decode would sample it after
+   ``d_1 .. d_i`` (penalties included); ``d_{i+1}`` is accepted iff it equals that token. The
+   a accepted drafts and the next token ("bonus") are emitted, a + 1 tokens;
+4. **roll back**: the compressed state of the rejected rows is put back
+   (``VerifySnapshot.restore``), the allocator is truncated to ``n + a + 1``;
+5. **MTP extend**: the MTP layer runs over every position the target model kept this step
+   (prefill chunks too), with the target's final streams and the next ids, writing its own
+   KV rows; its last row gives draft 1 of the next step. Only then are SWA pages evicted (the
+   MTP's positions lag the target's by the step's length).
+
+Speculation is greedy-only: a request that samples (temperature > 0 and top_k != 1) is
+decoded with no drafts, one row per step, exactly as without speculation (it still gets its
+MTP rows, so nothing depends on the mix). A seeded greedy request does not consume its
+generator, so step boundaries do not matter. Greedy outputs are therefore the plain ones token
+for token; float64 logits of accepted rows equal plain decoding's to rounding (the verify is
+an extend, which equals decoding position by position: docs/engine.md "Correctness").
+
+Test and benchmark hooks (attributes of :class:`SpeculativeDecoder`, default None):
+``draft_override(rid, n, drafts) -> drafts`` replaces the MTP's drafts (the tests feed the
+known greedy continuation to force chosen acceptance lengths; random weights accept little);
+``accept_override(rid, k) -> a`` forces a accepted drafts whatever they are (the benchmark's
+step time at a forced acceptance length; the outputs then are not the greedy ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from dsv4_backend.backend import ForwardBatch
+from dsv4_backend.mtp import MTPDraftLayer
+from dsv4_backend.rollback import MAX_DRAFT_TOKENS, VerifySnapshot, snapshot_for_verify
+
+from .sampling import SampleInput, sample
+
+ALGORITHMS = ("EAGLE", "NEXTN")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """SGLang's speculative flags, validated; ``num_steps`` drafts per verify of ``num_steps + 1`` rows."""
+
+    algorithm: str
+    num_steps: int
+    eagle_topk: int = 1
+    num_draft_tokens: Optional[int] = None
+
+    @classmethod
+    def from_flags(cls, algorithm: Optional[str], num_steps: Optional[int], eagle_topk: Optional[int],
+                   num_draft_tokens: Optional[int]) -> Optional["SpeculativeConfig"]:
+        """None when ``algorithm`` is None (speculation off; the other flags must then be unset)."""
+        if algorithm is None:
+            given = [n for n, v in (("speculative_num_steps", num_steps), ("speculative_eagle_topk", eagle_topk),
+                                    ("speculative_num_draft_tokens", num_draft_tokens)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0]} is set but speculative_algorithm is not (use 'EAGLE')")
+            return None
+        algo = str(algorithm).upper()
+        if algo not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm {algorithm!r} is not supported; use 'EAGLE' "
+                             "(the MTP layer as the draft model; 'NEXTN' is an alias)")
+        steps = 3 if num_steps is None else int(num_steps)
+        if not 1 <= steps <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative_num_steps is {steps}; it must be in 1..{MAX_DRAFT_TOKENS} (the "
+                             "doubled C4 ring must hold every position a verify step writes)")
+        topk = 1 if eagle_topk is None else int(eagle_topk)
+        if topk != 1:
+            raise ValueError(f"speculative_eagle_topk is {topk}; only chain drafts (1) are supported")
+        drafts = steps + 1 if num_draft_tokens is None else int(num_draft_tokens)
+        if drafts != steps + 1:
+            raise ValueError(f"speculative_num_draft_tokens is {drafts}; with speculative_eagle_topk 1 it "
+                             f"must be speculative_num_steps + 1 = {steps + 1}")
+        return cls(algo, steps, topk, drafts)
+
+
+@dataclass
+class _DraftState:
+    """What the last MTP pass left for a request: draft 1 and the streams that continue the chain."""
+
+    token: int
+    hidden: torch.Tensor   # [hc, D]
+
+
+class SpeculativeDecoder:
+    """Drafting, acceptance, rollback and the MTP passes of one engine (see the module docstring).
+
+    The scheduler calls :meth:`num_drafts` while scheduling, :meth:`draft` and
+    :meth:`snapshot` before the target forward and :meth:`finish_step` after it."""
+
+    def __init__(self, cfg: SpeculativeConfig, runner: Any, allocator: Any):
+        self.cfg, self.runner, self.allocator = cfg, runner, allocator
+        self.mtp = MTPDraftLayer(runner.model, runner.backend)
+        self.states: dict[str, _DraftState] = {}
+        self.draft_override: Optional[Callable[[str, int, list[int]], list[int]]] = None
+        self.accept_override: Optional[Callable[[str, int], int]] = None
+        # accepted length (accepted drafts + 1) of every verify with >= 1 draft
+        self.accept_hist = [0] * (cfg.num_steps + 2)
+        self.num_verify = 0
+        self.num_draft_tokens = 0
+        self.num_plain_decodes = 0      # decode rows with no drafts (sampling requests, limits)
+
+    # ---- scheduling ----------------------------------------------------------------
+
+    def num_drafts(self, r: Any, context_length: int) -> int:
+        """Drafts for request ``r``'s next decode: K, fewer near its limits, 0 when it samples."""
+        if not r.params.greedy:
+            return 0
+        if r.rid not in self.states:
+            if not r.synthetic:
+                return 0
+            # a benchmark context has no MTP pass behind it: a stand-in state (costs are real)
+            D, hc = self.runner.config.hidden_size, self.runner.config.hc_mult
+            self.states[r.rid] = _DraftState(r.all_ids[-1], torch.zeros(hc, D, dtype=self.runner.dtype,
+                                                                            device=self.runner.device))
+        left = r.params.max_new_tokens - len(r.output_ids) - 1
+        room = min(context_length, self.allocator.max_context) - r.num_ids - 1
+        return max(0, min(self.cfg.num_steps, left, room))
+
+    # ---- before the forward ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft(self, verifies: list[tuple[Any, int, int]]) -> dict[str, list[int]]:
+        """Chained drafts for ``[(r, req_slot, k), ...]`` (k >= 1): ``{rid: [d_1 .. d_k]}``."""
+        drafts = {r.rid: [self.states[r.rid].token] for r, _, _ in verifies}
+        hidden = {r.rid: self.states[r.rid].hidden for r, _, _ in verifies}
+        for j in range(2, max((k for _, _, k in verifies), default=0) + 1):
+            step = [(r, slot) for r, slot, k in verifies if k >= j]
+            batch = ForwardBatch([slot for _, slot in step], [r.kv_len + j - 2 for r, _ in step], [1] * len(step))
+            ids = torch.tensor([drafts[r.rid][-1] for r, _ in step], dtype=torch.int64, device=self.runner.device)
+            Y = self.mtp.forward(torch.stack([hidden[r.rid] for r, _ in step]), ids, batch)
+            toks = self.mtp.logits(Y).argmax(dim=-1).tolist()
+            for i, (r, _) in enumerate(step):
+                drafts[r.rid].append(int(toks[i]))
+                hidden[r.rid] = Y[i]
+        if self.draft_override is not None:
+            for r, _, k in verifies:
+                drafts[r.rid] = [int(t) for t in self.draft_override(r.rid, r.kv_len, list(drafts[r.rid]))][:k]
+                if len(drafts[r.rid]) != k:
+                    raise ValueError(f"draft_override gave {len(drafts[r.rid])} drafts for {r.rid}, expected {k}")
+        return drafts
+
+    def snapshot(self, verifies: list[tuple[Any, int, int]]) -> VerifySnapshot:
+        return snapshot_for_verify(self.runner.backend, self.allocator,
+                                   [(r.rid, slot, r.kv_len, k) for r, slot, k in verifies])
+
+    # ---- after the forward -----------------------------------------------------------
+
+    def accept(self, r: Any, drafts: list[int], logits: torch.Tensor) -> tuple[list[int], Any]:
+        """Tokens to emit from verify rows ``logits [k + 1, V]``: the accepted drafts and the
+        bonus token, plus the ``SampleOutput`` of the rows (logprobs, errors)."""
+        k = len(drafts)
+        inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids + drafts[:i], r.generator,
+                              r.greq.top_logprobs_num, r.greq.return_logprob) for i in range(k + 1)]
+        res = sample(logits, inputs)
+        if self.accept_override is not None:
+            a = max(0, min(k, int(self.accept_override(r.rid, k))))
+            toks = drafts[:a] + [res.token_ids[a]]
+        else:
+            toks = []
+            for i in range(k + 1):
+                toks.append(res.token_ids[i])
+                if res.errors[i] is not None or i == k or res.token_ids[i] != drafts[i]:
+                    break
+        self.num_verify += 1
+        self.num_draft_tokens += k
+        self.accept_hist[len(toks)] += 1
+        return toks, res
+
+    @torch.inference_mode()
+    def extend_mtp(self, spans: list[tuple[Any, int, int, int]], hidden: torch.Tensor) -> None:
+        """The MTP pass over what the target kept: ``[(r, req_slot, start, token offset), ...]``
+        covers positions ``start .. r.kv_len - 1`` whose target streams are ``hidden[offset ..]``.
+        Requests now ready to decode get their next draft state."""
+        spans = [s for s in spans if s[0].kv_len > s[2]]
+        if not spans:
+            return
+        rows = torch.cat([torch.arange(o, o + r.kv_len - s, device=hidden.device) for r, _, s, o in spans])
+        ids = [t for r, _, s, _ in spans for t in r.ids_between(s + 1, r.kv_len + 1)]
+        batch = ForwardBatch([slot for _, slot, _, _ in spans], [s for _, _, s, _ in spans],
+                             [r.kv_len - s for r, _, s, _ in spans])
+        Y = self.mtp.forward(hidden[rows], torch.tensor(ids, dtype=torch.int64, device=hidden.device), batch)
+        ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
+        ready = [(i, r) for i, (r, _, _, _) in enumerate(spans) if r.remaining == 1]
+        if ready:
+            last = Y[ends[[i for i, _ in ready]].to(Y.device)]
+            toks = self.mtp.logits(last).argmax(dim=-1).tolist()
+            for j, (_, r) in enumerate(ready):
+                self.states[r.rid] = _DraftState(int(toks[j]), last[j])
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the draft state of requests that left the running set."""
+        for rid in [rid for rid in self.states if rid not in live]:
+            del self.states[rid]
+
+    # ---- metrics -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Accepted length per verify (accepted drafts + 1): mean and histogram (1 .. K + 1)."""
+        n = self.num_verify
+        total = sum(length * c for length, c in enumerate(self.accept_hist))
+        return {"algorithm": self.cfg.algorithm, "num_steps": self.cfg.num_steps,
+                "num_draft_tokens": self.cfg.num_draft_tokens, "num_verify": n,
+                "draft_tokens_total": self.num_draft_tokens, "accepted_drafts_total": total - n,
+                "accept_length_mean": total / n if n else 0.0,
+                "accept_length_histogram": {str(length): self.accept_hist[length]
+                                            for length in range(1, len(self.accept_hist))},
+                "plain_decodes": self.num_plain_decodes}

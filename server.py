@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_backend.encoding import EncodingError, encode_messages, parse_message_from_completion_text
 from dsv4_backend.encoding import EOS, THINK_END, TOOL_CALLS_START
+from memory.hisparse import HiSparseConfig
 from scheduler_hooks.io import EngineOverloaded, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
 from scheduler_hooks.speculative import SpeculativeConfig
 from serving_protocol import (SSE_DONE, APIError, ChatCompletionRequest, CompletionRequest, GenerateReqInput,
@@ -87,6 +88,8 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
     attention_kernel: str = "auto"
+    enable_hisparse: bool = False
+    hisparse_config: Optional[str] = None
     disable_radix_cache: bool = False
     speculative_algorithm: Optional[str] = None
     speculative_num_steps: Optional[int] = None
@@ -130,6 +133,9 @@ class ServerArgs:
             kw["cuda_graph_max_bs"] = self.cuda_graph_max_bs
         if self.attention_kernel != "auto":
             kw["attention_kernel"] = self.attention_kernel
+        if self.enable_hisparse:
+            kw["enable_hisparse"] = True
+            kw["hisparse_config"] = self.hisparse_config
         if self.disable_radix_cache:
             kw["disable_radix_cache"] = True
         for name in SPECULATIVE_FLAGS:
@@ -174,6 +180,10 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
                    help="largest decode batch replayed from a graph (default: --max-running-requests)")
     p.add_argument("--attention-kernel", default=d.attention_kernel, choices=["auto", "flashmla", "triton"],
                    help="GPU sparse attention: auto = FlashMLA on sm90/sm100 where flash_mla imports, else Triton")
+    p.add_argument("--enable-hisparse", action="store_true",
+                   help="C4 rows in host memory, a device hot pool, the top-k swapped in (HiSparse)")
+    p.add_argument("--hisparse-config", default=d.hisparse_config,
+                   help='JSON: {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2} (the defaults)')
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="turn the prefix cache off (every request is prefilled from its first token)")
     spec = p.add_argument_group("speculative decoding (the MTP layer drafts; chain, top-1)")
@@ -213,6 +223,13 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if ns.max_top_logprobs < 0 or ns.graceful_shutdown_timeout < 0:
         p.error("--max-top-logprobs and --graceful-shutdown-timeout must be >= 0")
+    if ns.hisparse_config is not None:
+        if not ns.enable_hisparse:
+            p.error("--hisparse-config needs --enable-hisparse")
+        try:
+            HiSparseConfig.parse(ns.hisparse_config)
+        except ValueError as e:
+            p.error(f"--hisparse-config: {e}")
     try:
         SpeculativeConfig.from_flags(*(getattr(ns, name) for name in SPECULATIVE_FLAGS))
     except ValueError as e:

@@ -382,6 +382,7 @@ class TorchDSV4Backend(AttentionBackend):
         self.dtype, self.dense = dtype, dense
         self.window = cfg.sliding_window
         self.online_compress = bool(getattr(pools, "c128_online", None))
+        self.hisparse = getattr(pools, "hisparse", None)   # memory/hisparse.py, or None
         self.state_dtype = pools.state_dtype
         self.device = pools.device
         ratios = set(cfg.layer_ratios) - {0}
@@ -508,7 +509,7 @@ class TorchDSV4Backend(AttentionBackend):
         if ratio == 4:
             cm = meta.compressed[4]
             self._compress_ring(layer, layer.compressor, inputs.compressor, cm, pools.c4_ring[layer_id],
-                                lambda rows, vals: write_kv_rows(pools.c4_kv[layer_id], rows, vals))
+                                self._c4_writer(layer_id, meta))
             self._compress_ring(layer, layer.indexer.compressor, inputs.indexer.compressor, cm,
                                 pools.c4_indexer_ring[layer_id],
                                 lambda rows, vals: write_indexer_rows(pools.c4_indexer[layer_id], rows,
@@ -524,6 +525,16 @@ class TorchDSV4Backend(AttentionBackend):
         return self._attend(layer_id, layer, inputs, meta, ratio)
 
     # ---- compression ---------------------------------------------------------------------
+
+    def _c4_writer(self, layer_id: int, meta: ForwardMetadata) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """Where a CSA layer's new C4 rows go: the pool at their full rows, or under HiSparse the
+        hot pool (and from there the host pool)."""
+        pools, hs = self.pools, self.hisparse
+        if hs is None:
+            return lambda rows, vals: write_kv_rows(pools.c4_kv[layer_id], rows, vals)
+        owners = meta.req_slots[meta.compressed[4].events.req]
+        return lambda rows, vals: hs.write_rows(layer_id, rows, owners,
+                                                lambda pool, dev, part: write_kv_rows(pool, dev, vals[part]))
 
     def _state(self, x: torch.Tensor) -> torch.Tensor:
         """Round fresh (C, Z) to the state dtype, so ring-read and fresh candidates agree."""
@@ -607,7 +618,11 @@ class TorchDSV4Backend(AttentionBackend):
                 comp = read_kv_rows(pools.c128_kv[layer_id], rows).to(q.dtype)          # [nb, 512]
             elif ratio == 4:
                 sel = self._topk(layer_id, layer, inputs, meta, r)                     # [n, k]
-                comp = read_kv_rows(pools.c4_kv[layer_id], sel).to(q.dtype)            # [n, k, 512]
+                if self.hisparse is not None:   # the selected rows swapped into the hot pool, read there
+                    comp = self.hisparse.read(layer_id, sel, _host_int(meta, "req_slots", r), read_kv_rows)
+                else:
+                    comp = read_kv_rows(pools.c4_kv[layer_id], sel)
+                comp = comp.to(q.dtype)                                                # [n, k, 512]
             step = self.DENSE_QUERY_BLOCK if meta.dense else self.QUERY_BLOCK
             for b0 in range(t0, t1, step):
                 b1 = min(t1, b0 + step)

@@ -19,6 +19,7 @@ import torch
 
 from memory.allocator import KVAllocator
 from memory.configurator import DSV4PoolConfigurator
+from memory.hisparse import HiSparseConfig
 from memory.pools import DSV4KVPools
 
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
@@ -89,6 +90,8 @@ class ModelRunner:
                  cuda_graph_max_bs: Optional[int] = None, attention_kernel: str = "auto",
                  shard: Optional[RankShard] = None):
         self.config, self.pools, self.allocator = config, pools, allocator
+        if getattr(pools, "hisparse", None) is not None:   # a freed request's hot rows go back
+            allocator.on_free.append(pools.hisparse.release)
         self.device, self.dtype, self.dense = torch.device(device), dtype, dense
         if dense != bool(pools.plan.dense):
             raise ValueError(f"ModelRunner(dense={dense}) needs pools planned with dense={dense}")
@@ -193,19 +196,23 @@ class ModelRunner:
               state_dtype: Optional[torch.dtype] = None, dense: bool = False, backend: Optional[str] = None,
               weights: Optional[dict[str, torch.Tensor]] = None, device: str = "cpu",
               cuda_graph: Optional[bool] = None, attention_kernel: str = "auto",
-              **preset_overrides: Any) -> "ModelRunner":
+              hisparse_config: Any = None, **preset_overrides: Any) -> "ModelRunner":
         """Config (or preset name), seeded random weights, a pool plan for ``max_total_tokens``,
         pools, allocator and runner in one call. State dtype: float64 in float64 mode, else the
-        env flag's (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``) unless given."""
+        env flag's (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``) unless given. ``hisparse_config``
+        (a :class:`memory.hisparse.HiSparseConfig`, dict or JSON) turns HiSparse on."""
         cfg = DSV4Config.preset(config, **preset_overrides) if isinstance(config, str) else config
         if state_dtype is None and dtype == torch.float64:
             state_dtype = torch.float64
+        hs = None if hisparse_config is None else HiSparseConfig.parse(hisparse_config)
         plan = DSV4PoolConfigurator(cfg, max_running_requests=max_running_requests, swa_ratio=swa_ratio,
-                                    state_dtype=state_dtype, online_compress=online_compress,
-                                    dense=dense).plan_for_tokens(max_total_tokens)
+                                    state_dtype=state_dtype, online_compress=online_compress, dense=dense,
+                                    c4_shrink_factor=hs.host_to_device_ratio if hs else 1.0,
+                                    ).plan_for_tokens(max_total_tokens)
         kernel = backend or resolve_attention_kernel(attention_kernel, torch.device(device), dtype,
                                                      cfg.num_attention_heads)[0]
-        pools = DSV4KVPools(cfg, plan, device=device, state_dtype=state_dtype, page_align=pool_page_align(kernel))
+        pools = DSV4KVPools(cfg, plan, device=device, state_dtype=state_dtype, page_align=pool_page_align(kernel),
+                            hisparse=hs)
         allocator = KVAllocator(plan, max_context=max_context or plan.max_full_tokens,
                                 window=cfg.sliding_window, dense=dense, device=device)
         if weights is None:

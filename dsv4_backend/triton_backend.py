@@ -36,6 +36,7 @@ kernel keeps fp32 state) falls back to the torch update for that step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -364,12 +365,15 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         extra_pool = extra_rows = None
         if ratio == 4:
             ring = plan.rings[4]
+            hs_rows = None if self.hisparse is None else (layer_id, meta.req_slots[meta.compressed[4].events.req])
             self._compress(plan, 4, layer, layer.compressor, inputs.compressor, ring, pools.c4_ring[layer_id],
-                           pools.c4_kv[layer_id], None)
+                           pools.c4_kv[layer_id], None, hisparse_rows=hs_rows)
             self._compress(plan, 4, layer, layer.indexer.compressor, inputs.indexer.compressor, ring,
                            pools.c4_indexer_ring[layer_id], pools.c4_indexer[layer_id],
                            hadamard_matrix(128, torch.float32, inputs.q.device))
             extra_pool, extra_rows = pools.c4_kv[layer_id], self._select(layer_id, inputs, plan)
+            if self.hisparse is not None:
+                return self._hisparse_attention(layer_id, layer, inputs, meta, plan, extra_rows)
         elif ratio == 128:
             if plan.online is not None:
                 self._compress_online_kernel(plan, layer, layer_id, inputs.compressor, meta, plan.online)
@@ -390,10 +394,35 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         return _kernels().sparse_decode(q, swa_pool, plan.window_slots, extra_pool, extra_rows, attn_sink,
                                         self.cfg.softmax_scale).out
 
+    def _hisparse_attention(self, layer_id: int, layer: Any, inputs: AttentionInputs, meta: ForwardMetadata,
+                            plan: _StepPlan, sel: torch.Tensor) -> torch.Tensor:
+        """CSA attention under HiSparse: the selected full rows ``sel [T, k]`` swapped into the
+        hot pool, the kernel handed device rows; query groups whose rows do not fit the hot pool
+        together run one after another (each query row is independent, so results are the same)."""
+        hs = self.hisparse
+        q = inputs.q.to(torch.bfloat16) if inputs.q.is_cuda else inputs.q
+        q, sink, swa = q.contiguous(), layer.attn_sink.float(), self.pools.swa_kv[layer_id]
+        owners = meta.req_slots[meta.token_req]
+        groups = hs.groups(sel)
+        if len(groups) == 1:
+            rows = hs.swap_in(layer_id, sel, owners)
+            out = self._sparse_attention(4, q, swa, plan, hs.device_kv[layer_id], rows, sink)
+        else:
+            parts = []
+            for lo, hi in groups:
+                rows = hs.swap_in(layer_id, sel[lo:hi], owners[lo:hi])
+                part = dataclasses.replace(plan, window_slots=plan.window_slots[lo:hi])
+                # the Triton kernel itself: a subclass's per-step caches are sized for the whole step
+                parts.append(TritonDSV4Backend._sparse_attention(self, 4, q[lo:hi], swa, part,
+                                                                 hs.device_kv[layer_id], rows, sink))
+            out = torch.cat(parts)
+        return out.to(inputs.q.dtype)
+
     def _compress(self, plan: _StepPlan, m: int, layer: Any, compressor: Any, raw: CompressorInput,
                   ring_plan: _RingPlan, ring: torch.Tensor, pool: torch.Tensor,
-                  hadamard: Optional[torch.Tensor]) -> None:
-        """Ring path: pool the completed blocks, write the ring tail, finish the rows."""
+                  hadamard: Optional[torch.Tensor], hisparse_rows: Optional[tuple] = None) -> None:
+        """Ring path: pool the completed blocks, write the ring tail, finish the rows.
+        ``hisparse_rows = (layer_id, owners)``: the rows go through the HiSparse hot pool."""
         K = _kernels()
         rp = ring_plan
         cz = torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)                # [T, 2 * coff * d]
@@ -416,9 +445,16 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                 ring[rp.ring_slot] = cz[rp.ring_token]
         if n_events:
             cos, sin = self._cos_sin(plan, m, layer.rope, rp.first_pos)
-            K.compress(pool, K.CompressEvents(rp.dest_rows, rp.sources, cos, sin), buf, compressor.ape,
-                       compressor.norm.weight, compressor.ratio, eps=compressor.norm.eps,
-                       round_bf16=self.round_bf16, hadamard=hadamard)
+
+            def run(dest_pool: torch.Tensor, dest: torch.Tensor, part: slice = slice(None)) -> None:
+                K.compress(dest_pool, K.CompressEvents(dest, rp.sources[part], cos[part], sin[part]), buf,
+                           compressor.ape, compressor.norm.weight, compressor.ratio, eps=compressor.norm.eps,
+                           round_bf16=self.round_bf16, hadamard=hadamard)
+
+            if hisparse_rows is None:
+                run(pool, rp.dest_rows)
+            else:
+                self.hisparse.write_rows(hisparse_rows[0], rp.dest_rows, hisparse_rows[1], run)
 
     def _compress_online_kernel(self, plan: _StepPlan, layer: Any, layer_id: int, raw: CompressorInput,
                                 meta: ForwardMetadata, op: _OnlinePlan) -> None:

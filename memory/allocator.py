@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Hashable, NamedTuple, Optional, Protocol
+from typing import Callable, Hashable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -197,6 +197,7 @@ class KVAllocator:
         self._full_to_swa = torch.full((plan.max_full_tokens + 1,), -1, dtype=torch.int64, device=device)
         self._full_to_swa[-1] = plan.num_swa_pages * SWA_PAGE  # dummy full slot -> dummy SWA page
         self._reqs: dict[Hashable, _Request] = {}
+        self.on_free: list[Callable[[int], None]] = []   # called with the request slot in free() (HiSparse)
         # SWA page -> full slot of the first of its 128 tokens: the entries of full_to_swa it fills
         self._swa_home: dict[int, int] = {}
         self.holder: Optional[PageHolder] = None   # the prefix cache, when one is attached
@@ -359,6 +360,8 @@ class KVAllocator:
         self._release_swa(list(req.swa_pages.values()))
         self.req_pool.free(req.slot)
         del self._reqs[rid]
+        for hook in self.on_free:
+            hook(req.slot)
 
     # ---- sharing (the prefix cache) ------------------------------------------------------
 

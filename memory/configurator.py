@@ -165,6 +165,22 @@ class PoolPlan:
         return {kind: s.bytes for kind, s in self.pool_shapes().items()}
 
     @property
+    def hisparse(self) -> bool:
+        """Whether only 1 / c4_shrink_factor of the C4 rows stay on the device (HiSparse)."""
+        return self.c4_shrink_factor != 1 and not self.dense and self.num_c4_layers > 0
+
+    def host_pool_shapes(self) -> dict[str, PoolShape]:
+        """HiSparse's host pool: every C4 row (``full / 4``), one dummy page; empty otherwise."""
+        if not self.hisparse:
+            return {}
+        pages = -(-self.c4_indexer_rows // COMPRESSED_PAGE) + 1
+        return {"c4_kv": PoolShape(self.num_c4_layers, (pages, COMPRESSED_PAGE * KV_ROW_BYTES), torch.uint8)}
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.bytes for s in self.host_pool_shapes().values())
+
+    @property
     def total_bytes(self) -> int:
         return sum(self.pool_bytes().values())
 
@@ -180,6 +196,8 @@ class PoolPlan:
         d["pool_bytes"] = self.pool_bytes()
         d["total_bytes"] = self.total_bytes
         d["requests_fit"] = {"128K": self.requests_fit(CONTEXT_128K), "1M": self.requests_fit(CONTEXT_1M)}
+        d["host_pool_bytes"] = {kind: s.bytes for kind, s in self.host_pool_shapes().items()}
+        d["host_bytes"] = self.host_bytes
         return d
 
     def table(self) -> str:
@@ -236,6 +254,10 @@ class PoolPlan:
                 f"  C4 ring slots: {self.c4_ring_slots:,} ({self.c4_ring_size} per SWA page)   "
                 f"C128 state: {c128_state}",
             ]
+        if self.hisparse:
+            lines.append(f"  HiSparse: device C4 hot pool {self.c4_rows:,} rows per layer "
+                         f"({_fmt_bytes(self.pool_bytes()['c4_kv'])}), host C4 pool {self.c4_indexer_rows:,} rows "
+                         f"per layer ({_fmt_bytes(self.host_bytes)} pinned host memory)")
         lines.append(f"  requests that fit: {self.requests_fit(CONTEXT_128K):,} at 128K tokens, "
                      f"{self.requests_fit(CONTEXT_1M):,} at 1M tokens")
         return "\n".join(lines)

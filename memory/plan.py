@@ -5,6 +5,12 @@
     python -m memory.plan --config path/to/config.json --speculative --plot split.png
     python -m memory.plan --model-path /models/DeepSeek-V4-Flash --gpu-mem-gb 139
     python -m memory.plan --preset flash --gpu-mem-gb 139 --tp-size 8 --ep-size 8
+    python -m memory.plan --preset flash --enable-hisparse --hisparse-config '{"host_to_device_ratio": 4}' \
+        --context-len 1048576
+
+``--enable-hisparse`` (with SGLang's ``--hisparse-config`` JSON) keeps 1 / host_to_device_ratio
+of the C4 rows on the device and all of them in host memory: the table then lists each pool's
+device and host bytes, and ``--context-len N`` adds how many requests of N tokens fit.
 
 ``--model-path DIR`` reads the checkpoint's config.json and counts its weights as the server
 keeps them on the GPU (bf16, an FP8 release kept quantised: its real e4m3 / e2m1 bytes plus
@@ -54,9 +60,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", action="store_true", help="MTP speculative decoding (doubles the rings)")
     p.add_argument("--hisparse-ratio", type=float, default=1.0,
                    help="HiSparse host-to-device ratio: keep 1/K of the C4 rows on the GPU")
+    p.add_argument("--enable-hisparse", action="store_true",
+                   help="HiSparse: C4 rows in host memory, a device hot pool (ratio from --hisparse-config)")
+    p.add_argument("--hisparse-config", default=None,
+                   help='SGLang\'s JSON: {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2}')
+    p.add_argument("--context-len", type=int, action="append", default=[], metavar="N",
+                   help="also print how many requests of N tokens fit (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-request split at 128K and 1M tokens")
     return p
+
+
+def shrink_factor(args: argparse.Namespace) -> float:
+    """The C4 host-to-device ratio the flags give (1: no HiSparse)."""
+    if not args.enable_hisparse:
+        if args.hisparse_config is not None:
+            raise PlanError("--hisparse-config needs --enable-hisparse")
+        return args.hisparse_ratio
+    if args.hisparse_ratio != 1.0:
+        raise PlanError("give the ratio once: --hisparse-config '{\"host_to_device_ratio\": K}' with "
+                        "--enable-hisparse, or --hisparse-ratio K alone")
+    from memory.hisparse import HiSparseConfig
+    return HiSparseConfig.parse(args.hisparse_config).host_to_device_ratio
+
+
+def pool_bytes_table(plan: PoolPlan) -> str:
+    """Per pool kind, the bytes on the device and in host memory (HiSparse's C4 host pool)."""
+    host = {kind: s.bytes for kind, s in plan.host_pool_shapes().items()}
+    lines = [f"  {'pool':<16} {'device GiB':>12} {'host GiB':>12}"]
+    for kind, n in plan.pool_bytes().items():
+        lines.append(f"  {kind:<16} {n / GIB:>12.3f} {host.get(kind, 0) / GIB:>12.3f}")
+    lines.append(f"  {'total':<16} {plan.total_bytes / GIB:>12.3f} {plan.host_bytes / GIB:>12.3f}")
+    return "\n".join(lines)
 
 
 def budget_bytes(args: argparse.Namespace) -> int:
@@ -148,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.weights_gb = weights_bytes / GIB
         configurator = DSV4PoolConfigurator(
             model, max_running_requests=args.max_running_requests, swa_ratio=args.swa_ratio,
-            speculative=args.speculative, c4_shrink_factor=args.hisparse_ratio)
+            speculative=args.speculative, c4_shrink_factor=shrink_factor(args))
         plan = configurator.plan_for_budget(budget_bytes(args))
     except (ValueError, OSError) as e:  # PlanError, a bad env flag, a config that is not DSV4's, a bad path
         print(f"error: {e}", file=sys.stderr)
@@ -157,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         d = plan.to_dict()
         if weights_bytes is not None:
             d["weights_bytes"] = weights_bytes
+        if args.context_len:
+            d["requests_fit"].update({str(n): plan.requests_fit(n) for n in args.context_len})
         print(json.dumps(d, indent=2))
     else:
         if weights_bytes is not None:
@@ -164,6 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else f"as loaded from {args.model_path}"
             print(f"weights: {weights_bytes / GIB:.3f} GiB {where}")
         print(plan.table())
+        if plan.hisparse:
+            print(pool_bytes_table(plan))
+        for n in args.context_len:
+            print(f"  requests of {n:,} tokens that fit: {plan.requests_fit(n):,}")
     if args.plot:
         plot(plan, args.plot)
         if not args.json:

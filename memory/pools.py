@@ -25,6 +25,11 @@ of it: FlashMLA's kernels address a page in 576-byte TMA steps (``FLASHMLA_PAGE_
 backend needs pages of 65 x 576 B (64 rows) and 130 x 576 B (128 rows); the tail past the rows
 and their scale groups is never read or written (memory/layout.py). Cost: 64 B of 37,376 and
 128 B of 74,752 (0.17%), which the plan's byte accounting does not include.
+
+HiSparse (``hisparse=HiSparseConfig(...)``, memory/hisparse.py): ``c4_kv`` is then the *host*
+pool of every C4 row (``full / 4`` rows, pinned on CUDA), still addressed by ``full_slot // 4``,
+and ``hisparse`` holds the device hot pool of the plan's ``c4_rows = full / (4 * shrink)`` rows
+and the mapping. Without it (``hisparse`` None) a plan with ``c4_shrink_factor > 1`` is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 import torch
 
 from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, PoolPlan
+from memory.hisparse import HiSparseConfig, HiSparsePool
 
 _KINDS = ("swa_kv", "c4_kv", "c4_indexer", "c4_ring", "c4_indexer_ring", "c128_kv", "c128_ring", "c128_online")
 _KV_KINDS = ("swa_kv", "c4_kv", "c128_kv")
@@ -50,13 +56,14 @@ class DSV4KVPools:
     """
 
     def __init__(self, model_config: Any, plan: PoolPlan, device: str | torch.device = "cpu",
-                 state_dtype: torch.dtype | None = None, page_align: int = 1) -> None:
+                 state_dtype: torch.dtype | None = None, page_align: int = 1,
+                 hisparse: HiSparseConfig | None = None) -> None:
         if page_align < 1:
             raise ValueError(f"page_align must be >= 1, got {page_align}")
-        if plan.c4_shrink_factor != 1 and not plan.dense:
-            raise ValueError(f"c4_shrink_factor={plan.c4_shrink_factor:g} (HiSparse) is plan-only here: the device "
-                             "C4 pool is addressed by full_slot // 4 and needs every row; plan with "
-                             "c4_shrink_factor=1 to build pools")
+        if plan.c4_shrink_factor != 1 and not plan.dense and hisparse is None:
+            raise ValueError(f"c4_shrink_factor={plan.c4_shrink_factor:g} needs HiSparse: without it the device "
+                             "C4 pool is addressed by full_slot // 4 and needs every row; pass "
+                             "hisparse=HiSparseConfig(...) or plan with c4_shrink_factor=1")
         ratios = tuple(int(r) for r in model_config.compress_ratios[: model_config.num_hidden_layers])
         layers = {None: list(range(len(ratios))),
                   4: [i for i, r in enumerate(ratios) if r == 4],
@@ -85,6 +92,12 @@ class DSV4KVPools:
                     pool.update({n_main + j: torch.zeros(dims, dtype=dtype, device=self.device)
                                  for j in range(n_mtp)})
             setattr(self, kind, pool)
+        self.hisparse: HiSparsePool | None = None
+        if hisparse is not None and self.c4_kv:
+            page_bytes = next(iter(self.c4_kv.values())).shape[1]
+            self.hisparse = HiSparsePool(self.c4_kv, plan.c4_indexer_rows, plan.c4_rows, plan.max_running_requests,
+                                         hisparse, int(model_config.index_topk), page_bytes, self.device)
+            self.c4_kv = self.hisparse.host   # every writer that addresses full rows writes the host copy
 
     # ---- dummy targets for padded writes ---------------------------------------------
 
@@ -95,7 +108,8 @@ class DSV4KVPools:
 
     @property
     def dummy_c4_row(self) -> int:
-        return -(-self.plan.c4_rows // COMPRESSED_PAGE) * COMPRESSED_PAGE
+        rows = self.plan.c4_indexer_rows if self.hisparse is not None else self.plan.c4_rows
+        return -(-rows // COMPRESSED_PAGE) * COMPRESSED_PAGE
 
     @property
     def dummy_c128_row(self) -> int:
@@ -122,4 +136,7 @@ class DSV4KVPools:
             pool: dict[int, torch.Tensor] = getattr(self, kind)
             if pool:
                 usage[kind] = sum(t.numel() * t.element_size() for t in pool.values())
+        if self.hisparse is not None:
+            usage["c4_kv"] = self.hisparse.device_bytes()    # hot pools and mapping
+            usage["c4_kv_host"] = self.hisparse.host_bytes()
         return usage

@@ -38,6 +38,7 @@ from dsv4_backend.parallel import RankShard
 from dsv4_backend.weights import ModelTensor, RandomWeightStream, model_tensors, random_weights
 from memory.allocator import KVAllocator
 from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, DSV4PoolConfigurator, PoolPlan
+from memory.hisparse import HiSparseConfig
 from memory.layout import (INDEXER_ROW_BYTES, KV_ROW_BYTES, write_indexer_rows,
                            write_kv_rows)
 from memory.pools import DSV4KVPools
@@ -127,6 +128,8 @@ class Engine:
     A checkpoint (``model_path``) is checked, then streamed into the model tensor by tensor; an
     FP8 release (``quantization_config`` in its config.json) stays quantised (FP8 linears, FP4
     experts). ``weight_stream`` gives any such stream instead (benchmarks that synthesise weights).
+    ``enable_hisparse`` keeps every C4 row in host memory and a hot pool of ``1 / host_to_device_ratio``
+    of them on the device (memory/hisparse.py); ``hisparse_config`` is SGLang's JSON (or a dict).
     """
 
     def __init__(
@@ -152,6 +155,8 @@ class Engine:
         cuda_graph_max_bs: Optional[int] = None,
         attention_kernel: str = "auto",
         weight_stream: Optional[WeightStream] = None,
+        enable_hisparse: bool = False,
+        hisparse_config: Union[None, str, dict[str, Any], HiSparseConfig] = None,
         disable_radix_cache: bool = False,
         speculative_algorithm: Optional[str] = None,
         speculative_num_steps: Optional[int] = None,
@@ -210,6 +215,10 @@ class Engine:
             self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
 
         state_dtype = torch.float64 if self.dtype == torch.float64 else None
+        if hisparse_config is not None and not enable_hisparse:
+            raise ValueError("hisparse_config is given but HiSparse is off; pass enable_hisparse=True "
+                             "(--enable-hisparse) as well")
+        self.hisparse_config = HiSparseConfig.parse(hisparse_config) if enable_hisparse else None
         spec = self.speculative
         if spec is not None and self.config.num_nextn_predict_layers < 1:
             raise ValueError("speculative decoding drafts with the MTP layer; this config has "
@@ -217,13 +226,15 @@ class Engine:
         conf = DSV4PoolConfigurator(self.config, max_running_requests=max_running_requests,
                                     swa_ratio=0.1 if swa_ratio is None else swa_ratio,
                                     state_dtype=state_dtype, dense=dense, speculative=spec is not None,
-                                    draft_tokens=spec.num_draft_tokens if spec else 0)
+                                    draft_tokens=spec.num_draft_tokens if spec else 0,
+                                    c4_shrink_factor=self.hisparse_config.host_to_device_ratio
+                                    if self.hisparse_config else 1.0)
         self.plan = self._plan(conf, weights, max_total_tokens, mem_fraction_static)
         self.max_total_tokens = self.plan.max_full_tokens
         kernel, _ = resolve_attention_kernel(attention_kernel, self.device, self.dtype,
                                              self.config.num_attention_heads)
         self.pools = DSV4KVPools(self.config, self.plan, self.device, state_dtype,
-                                 page_align=pool_page_align(kernel))
+                                 page_align=pool_page_align(kernel), hisparse=self.hisparse_config)
         self.allocator = KVAllocator(self.plan, max_context=self.context_length,
                                      window=self.config.sliding_window, dense=dense, device=self.device)
         if spec is not None and cuda_graph:
@@ -600,6 +611,7 @@ class Engine:
             "attention_kernel": self.attention_kernel,
             "num_failed": s.num_failed,
             "pools": self.pool_usage(),
+            **({"hisparse": self.pools.hisparse.stats()} if self.pools.hisparse is not None else {}),
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
             **({"speculative": s.spec.stats()} if s.spec is not None else {}),
         }
@@ -630,6 +642,9 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+        if self.pools.hisparse is not None:
+            live = [self.allocator.req_slot(rid) for rid in self.allocator.live_requests]
+            self.pools.hisparse.check_integrity(live)
 
     # ---- lifetime -------------------------------------------------------------------
 
@@ -676,8 +691,8 @@ class SyntheticContextFiller:
     def _randn(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen, device=self.device).to(dtype)
 
-    def _bank(self, kind: str, page_bytes: int) -> torch.Tensor:
-        key = (kind, page_bytes)
+    def _bank(self, kind: str, page_bytes: int, device: torch.device) -> torch.Tensor:
+        key = (kind, page_bytes, device)
         if key not in self._banks:
             indexer = kind == "c4_indexer"
             row_bytes, dim = (INDEXER_ROW_BYTES, 128) if indexer else (KV_ROW_BYTES, 512)
@@ -685,16 +700,16 @@ class SyntheticContextFiller:
             n = self.BANK_PAGES * (page_bytes // row_bytes)
             slots = torch.arange(n, device=self.device)
             (write_indexer_rows if indexer else write_kv_rows)(bank, slots, self._randn(n, dim))
-            self._banks[key] = bank
+            self._banks[key] = bank.to(device)
         return self._banks[key]
 
     def _copy_pages(self, kind: str, pages: torch.Tensor) -> None:
         for pool in getattr(self.pools, kind).values():
-            bank = self._bank(kind, pool.shape[1])
+            bank = self._bank(kind, pool.shape[1], pool.device)
             for i in range(0, pages.numel(), self.COPY_PAGES):
                 part = pages[i:i + self.COPY_PAGES]
                 pick = torch.randint(0, self.BANK_PAGES, (part.numel(),), generator=self.gen, device=self.device)
-                pool[part] = bank[pick]
+                pool[part.to(pool.device)] = bank[pick.to(pool.device)]   # HiSparse: c4_kv is the host pool
 
     @torch.inference_mode()
     def fill(self, rid: str, num_tokens: int) -> None:
@@ -714,7 +729,8 @@ class SyntheticContextFiller:
             else:
                 rows = full_slots[::4] // 4
                 for layer in pools.c4_kv:
-                    write_kv_rows(pools.c4_kv[layer], rows, self._randn(rows.numel(), 512))
+                    c4 = pools.c4_kv[layer]     # on the host under HiSparse
+                    write_kv_rows(c4, rows.to(c4.device), self._randn(rows.numel(), 512).to(c4.device))
                     write_indexer_rows(pools.c4_indexer[layer], rows, self._randn(rows.numel(), 128))
             ring = (swa_pages_t[:, None] * plan.c4_ring_size
                     + torch.arange(plan.c4_ring_size, device=dev)[None, :]).flatten()

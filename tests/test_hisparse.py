@@ -1,0 +1,439 @@
+"""HiSparse (memory/hisparse.py): the hot pool's placement policy against a plain-Python model of
+it, and the model's logits with HiSparse on against HiSparse off.
+
+- config: SGLang's names and defaults, and each refusal names its field;
+- pool: random swap-ins, new-row writes and releases (hypothesis) on a hot pool of 8 rows; after
+  every operation the mapping equals a list-based re-implementation of the policy (per-request
+  LRU within ``device_buffer_size``, then free rows, then the least recently used row of any
+  request), the integrity check passes, and every device row handed out holds its host row's bytes;
+- model (float64, torch backend, 3 layers: CSA, HCA, CSA): logits with a hot pool of exactly
+  top-k rows (every step evicts) equal HiSparse off to 1e-12 over hypothesis schedules of chunked
+  prefill and batched decode, with the online C128 and the bf16 state flags, and through the
+  Engine across retraction and aborts;
+- SGLang's failures: a prompt longer than the SWA pool is admitted (sglang#30401), and several
+  concurrent requests whose C4 rows each exceed the hot pool finish (sglang#26427);
+- the Triton backend under the interpreter: HiSparse on gives the same logits bit for bit
+  (the kernel reads the same bytes at other row indices; query groups are independent rows).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4_backend import Engine
+from dsv4_backend.config import DSV4Config
+from dsv4_backend.model_runner import ModelRunner, run_schedule
+from dsv4_backend.weights import random_weights
+from memory import env
+from memory.configurator import DSV4PoolConfigurator
+from memory.hisparse import HiSparseConfig, HiSparseConfigError, HiSparsePool
+from memory.layout import read_row_bytes, write_kv_rows
+from memory.pools import DSV4KVPools
+from scheduler_hooks.io import GenerateRequest, SamplingParams
+
+V = 1024
+TOPK = 16
+OVERRIDES = {"vocab_size": V, "num_hidden_layers": 3, "compress_ratios": (4, 128, 4, 0), "index_topk": TOPK}
+CFG = DSV4Config.preset("tiny", **OVERRIDES)
+EXACT = 1e-12
+TOKENS = 1024                       # full tokens of the model tests' plans: 256 C4 rows per layer
+
+
+def smallest(tokens: int = TOKENS) -> dict:
+    """A hot pool of exactly top-k rows per layer (and a per-request buffer of top-k rows)."""
+    return {"top_k": TOPK, "device_buffer_size": TOPK, "host_to_device_ratio": tokens / (4 * TOPK)}
+
+
+SMALLEST = smallest()
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+def test_config_names_defaults_and_refusals():
+    c = HiSparseConfig.parse(None)
+    assert (c.top_k, c.device_buffer_size, c.host_to_device_ratio) == (2048, 4096, 2.0)
+    c = HiSparseConfig.parse('{"top_k": 512, "host_to_device_ratio": 4}')
+    assert (c.top_k, c.device_buffer_size, c.host_to_device_ratio) == (512, 1024, 4.0)
+    for bad, field in [('{"top_k": 64, "device_buffer_size": 32}', "device_buffer_size"),
+                       ('{"host_to_device_ratio": 0.5}', "host_to_device_ratio"),
+                       ('{"top_k": "8"}', "top_k"), ('{"topk": 8}', "topk"), ("[1]", "JSON object"),
+                       ("{", "not valid JSON")]:
+        with pytest.raises(HiSparseConfigError, match=field):
+            HiSparseConfig.parse(bad)
+    plan = DSV4PoolConfigurator(CFG, max_running_requests=2, c4_shrink_factor=64).plan_for_tokens(TOKENS)
+    with pytest.raises(ValueError, match="c4_shrink_factor"):
+        DSV4KVPools(CFG, plan)                                   # a shrunk plan needs HiSparse
+    with pytest.raises(HiSparseConfigError, match="fewer than the 16"):   # 4 rows < top-k
+        DSV4KVPools(CFG, plan, hisparse=HiSparseConfig(16, 16, 64))
+    with pytest.raises(HiSparseConfigError, match="index_topk"):
+        DSV4KVPools(CFG, plan, hisparse=HiSparseConfig(4, 8, 64))
+
+
+def test_pool_shapes_and_bytes():
+    plan = DSV4PoolConfigurator(CFG, max_running_requests=2, c4_shrink_factor=4).plan_for_tokens(TOKENS)
+    pools = DSV4KVPools(CFG, plan, hisparse=HiSparseConfig.parse(SMALLEST | {"host_to_device_ratio": 4}))
+    hs = pools.hisparse
+    assert set(pools.c4_kv) == {0, 2} and pools.c4_kv is hs.host
+    assert tuple(pools.c4_kv[0].shape) == (256 // 64 + 1, 64 * 584)         # every C4 row, one dummy page
+    assert tuple(hs.device_kv[2].shape) == (64 // 64 + 1, 64 * 584) and hs.rows == plan.c4_rows == 64
+    assert plan.host_bytes == 2 * 5 * 64 * 584 == pools.memory_usage()["c4_kv_host"]
+    assert plan.pool_bytes()["c4_kv"] == 2 * 2 * 64 * 584
+    assert pools.dummy_c4_row == 256
+
+
+# ---- the placement policy -------------------------------------------------------------------
+
+class RefPolicy:
+    """The placement policy in plain Python: device row d holds (full row, owner, last tick)."""
+
+    def __init__(self, D: int, B: int, S: int):
+        self.D, self.B, self.S = D, B, S
+        self.rows: list = [None] * D
+        self.cap = [B] * S
+        self.tick = 0
+
+    def where(self) -> dict[int, int]:
+        return {r[0]: d for d, r in enumerate(self.rows) if r is not None}
+
+    def place(self, rows: list[int], owners: list[int]) -> None:
+        self.tick += 1
+        at = self.where()
+        need = Counter(owners)
+        cap = [max(self.B, need[o]) if need[o] else self.cap[o] for o in range(self.S)]
+        pinned = {at[f] for f in rows if f in at}
+        miss = [(f, o) for f, o in zip(rows, owners) if f not in at]
+        held = Counter(r[1] for r in self.rows if r is not None)
+        miss_o = Counter(o for _, o in miss)
+        forced = []
+        for o in range(self.S):
+            excess = held[o] + miss_o[o] - cap[o]
+            if excess > 0:
+                mine = sorted((r[2], d) for d, r in enumerate(self.rows)
+                              if r is not None and r[1] == o and d not in pinned)
+                forced += [d for _, d in mine[:excess]]
+        free = [d for d in range(self.D) if self.rows[d] is None]
+        lru = [d for _, d in sorted((r[2], d) for d, r in enumerate(self.rows)
+                                    if r is not None and d not in pinned and d not in forced)]
+        victims = (sorted(forced) + free + lru)[:len(miss)]
+        for d in set(forced) | set(victims):
+            self.rows[d] = None
+        for (f, o), d in zip(miss, victims):
+            self.rows[d] = (f, o, 0)
+        at = self.where()
+        for f, o in zip(rows, owners):
+            self.rows[at[f]] = (f, o, self.tick)
+        self.cap = cap
+
+    def release(self, slot: int) -> None:
+        self.rows = [None if r is not None and r[1] == slot else r for r in self.rows]
+        self.cap[slot] = self.B
+
+
+def _mapping(hs: HiSparsePool) -> dict[int, int]:
+    d2f = hs.dev_to_full[0]
+    return {int(d2f[d]): d for d in range(hs.rows) if int(d2f[d]) >= 0}
+
+
+ROWS_PER_OWNER = 20
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_policy_matches_reference(data):
+    D, B, S, K = 8, 3, 3, 2
+    hs = HiSparsePool([0], host_rows=S * ROWS_PER_OWNER, device_rows=D, num_req_slots=S,
+                      config=HiSparseConfig(K, B, 8), top_k=K, page_bytes=64 * 584)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    write_kv_rows(hs.host[0], torch.arange(S * ROWS_PER_OWNER), torch.randn(S * ROWS_PER_OWNER, 512, generator=g))
+    ref = RefPolicy(D, B, S)
+    live = set(range(S))
+    for _ in range(data.draw(st.integers(1, 12), label="ops")):
+        op = data.draw(st.sampled_from(["swap", "swap", "write", "release"]))
+        if op == "release":
+            slot = data.draw(st.integers(0, S - 1))
+            hs.release(slot)
+            ref.release(slot)
+        elif op == "swap":
+            n = data.draw(st.integers(1, 4))                   # queries, each of one owner, K rows or -1
+            owners = [data.draw(st.integers(0, S - 1)) for _ in range(n)]
+            sel = [[data.draw(st.one_of(st.just(-1), st.integers(o * ROWS_PER_OWNER, o * ROWS_PER_OWNER + 9)))
+                    for _ in range(K)] for o in owners]
+            sel_t, own_t = torch.tensor(sel), torch.tensor(owners)
+            for lo, hi in hs.groups(sel_t):
+                got = hs.swap_in(0, sel_t[lo:hi], own_t[lo:hi])
+                rows = sorted({f for q in sel[lo:hi] for f in q if f >= 0})
+                row_owner = {f: owners[lo + i] for i, q in enumerate(sel[lo:hi]) for f in q if f >= 0}
+                ref.place(rows, [row_owner[f] for f in rows])
+                assert torch.equal(got < 0, sel_t[lo:hi] < 0)
+                v = sel_t[lo:hi] >= 0
+                assert torch.equal(read_row_bytes(hs.device_kv[0], got[v]),
+                                   read_row_bytes(hs.host[0], sel_t[lo:hi][v]))
+        else:
+            o = data.draw(st.integers(0, S - 1))
+            rows = sorted(set(data.draw(st.lists(st.integers(o * ROWS_PER_OWNER, (o + 1) * ROWS_PER_OWNER - 1),
+                                                 min_size=1, max_size=10))))
+            vals = torch.randn(len(rows), 512, generator=g, dtype=torch.float64)
+            hs.write_rows(0, torch.tensor(rows), torch.full((len(rows),), o),
+                          lambda pool, dev, part: write_kv_rows(pool, dev, vals[part]))
+            for e0 in range(0, len(rows), D):
+                ref.place(rows[e0:e0 + D], [o] * len(rows[e0:e0 + D]))
+            want = torch.zeros(1, 64 * 584, dtype=torch.uint8)
+            write_kv_rows(want, torch.arange(len(rows)), vals)
+            assert torch.equal(read_row_bytes(hs.host[0], torch.tensor(rows)),
+                               read_row_bytes(want, torch.arange(len(rows))))
+        assert _mapping(hs) == ref.where(), op
+        assert hs.owner[0].tolist() == [-1 if r is None else r[1] for r in ref.rows]
+        hs.check_integrity(live)
+
+
+def test_integrity_check_catches_corruption():
+    hs = HiSparsePool([0], host_rows=64, device_rows=8, num_req_slots=2, config=HiSparseConfig(2, 4, 8),
+                      top_k=2, page_bytes=64 * 584)
+    write_kv_rows(hs.host[0], torch.arange(64), torch.randn(64, 512, generator=torch.Generator().manual_seed(0)))
+    hs.swap_in(0, torch.tensor([[3, 5], [7, -1]]), torch.tensor([0, 1]))
+    hs.check_integrity([0, 1])
+    with pytest.raises(AssertionError, match="no longer live"):
+        hs.check_integrity([0])
+    d = int(hs.full_to_dev[0][5])
+    hs.device_kv[0][0, d * 576] ^= 1                       # a device byte that differs from the host
+    with pytest.raises(AssertionError, match="differ from their host copies"):
+        hs.check_integrity()
+    hs.device_kv[0][0, d * 576] ^= 1
+    hs.full_to_dev[0][9] = d                               # a second full row on one device row
+    with pytest.raises(AssertionError, match="mapped"):
+        hs.check_integrity()
+
+
+# ---- the model: HiSparse on == HiSparse off -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def weights64():
+    return random_weights(CFG, seed=0, dtype=torch.float64, include_mtp=False)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(V) for _ in range(n)]
+
+
+def _runner(weights, hisparse, **kw) -> ModelRunner:
+    return ModelRunner.build(CFG, dtype=torch.float64, weights=weights, backend="torch", max_total_tokens=TOKENS,
+                             max_running_requests=2, hisparse_config=hisparse, **kw)
+
+
+SEQS = {"a": _tokens(110, 1), "b": _tokens(90, 2)}
+_OFF: dict = {}
+
+
+def _logits_off(weights, rid: str, flags: tuple) -> torch.Tensor:
+    """HiSparse off: every position of SEQS[rid] in one prefill (a chunk boundary anywhere gives
+    the same float64 logits, docs/backend.md), cached per env-flag setting."""
+    if (rid, flags) not in _OFF:
+        r = _runner(weights, None, state_dtype=flags[1])
+        _OFF[rid, flags] = run_schedule(r, [[(rid, len(SEQS[rid]))]], SEQS)[rid]
+    return _OFF[rid, flags]
+
+
+@pytest.mark.parametrize("online, state", [(False, torch.float64), (True, torch.float64), (False, torch.bfloat16)])
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_logits_equal_hisparse_off(weights64, monkeypatch, online, state, data):
+    """Hot pool of exactly top-k rows (16): 110 and 90 tokens have 27 and 22 C4 rows; in every
+    step where both requests decode past 16 rows, each one's swap-in evicts all of the other's."""
+    monkeypatch.setenv(env.USE_ONLINE_COMPRESS, "1" if online else "0")
+    pieces = {}
+    for rid in SEQS:   # drawn chunks, a chunk up to position 72, 10 decodes, then the rest at once
+        drawn = data.draw(st.lists(st.integers(1, 70), min_size=0, max_size=2), label=f"{rid} chunks")
+        p, out = 0, []
+        for n in drawn + [72]:
+            n = min(n, 72 - p)
+            if n > 0:
+                out.append(n)
+                p += n
+        pieces[rid] = out + [1] * 10 + [len(SEQS[rid]) - p - 10]
+    b_start = data.draw(st.integers(0, 3), label="b joins at step")
+    steps = [[(rid, pieces[rid][i - start]) for rid, start in (("a", 0), ("b", b_start))
+              if 0 <= i - start < len(pieces[rid])] for i in range(b_start + max(map(len, pieces.values())))]
+    steps = [s_ for s_ in steps if s_]
+    runner = _runner(weights64, SMALLEST, state_dtype=state)
+    hs = runner.pools.hisparse
+    assert hs.rows == TOPK
+    swapped = []
+
+    def forward(reqs, inner=runner.forward):
+        out = inner(reqs)
+        swapped.append(hs.swapped_rows)
+        hs.check_integrity([r.req_slot for r in reqs])
+        return out
+
+    runner.forward = forward
+    got = run_schedule(runner, steps, SEQS)
+    for rid in got:
+        diff = float((got[rid] - _logits_off(weights64, rid, (online, state))).abs().max())
+        assert diff <= EXACT, f"{rid}: |HiSparse on - off| = {diff:.3e} (steps {steps})"
+    assert hs.swapped_rows > 0 and hs.offloaded_rows == (110 // 4 + 90 // 4) * 2
+    # where both requests decode past top-k rows, each evicts the other's rows from the 16-row pool
+    pos = Counter()
+    both = []
+    for i, s_ in enumerate(steps):
+        pos.update(dict(s_))
+        if len(s_) == 2 and min(pos["a"], pos["b"]) >= 4 * TOPK and all(n == 1 for _, n in s_):
+            both.append(i)
+    assert both and all(swapped[i] - swapped[i - 1] >= 2 * TOPK for i in both), (both, swapped)
+
+
+# ---- through the Engine: retraction, aborts, SGLang's failures --------------------------------
+
+def _engine(hisparse, **kw) -> Engine:
+    args = dict(preset="tiny", dtype="float64", skip_tokenizer_init=True, config_overrides=OVERRIDES,
+                capture_logits=True, max_total_tokens=TOKENS, max_running_requests=2, chunked_prefill_size=64)
+    args.update(kw)
+    if hisparse is not None:
+        args.update(enable_hisparse=True, hisparse_config=hisparse)
+    return Engine(**args)
+
+
+def _drive(eng: Engine, prompts, new, abort_at=None) -> dict:
+    """Add every request, step until all finish (aborting ``abort_at = {rid: step}``); -> finals."""
+    finals, step = {}, 0
+    for i, p in enumerate(prompts):
+        req = GenerateRequest(p, SamplingParams(max_new_tokens=new[i], temperature=0.0), rid=f"r{i}")
+        eng._validate(req)
+        eng.scheduler.add(req)
+    while len(finals) < len(prompts):
+        for rid, at in (abort_at or {}).items():
+            if at == step and rid not in finals:
+                out = eng.scheduler.abort(rid)
+                if out is not None:
+                    finals[rid] = out
+        for out in eng.scheduler.step():
+            if out.finished:
+                finals[out.rid] = out
+        if eng.pools.hisparse is not None:
+            eng.check_integrity()
+        step += 1
+        assert step < 500, "the engine wedged"
+    return finals
+
+
+def _same_logits(on: Engine, off: Engine, finals_on: dict, finals_off: dict) -> None:
+    for rid, out in finals_off.items():
+        assert finals_on[rid].output_ids == out.output_ids, rid
+        a, b = on.captured_logits(rid), off.captured_logits(rid)
+        assert a.shape == b.shape and float((a - b).abs().max()) <= EXACT, rid
+
+
+def _all_free(eng: Engine) -> None:
+    assert eng.scheduler.idle
+    eng.check_integrity()
+    assert eng.stats()["hisparse"]["resident_rows"] == 0
+
+
+def test_engine_retraction_and_abort(weights64):
+    """Retraction: two requests growing past one 256-token page in a pool of two pages (the newer
+    is retracted and recomputed). Abort: r1 is aborted while decoding, r2 takes its request slot,
+    whose hot rows must have gone back (a stale mapping would hand r2 r1's rows)."""
+    cases = [([_tokens(240, 3), _tokens(236, 4)], [24, 26], None, 512),
+             ([_tokens(70, 5), _tokens(80, 6), _tokens(75, 7)], [6, 30, 4], {"r1": 6}, 1024)]
+    for prompts, new, abort_at, tokens in cases:
+        runs = []
+        for hs in (None, smallest(tokens)):
+            eng = _engine(hs, max_total_tokens=tokens)
+            runs.append((eng, _drive(eng, prompts, new, abort_at=abort_at)))
+        (off, f_off), (on, f_on) = runs
+        if abort_at is None:
+            assert on.scheduler.num_retractions >= 1
+        else:
+            assert f_on["r1"].finish_reason["type"] == "abort" and 0 < len(f_on["r1"].output_ids) < 30
+        assert on.scheduler.num_retractions == off.scheduler.num_retractions
+        _same_logits(on, off, f_on, f_off)
+        assert on.stats()["hisparse"]["swapped_rows"] > 0
+        _all_free(on)
+
+
+def test_prompt_longer_than_the_swa_pool_is_admitted(weights64):
+    """sglang#30401 capped prompts at the SWA pool's size under HiSparse. Here the SWA pool holds
+    256 tokens (the minimum for 1 request) and a 300-token prompt runs and matches HiSparse off."""
+    prompts = [_tokens(300, 6)]
+    runs = []
+    for hs in (None, {"top_k": TOPK, "device_buffer_size": TOPK, "host_to_device_ratio": 16}):
+        eng = _engine(hs, max_total_tokens=1024, swa_ratio=0.01, chunked_prefill_size=256, max_running_requests=1)
+        assert eng.plan.swa_tokens == 256 < len(prompts[0])
+        runs.append((eng, _drive(eng, prompts, [4])))
+    (off, f_off), (on, f_on) = runs
+    _same_logits(on, off, f_on, f_off)
+    assert len(f_on["r0"].output_ids) == 4
+    _all_free(on)
+
+
+def test_concurrent_long_requests_finish(weights64):
+    """sglang#26427: concurrent long-context requests crashed or wedged under HiSparse. Three
+    requests of 200-260 tokens (50-65 C4 rows each) share a hot pool of 16 rows per layer."""
+    prompts = [_tokens(n, 10 + n) for n in (260, 200, 230)]
+    eng = _engine(smallest(1536), max_total_tokens=1536, max_running_requests=3, chunked_prefill_size=128)
+    assert eng.pools.hisparse.rows == TOPK
+    finals = _drive(eng, prompts, [6, 6, 6])
+    assert all(len(f.output_ids) == 6 and f.finish_reason["type"] == "length" for f in finals.values())
+    _all_free(eng)
+
+
+# ---- the Triton backend (interpreter) -------------------------------------------------------
+
+def test_triton_backend_bit_identical():
+    """One CSA layer, top-2 of 3 rows in a 2-row hot pool: the 12-query prefill splits into
+    groups, the decode swaps rows in."""
+    cfg = DSV4Config.preset("tiny", vocab_size=512, num_hidden_layers=1, compress_ratios=(4, 0), index_topk=2)
+    w = random_weights(cfg, seed=1, dtype=torch.float32, include_mtp=False)
+    seqs = {"a": [t % 512 for t in _tokens(13, 7)]}
+    out = []
+    for hs in (None, {"top_k": 2, "device_buffer_size": 2, "host_to_device_ratio": 128}):
+        r = ModelRunner.build(cfg, dtype=torch.float32, weights=w, backend="triton", max_total_tokens=1024,
+                              max_running_requests=2, hisparse_config=hs)
+        out.append(run_schedule(r, [[("a", 12)], [("a", 1)]], seqs)["a"])
+    hs = r.pools.hisparse
+    assert hs.rows == 2 and hs.swapped_rows > 0 and hs.groups(torch.tensor([[0, 1], [1, 2]])) == [(0, 1), (1, 2)]
+    assert torch.equal(out[0], out[1])
+    hs.check_integrity([0])
+
+
+# ---- the flags: memory.plan, server, Engine ---------------------------------------------------
+
+def test_plan_cli_device_and_host_bytes(capsys):
+    from memory.plan import main
+    assert main(["--preset", "flash", "--budget-gb", "100", "--enable-hisparse", "--hisparse-config",
+                 '{"host_to_device_ratio": 4}', "--context-len", "1048576", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    full = d["max_full_tokens"]
+    assert d["c4_shrink_factor"] == 4 and d["c4_rows"] == full // 16 and d["c4_indexer_rows"] == full // 4
+    # host: every C4 row of the 21 CSA layers in 64-row pages plus a dummy page
+    assert d["host_bytes"] == d["host_pool_bytes"]["c4_kv"] == 21 * (-(-full // 4 // 64) + 1) * 64 * 584
+    assert d["pool_bytes"]["c4_kv"] == 21 * (-(-full // 16 // 64) + 1) * 64 * 584
+    assert d["requests_fit"]["1048576"] == full // 1048576
+    off = DSV4PoolConfigurator(DSV4Config.preset("flash")).plan_for_budget(100 * 2**30)
+    assert full // 1048576 >= 1.4 * off.requests_fit(1048576)       # 18 against 12
+    assert main(["--preset", "flash", "--enable-hisparse", "--context-len", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert "device GiB" in out and "host GiB" in out and "requests of 131,072 tokens that fit" in out
+    assert main(["--preset", "flash", "--hisparse-config", "{}"]) == 2
+    assert "--enable-hisparse" in capsys.readouterr().err
+
+
+def test_server_and_engine_flags():
+    from server import parse_args
+    kw = parse_args(["--enable-hisparse", "--hisparse-config", '{"top_k": 16, "device_buffer_size": 32}']).engine_kwargs()
+    assert kw["enable_hisparse"] and json.loads(kw["hisparse_config"])["device_buffer_size"] == 32
+    assert "enable_hisparse" not in parse_args([]).engine_kwargs()
+    for bad in (["--hisparse-config", "{}"], ["--enable-hisparse", "--hisparse-config", '{"top_k": 0}']):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    with pytest.raises(ValueError, match="enable_hisparse"):
+        _engine(None, hisparse_config="{}")
+    eng = _engine(smallest())
+    assert eng.pools.hisparse.rows == TOPK and eng.plan.c4_shrink_factor == TOKENS / (4 * TOPK)

@@ -16,7 +16,10 @@ Engine (scheduler, hooks, pools; on CUDA the kernel of ``--attention-kernel``). 
   (1M) under ``--prefill-max-seconds``: the script prints how far it got, how long it took and at
   what rate; it never extrapolates;
 - the per-layer-type time breakdown (window-only / CSA incl. indexer / HCA attention, MoE, mHC +
-  norms, metadata, sampling + scheduling) at ``--breakdown-contexts``.
+  norms, metadata, sampling + scheduling) at ``--breakdown-contexts``;
+- beside every decode row and breakdown part, its byte floor (``bench/_floor.py``: the weights the
+  step uses, routed experts as the expected distinct count under uniform routing, plus the KV
+  rows it reads) at the copy bandwidth measured at the start of the run, and the step's ratio to it.
 
 It ends with the issue's targets (1M vs 4K decode at batch 1; compressed vs dense at 128K at the
 largest common batch; 1M where dense cannot run), writes JSON (``--out``, rewritten after every
@@ -63,6 +66,7 @@ from bench._bench_common import (  # noqa: E402
     Breakdown, KernelBreakdown, LayerTimer, admit_synthetic, finish_all, fmt_bytes, fmt_tokens, kv_bytes_held,
     plan_bytes_per_request, sync, timed_decode_steps,
 )
+from bench._floor import EXPERTS_UNIFORM, copy_gbps, decode_step_floor  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.weights import param_dtype, weight_specs  # noqa: E402
 from memory.configurator import DSV4PoolConfigurator, PlanError, PoolPlan  # noqa: E402
@@ -90,6 +94,16 @@ class DecodeRow:
     held_bytes_per_request: int = 0      # what the admitted requests hold in the pools / batch
     breakdown: Optional[dict[str, Any]] = None
     graph: Optional[dict[str, float]] = None  # CUDA-graph steps: host prep and replay GPU ms / step
+    floor: Optional[dict[str, Any]] = None    # bench/_floor.StepFloor.to_dict(copy GB/s): the byte floor
+
+    @property
+    def floor_ms(self) -> float:
+        return self.floor["floor_ms"] if self.floor else 0.0
+
+    @property
+    def x_floor(self) -> float:
+        """The step's ratio to its byte floor (0 when either is missing)."""
+        return self.ms_per_step / self.floor_ms if self.floor_ms and self.status == "ok" else 0.0
 
 
 @dataclass
@@ -115,7 +129,8 @@ class Report:
     log: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"meta": self.meta, "plans": self.plans, "decode": [asdict(r) for r in self.decode],
+        return {"meta": self.meta, "plans": self.plans, "decode": [asdict(r) | {"floor_ms": r.floor_ms, "x_floor": r.x_floor}
+                                                               for r in self.decode],
                 "prefill": [asdict(r) for r in self.prefill], "summary": self.summary, "log": self.log}
 
 
@@ -377,6 +392,7 @@ def run(args: argparse.Namespace) -> Report:
     headroom = args.warmup + args.steps + args.breakdown_steps + 8
     mem = memory_setup(cfg, args, device, headroom)
     rep = Report()
+    gbps = copy_gbps(device)
     rep.meta = {
         "preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype, "attention_kernel": args.attention_kernel, "torch": torch.__version__, "python": platform.python_version(),
@@ -385,6 +401,7 @@ def run(args: argparse.Namespace) -> Report:
         "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
         "weight_bytes": weight_bytes(cfg, DTYPES[args.dtype]), "memory": mem.notes,
         "max_running_requests": mem.max_running, "context_length": mem.context_length,
+        "copy_gbps": gbps, "floor_experts": EXPERTS_UNIFORM,
     }
     try:
         import triton
@@ -398,6 +415,7 @@ def run(args: argparse.Namespace) -> Report:
         f"{args.dtype}, random, drawn on {device.type}")
     for n in mem.notes:
         say(n)
+    say(f"copy bandwidth {gbps:.0f} GB/s (read + write, a device-to-device copy): the floors' divisor")
     for mode in args.modes:
         p = plan_for(cfg, mode, mem)
         rep.plans[mode] = {"table": p.table(), "bytes_per_full_token": p.bytes_per_full_token,
@@ -451,6 +469,8 @@ def run(args: argparse.Namespace) -> Report:
                 f"{fmt_bytes(eng.plan.total_bytes)}, max_total_tokens {eng.max_total_tokens:,}")
             for row in mine:
                 bar.set_postfix_str(f"{mode} {fmt_tokens(row.context)} x {row.batch}")
+                row.floor = decode_step_floor(cfg, row.context, row.batch, DTYPES[args.dtype],
+                                              eng.runner.model.quantized, mode == "dense").to_dict(gbps)
                 if time.time() > phase_end - args.guard_margin or guard.left < args.guard_margin:
                     row.status = "skipped (time guard)"
                     row.note = f"{guard.elapsed:.0f} s elapsed of {args.time_budget:.0f}"
@@ -463,7 +483,9 @@ def run(args: argparse.Namespace) -> Report:
                             torch.cuda.empty_cache()
                 say(f"decode {mode:<10} {fmt_tokens(row.context):>5} x {row.batch:<4} ({row.batch_kind}): "
                     + (f"{row.ms_per_step:9.2f} ms/step {row.tokens_per_s:10.1f} tok/s"
-                       if row.status == "ok" else row.status) + (f"  [{row.note}]" if row.note else "")
+                       if row.status == "ok" else row.status)
+                    + (f"  floor {row.floor_ms:.2f} ms ({row.x_floor:.1f}x)" if row.x_floor else "")
+                    + (f"  [{row.note}]" if row.note else "")
                     + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
                        f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
                 if row.breakdown:
@@ -516,21 +538,28 @@ def breakdown_text(r: DecodeRow, indent: str = "") -> str:
         replay = f"graph replay {r.graph['replay_gpu_ms']:.2f} ms GPU; " if r.graph else ""
         title += (f" (graph step {b['step_ms']:.2f} ms; {replay}GPU kernels of an eager step under the "
                   f"profiler {b['kernel_ms']:.2f} ms; 'sampling + scheduling' = step - kernels)")
-    lines = [Breakdown(b["steps"], b["step_ms"], b["ms"]).table(title + ":")]
+    floors = None
+    if r.floor:
+        per_ms = r.floor["floor_ms"] / r.floor["total_bytes"]
+        floors = {k: v * per_ms for k, v in r.floor["categories"].items()}
+        floors["indexer_topk"] = r.floor["parts"]["indexer_rows"] * per_ms   # the scan, inside attn_csa
+        title += f"; byte floor {r.floor['floor_ms']:.2f} ms at {r.floor['copy_gbps']:.0f} GB/s"
+    lines = [Breakdown(b["steps"], b["step_ms"], b["ms"]).table(title + ":", floors)]
     for name, ms in b.get("top_kernels", [])[:10]:
         lines.append(f"{indent}    {ms:8.3f} ms  {name}")
     return "\n".join(lines)
 
 
 def decode_table(rows: list[DecodeRow]) -> str:
-    head = ("| mode | context | batch | ms / step | tokens / s | graph GPU ms | plan bytes / request | "
-            "held / request | status |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| mode | context | batch | ms / step | tokens / s | floor ms | x floor | graph GPU ms | "
+            "plan bytes / request | held / request | status |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.status == "ok"
         gpu = f"{r.graph['replay_gpu_ms']:.2f}" if r.graph else "-"
         lines.append(f"| {r.mode} | {fmt_tokens(r.context)} | {r.batch} ({r.batch_kind}) | "
-                     f"{f'{r.ms_per_step:.2f}' if ok else '-'} | {f'{r.tokens_per_s:.1f}' if ok else '-'} | {gpu} | "
+                     f"{f'{r.ms_per_step:.2f}' if ok else '-'} | {f'{r.tokens_per_s:.1f}' if ok else '-'} | "
+                     f"{f'{r.floor_ms:.2f}' if r.floor else '-'} | {f'{r.x_floor:.2f}' if r.x_floor else '-'} | {gpu} | "
                      f"{fmt_bytes(r.plan_bytes_per_request) if r.plan_bytes_per_request else '-'} | "
                      f"{fmt_bytes(r.held_bytes_per_request) if r.held_bytes_per_request else '-'} | "
                      f"{r.status}{': ' + r.note if r.note else ''} |")
@@ -602,6 +631,11 @@ def summarize(rep: Report, args: argparse.Namespace) -> list[str]:
                        f"({r.breakdown['pct'][top]:.0f}% of the step)"
                        + (f"; CSA top-k selection (indexer scan) {r.breakdown['pct']['indexer_topk']:.0f}%"
                           if idx is not None else ""))
+    for r in rows:
+        if r.mode == "compressed" and r.batch == 1 and r.context in (lo, hi) and r.x_floor:
+            verdict = "met" if r.x_floor <= 2 else "MISSED"
+            out.append(f"{fmt_tokens(r.context)} x 1 compressed: step {r.ms_per_step:.2f} ms = {r.x_floor:.2f}x its "
+                       f"byte floor {r.floor_ms:.2f} ms (target <= 2x: {verdict})")
     for p in rep.prefill:
         if p.context == args.prefill_long:
             out.append(f"{fmt_tokens(p.context)} chunked prefill ({p.mode}): {p.status}, {p.tokens_done:,} tokens in "

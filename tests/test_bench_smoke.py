@@ -208,6 +208,14 @@ def test_bench_long_context_end_to_end(tmp_path):
     assert png.stat().st_size > 1000
     data = json.loads(out.read_text())
     assert data["summary"] and len(data["decode"]) == len(rep.decode)
+    # every measured row carries its byte floor at the run's copy bandwidth
+    from bench._floor import decode_step_floor
+    cfg, gbps = bench_long_context.model_config(bench_long_context.parse_args(["--preset", "tiny"])), data["meta"]["copy_gbps"]
+    for r in ok:
+        want = decode_step_floor(cfg, r.context, r.batch, torch.float32, dense=r.mode == "dense")
+        assert r.floor["total_bytes"] == want.total_bytes and r.floor_ms == pytest.approx(want.ms(gbps))
+        assert r.x_floor == pytest.approx(r.ms_per_step / r.floor_ms)
+    assert all(d["floor_ms"] > 0 for d in data["decode"] if d["status"] == "ok")
 
 
 def test_ids_between_is_a_slice_of_all_ids():

@@ -67,6 +67,7 @@ from bench._bench_common import (  # noqa: E402
     plan_bytes_per_request, sync, timed_decode_steps,
 )
 from bench._floor import EXPERTS_UNIFORM, copy_gbps, decode_step_floor  # noqa: E402
+from bench.kernel_count import KernelCounter, report as kernel_report, report_text as kernel_text  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.weights import param_dtype, weight_specs  # noqa: E402
 from memory.configurator import DSV4PoolConfigurator, PlanError, PoolPlan  # noqa: E402
@@ -95,6 +96,7 @@ class DecodeRow:
     breakdown: Optional[dict[str, Any]] = None
     graph: Optional[dict[str, float]] = None  # CUDA-graph steps: host prep and replay GPU ms / step
     floor: Optional[dict[str, Any]] = None    # bench/_floor.StepFloor.to_dict(copy GB/s): the byte floor
+    kernels: Optional[dict[str, Any]] = None  # bench/kernel_count.report of one eager step
 
     @property
     def floor_ms(self) -> float:
@@ -251,7 +253,8 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
                    breakdown: bool) -> None:
     """Admit ``row.batch`` synthetic requests, warm up, time decode steps, optionally split one."""
     bd_steps = args.breakdown_steps if breakdown else 0
-    max_new = args.warmup + args.steps + bd_steps + 4
+    count = breakdown and args.kernel_count
+    max_new = args.warmup + args.steps + bd_steps + count + 4
     t0 = time.perf_counter()
     rids = admit_synthetic(eng, row.context, row.batch, max_new)
     try:
@@ -291,6 +294,10 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
                     for _ in range(bd_steps):
                         lt.step()
                 row.breakdown = lt.breakdown().to_dict()
+        if count and guard.left > args.guard_margin:
+            with KernelCounter(eng) as kc:
+                kc.step()
+            row.kernels = kernel_report(kc, 1)
         row.status = "ok"
     finally:
         finish_all(eng, rids)
@@ -490,6 +497,8 @@ def run(args: argparse.Namespace) -> Report:
                        f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
                 if row.breakdown:
                     say(breakdown_text(row, "  "))
+                if row.kernels:
+                    say(kernel_text(row.kernels, names=False))
                 bar.update(1)
                 save()
             for prow in mine_prefill:
@@ -716,6 +725,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles here)")
     ap.add_argument("--breakdown-contexts", type=_ints, default=[131072, 1048576])
     ap.add_argument("--breakdown-steps", type=int, default=2)
+    ap.add_argument("--kernel-count", action="store_true",
+                    help="at --breakdown-contexts also count kernels per layer (bench/kernel_count.py)")
     ap.add_argument("--prefill-contexts", type=_ints, default=None,
                     help="real chunked prefills timed to completion (default 4K,32K,128K up to the largest context)")
     ap.add_argument("--prefill-long", type=int, default=None,
@@ -827,6 +838,11 @@ def report_text(rep: Report, args: argparse.Namespace) -> None:
         print("\n## per-layer-type breakdown\n")
         for r in bds:
             print(breakdown_text(r))
+    counted = [r for r in rep.decode if r.kernels]
+    if counted:
+        print("\n## kernels per layer (one eager decode step)\n")
+        for r in counted:
+            print(f"{r.mode}, {fmt_tokens(r.context)} x {r.batch}: " + kernel_text(r.kernels, names=r is counted[0]))
     print("\n## targets\n")
     for line in rep.summary:
         print("- " + line)

@@ -69,22 +69,36 @@ def fp8_linear(in_features: int, out_features: int, quantized: bool) -> nn.Modul
     return Fp8Linear(in_features, out_features) if quantized else Linear(in_features, out_features)
 
 
+# On CUDA (float32 / bfloat16) RMSNorm and RMSNorm + RoPE run as one Triton kernel per call
+# (kernels/norm_rope.py); DSV4_NORM_ROPE_KERNEL=0 keeps the torch ops (for A/B timing).
+USE_NORM_ROPE_KERNEL = os.environ.get("DSV4_NORM_ROPE_KERNEL", "1") != "0"
+
+
+def _norm_rope_kernel_applies(x: torch.Tensor) -> bool:
+    return USE_NORM_ROPE_KERNEL and x.is_cuda and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """RMS normalisation over the last dim in hi precision, times ``weight`` if given (None: the
+    weightless per-head q norm); out in ``out_dtype`` (default x's)."""
+    out_dtype = out_dtype or x.dtype
+    if _norm_rope_kernel_applies(x) and out_dtype in (torch.float32, torch.bfloat16):
+        from .kernels.norm_rope import norm_rope
+        return norm_rope(x, weight, eps, out_dtype=out_dtype)
+    h = x.to(hi_dtype(x.dtype))
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return (h if weight is None else h * weight.to(h.dtype)).to(out_dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(hi_dtype(x.dtype))
-        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.to(h.dtype)).to(x.dtype)
-
-
-def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS normalisation over the last dim (the per-head q norm)."""
-    h = x.to(hi_dtype(x.dtype))
-    return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, out_dtype)
 
 
 def yarn_inv_freq(theta: float, rope_dim: int, scaling: Optional[RopeScaling]) -> torch.Tensor:
@@ -122,6 +136,14 @@ class Rotary:
             self._inv_on[device] = self.inv_freq.to(device)
         return self._inv_on[device]
 
+    def norm_apply(self, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                   positions: torch.Tensor) -> torch.Tensor:
+        """``apply(rms_norm(x, weight, eps), positions)``: one kernel on CUDA."""
+        if _norm_rope_kernel_applies(x):
+            from .kernels.norm_rope import norm_rope
+            return norm_rope(x, weight, eps, positions, self.inv_freq_on(x.device))
+        return self.apply(rms_norm(x, weight, eps), positions)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int -> cos, sin [T, rope_dim / 2] in dtype
         angles = positions.to(torch.float32)[:, None] * self.inv_freq_on(positions.device)[None, :]
@@ -130,6 +152,9 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate ``x [T, ..., D]`` at ``positions [T]`` (by minus the angle when ``inverse``)."""
+        if _norm_rope_kernel_applies(x):
+            from .kernels.norm_rope import norm_rope
+            return norm_rope(x, None, 0.0, positions, self.inv_freq_on(x.device), norm=False, inverse=inverse)
         cos, sin = self.cos_sin(positions, hi_dtype(x.dtype))  # bf16 rotates in float32
         if inverse:
             sin = -sin
@@ -239,9 +264,8 @@ class Attention(nn.Module):
         T, H, hd, eps = x.shape[0], self.n_heads, self.head_dim, self.cfg.rms_norm_eps
         qa, kv = shared_input(x, self.wq_a, self.wkv)
         qr = self.q_norm(qa)
-        q = head_rms_norm(self.wq_b(qr).view(T, H, hd), eps)
-        q = self.rope.apply(q, positions)
-        kv = self.rope.apply(self.kv_norm(kv), positions)
+        q = self.rope.norm_apply(self.wq_b(qr).view(T, H, hd), None, eps, positions)
+        kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
         compress = self.ratio and getattr(meta, "compress", True)
         comp = self.compressor.raw(x) if compress else None
         index = self._indexer_inputs(x, qr, positions) if compress and self.indexer is not None else None
@@ -500,10 +524,10 @@ class Block(nn.Module):
 
     def forward(self, X, input_ids, positions, backend, meta):
         pre, post, C = hc_mix_weights(self.cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        f = self.attn(self.attn_norm(hc_collapse(X, pre)).to(X.dtype), positions, backend, meta)
+        f = self.attn(self.attn_norm(hc_collapse(X, pre), X.dtype), positions, backend, meta)
         X = hc_expand(X, f, post, C)
         pre, post, C = hc_mix_weights(self.cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        f = self.ffn(self.ffn_norm(hc_collapse(X, pre)).to(X.dtype), input_ids)
+        f = self.ffn(self.ffn_norm(hc_collapse(X, pre), X.dtype), input_ids)
         return hc_expand(X, f, post, C)
 
 

@@ -42,7 +42,7 @@ from torch import nn
 from memory.quant import indexer_fake_quant
 
 from .config import DSV4Config, RopeScaling
-from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, shared_input
+from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, shared_input, stack_rows
 from .weights import model_tensors
 
 
@@ -226,7 +226,7 @@ class Compressor(nn.Module):
 
     def raw(self, x: torch.Tensor) -> CompressorInput:
         h = x.to(hi_dtype(x.dtype))  # the compressors run in fp32 (or float64)
-        return CompressorInput(self.wkv(h), self.wgate(h))
+        return CompressorInput(*shared_input(h, self.wkv, self.wgate))
 
 
 class Indexer(nn.Module):
@@ -431,6 +431,17 @@ def _stack_experts_for(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16
 
 
+# Linears of one input (wq_a + wkv, a compressor's wkv + wgate, the shared expert's w1 + w3)
+# allocated as one stacked weight and run as one matmul on CUDA (layers.linear.stack_rows);
+# DSV4_STACK_LINEARS=0 keeps them apart (for A/B timing).
+USE_STACKED_LINEARS = os.environ.get("DSV4_STACK_LINEARS", "1") != "0"
+
+
+def _stack_rows_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether DSV4Model allocates the linears of one input as row stacks (unquantised models)."""
+    return USE_STACKED_LINEARS and device.type == "cuda" and dtype in (torch.float32, torch.bfloat16)
+
+
 def _grouped_mm_device(device: torch.device) -> bool:
     """Whether torch._grouped_mm has its sync-free bf16 kernel on this GPU (sm90 / sm100)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -604,6 +615,7 @@ class DSV4Model(nn.Module):
             raise RuntimeError(f"DSV4Model tensor names differ from weight_specs: "
                                f"missing {missing[:8]}, unexpected {extra[:8]}")
         stack = self.quantized or _stack_experts_for(device, dtype)
+        rows = not self.quantized and _stack_rows_for(device, dtype)
         for name, t in own.items():
             spec = specs[name]
             if tuple(t.shape) != spec.shape:
@@ -617,6 +629,14 @@ class DSV4Model(nn.Module):
                     mod.fp4 = Fp4ExpertStack(mod.experts, device)
                 elif isinstance(mod, MoE):
                     mod.stack_experts(specs[f"{mod_name}.experts.0.w1.weight"].dtype, device)
+        if rows:
+            for mod in self.modules():
+                if isinstance(mod, Attention):
+                    stack_rows(mod.wq_a, mod.wkv)
+                elif isinstance(mod, Compressor):
+                    stack_rows(mod.wkv, mod.wgate)
+                elif isinstance(mod, MoE):
+                    stack_rows(mod.shared_experts.w1, mod.shared_experts.w3)
 
     @torch.no_grad()
     def load_stream(self, tensors) -> None:

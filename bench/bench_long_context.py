@@ -67,7 +67,7 @@ from bench._bench_common import (  # noqa: E402
     plan_bytes_per_request, sync, timed_decode_steps,
 )
 from bench._floor import EXPERTS_UNIFORM, copy_gbps, decode_step_floor  # noqa: E402
-from bench.kernel_count import KernelCounter, report as kernel_report, report_text as kernel_text  # noqa: E402
+from bench.kernel_count import KernelCounter, report as kernel_report, report_text as kernel_text, syncs_per_step  # noqa: E402,E501
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.weights import param_dtype, weight_specs  # noqa: E402
 from memory.configurator import DSV4PoolConfigurator, PlanError, PoolPlan  # noqa: E402
@@ -254,7 +254,7 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
     """Admit ``row.batch`` synthetic requests, warm up, time decode steps, optionally split one."""
     bd_steps = args.breakdown_steps if breakdown else 0
     count = breakdown and args.kernel_count
-    max_new = args.warmup + args.steps + bd_steps + count + 4
+    max_new = args.warmup + args.steps + bd_steps + 3 * count + 4
     t0 = time.perf_counter()
     rids = admit_synthetic(eng, row.context, row.batch, max_new)
     try:
@@ -298,6 +298,7 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
             with KernelCounter(eng) as kc:
                 kc.step()
             row.kernels = kernel_report(kc, 1)
+            row.kernels["host_syncs"] = syncs_per_step(eng, 2)       # graph steps, as timed
         row.status = "ok"
     finally:
         finish_all(eng, rids)

@@ -161,6 +161,10 @@ def report_text(rep: dict[str, Any], names: bool = True) -> str:
                      f"{d['mhc_norms']:>10.0f}")
     for k, v in rep["outside_layers"].items():
         lines.append(f"  {k:<40} {v:>6.0f}")
+    if rep.get("host_syncs") is not None:
+        syncs = rep["host_syncs"]
+        lines.append(f"  host syncs per decode step: {sum(syncs.values()):.0f}"
+                     + (" (" + ", ".join(f"{k} x{v:g}" for k, v in syncs.items()) + ")" if syncs else ""))
     if names:
         for kind, d in rep["named"].items():
             lines.append(f"  layer {d['layer']} ({kind}):")
@@ -169,16 +173,48 @@ def report_text(rep: dict[str, Any], names: bool = True) -> str:
     return "\n".join(lines)
 
 
+def count_syncs(engine: Any, steps: int) -> dict[str, int]:
+    """Host synchronisations in ``steps`` engine steps, by the source line that asked for them
+    (``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing CUDA call warns). A decode
+    step should have one: reading the sampled ids. Empty off CUDA."""
+    import warnings
+    if engine.device.type != "cuda":
+        return {}
+    where: Counter = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    return dict(where)
+
+
+def syncs_per_step(engine: Any, steps: int) -> Optional[dict[str, float]]:
+    """:func:`count_syncs` per step; None off CUDA (nothing to count)."""
+    if engine.device.type != "cuda":
+        return None
+    return {k: v / steps for k, v in count_syncs(engine, steps).items()}
+
+
 def count_decode_kernels(engine: Any, context: int, batch: int, steps: int = 1) -> dict[str, Any]:
     """Admit ``batch`` synthetic requests of ``context`` tokens, run one warm-up decode step,
-    then count ``steps`` decode steps; the requests are aborted afterwards."""
-    rids = admit_synthetic(engine, context, batch, steps + 4)
+    then count ``steps`` decode steps' kernels, then the host syncs of ``steps`` more (graphs on,
+    if the engine has them); the requests are aborted afterwards."""
+    rids = admit_synthetic(engine, context, batch, 2 * steps + 4)
     try:
         engine.step()
         with KernelCounter(engine) as kc:
             for _ in range(steps):
                 kc.step()
-        return report(kc, steps)
+        rep = report(kc, steps)
+        rep["host_syncs"] = syncs_per_step(engine, steps)
+        return rep
     finally:
         finish_all(engine, rids)
 

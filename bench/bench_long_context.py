@@ -122,18 +122,40 @@ class PrefillRow:
 
 
 @dataclass
+class MixedRow:
+    """Running decodes while another request prefills: their time per output token before the
+    prefill arrives and during it (every step of the prefill also decodes them)."""
+    decode_context: int
+    decode_batch: int
+    prefill_context: int
+    status: str
+    note: str = ""
+    chunk: int = 0
+    tpot_alone_ms: float = 0.0           # mean decode step before the prefill
+    steps_mixed: int = 0                 # steps while the prefill ran
+    tpot_mixed_ms: float = 0.0           # mean of those steps (each gave every decode a token)
+    tpot_mixed_p50_ms: float = 0.0
+    tpot_mixed_max_ms: float = 0.0
+    stalled_steps: int = 0               # steps of the prefill in which a running decode got no token
+    prefill_tokens_done: int = 0
+    prefill_s: float = 0.0
+
+
+@dataclass
 class Report:
     meta: dict[str, Any] = field(default_factory=dict)
     plans: dict[str, Any] = field(default_factory=dict)
     decode: list[DecodeRow] = field(default_factory=list)
     prefill: list[PrefillRow] = field(default_factory=list)
+    mixed: list[MixedRow] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"meta": self.meta, "plans": self.plans, "decode": [asdict(r) | {"floor_ms": r.floor_ms, "x_floor": r.x_floor}
                                                                for r in self.decode],
-                "prefill": [asdict(r) for r in self.prefill], "summary": self.summary, "log": self.log}
+                "prefill": [asdict(r) for r in self.prefill], "mixed": [asdict(r) for r in self.mixed],
+                "summary": self.summary, "log": self.log}
 
 
 # ---- the clock ----------------------------------------------------------------------------------
@@ -191,7 +213,8 @@ def plan_for(cfg: DSV4Config, mode: str, mem: MemorySetup) -> PoolPlan:
 
 def memory_setup(cfg: DSV4Config, args: argparse.Namespace, device: torch.device, headroom: int) -> MemorySetup:
     dtype = DTYPES[args.dtype]
-    context_length = max(args.contexts + args.prefill_contexts + [args.prefill_long]) + headroom + 256
+    context_length = max(args.contexts + args.prefill_contexts + [args.prefill_long, args.mixed_prefill]) \
+        + headroom + 256
     notes = []
     W = weight_bytes(cfg, dtype)
     if device.type == "cuda":
@@ -209,7 +232,7 @@ def memory_setup(cfg: DSV4Config, args: argparse.Namespace, device: torch.device
         mem = MemorySetup(pool_budget, args.max_batch, context_length, None, notes)
     else:
         # the budget of a compressed plan for this many tokens, given to either mode
-        tokens = args.cpu_pool_tokens or 8 * (max(args.contexts) + headroom + 256)
+        tokens = args.cpu_pool_tokens or 8 * (max(args.contexts + [args.mixed_prefill]) + headroom + 256)
         budget = conf_for(cfg, "compressed", args.max_batch).plan_for_tokens(tokens).budget_bytes
         notes.append(f"CPU: weights {fmt_bytes(W)}; KV pool budget {fmt_bytes(budget)} for either mode "
                      f"(a compressed plan of {tokens:,} tokens)")
@@ -346,6 +369,54 @@ def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float,
     row.tokens_per_s = row.tokens_done / row.seconds if row.seconds else 0.0
 
 
+def measure_mixed(eng: Engine, row: MixedRow, args: argparse.Namespace, max_seconds: float) -> None:
+    """``row.decode_batch`` synthetic decodes of ``row.decode_context`` tokens: timed alone, then
+    while a real prefill of ``row.prefill_context`` random ids runs chunk by chunk beside them (for
+    at most ``max_seconds``); each step's wall time is one output token of every running decode."""
+    if row.decode_batch + 1 > eng.scheduler.cfg.max_running_requests:
+        row.status = "refused"
+        row.note = (f"{row.decode_batch} decodes + the prefill exceed max_running_requests "
+                    f"{eng.scheduler.cfg.max_running_requests}")
+        return
+    chunks = -(-row.prefill_context // eng.scheduler.cfg.chunked_prefill_size)
+    rids = admit_synthetic(eng, row.decode_context, row.decode_batch, args.warmup + args.steps + chunks + 8)
+    g = torch.Generator().manual_seed(row.prefill_context + 1)
+    ids = torch.randint(0, eng.vocab_size, (row.prefill_context,), generator=g).tolist()
+    req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    sched = eng.scheduler
+    row.chunk = sched.cfg.chunked_prefill_size
+    try:
+        if args.warmup:
+            timed_decode_steps(eng, args.warmup, row.decode_batch)
+        row.tpot_alone_ms = timed_decode_steps(eng, args.steps, row.decode_batch).ms_per_step
+        sched.add(req)
+        decoding, times, t_start = set(rids), [], time.perf_counter()
+        while True:
+            sync(eng.device)
+            t0 = time.perf_counter()
+            outs = eng.step()
+            sync(eng.device)
+            times.append(1e3 * (time.perf_counter() - t0))
+            got = {o.rid for o in outs if o.delta_ids}
+            row.stalled_steps += len(decoding - got) > 0
+            r = sched.reqs.get(req.rid)
+            row.prefill_tokens_done = row.prefill_context if r is None else r.kv_len
+            row.prefill_s = time.perf_counter() - t_start
+            if r is None or row.prefill_tokens_done >= row.prefill_context:
+                row.status = "complete"
+                break
+            if row.prefill_s >= max_seconds:
+                row.status = "stopped (time budget)"
+                row.note = f"{row.prefill_tokens_done:,} of {row.prefill_context:,} prompt tokens in {row.prefill_s:.1f} s"
+                break
+        ts = sorted(times)
+        row.steps_mixed = len(ts)
+        row.tpot_mixed_ms, row.tpot_mixed_p50_ms, row.tpot_mixed_max_ms = sum(ts) / len(ts), ts[len(ts) // 2], ts[-1]
+    finally:
+        eng.abort(req.rid)
+        finish_all(eng, rids)
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 def batch_plan(cfg: DSV4Config, mem: MemorySetup, ctx: int, headroom: int, modes: list[str]) -> dict[str, int]:
@@ -439,6 +510,8 @@ def run(args: argparse.Namespace) -> Report:
     if args.dense_prefill and "dense" in args.modes:
         prows += [PrefillRow("dense", c, "pending") for c in args.prefill_contexts]
     rep.prefill = prows
+    if args.mixed_prefill and "compressed" in args.modes:
+        rep.mixed = [MixedRow(args.mixed_decode_context, args.mixed_decode_batch, args.mixed_prefill, "pending")]
     todo = [r for r in drows if r.status == "pending"]
     if args.dry_run:
         say("\ndry run: would measure")
@@ -502,6 +575,17 @@ def run(args: argparse.Namespace) -> Report:
                     say(kernel_text(row.kernels, names=False))
                 bar.update(1)
                 save()
+            for mrow in (rep.mixed if mode == "compressed" else []):
+                left = phase_end - time.time() - args.guard_margin
+                if left < 1:
+                    mrow.status = "skipped (time guard)"
+                else:
+                    try:
+                        measure_mixed(eng, mrow, args, min(args.mixed_max_seconds, left))
+                    except Exception as e:  # noqa: BLE001
+                        mrow.status, mrow.note = ("OOM" if is_oom(e) else "error"), f"{type(e).__name__}: {e}"[:300]
+                say(mixed_text(mrow))
+                save()
             for prow in mine_prefill:
                 bar.set_postfix_str(f"prefill {mode} {fmt_tokens(prow.context)}")
                 left = phase_end - time.time() - args.guard_margin
@@ -558,6 +642,17 @@ def breakdown_text(r: DecodeRow, indent: str = "") -> str:
     for name, ms in b.get("top_kernels", [])[:10]:
         lines.append(f"{indent}    {ms:8.3f} ms  {name}")
     return "\n".join(lines)
+
+
+def mixed_text(r: MixedRow) -> str:
+    head = (f"mixed: {r.decode_batch} decodes of {fmt_tokens(r.decode_context)} while {fmt_tokens(r.prefill_context)} "
+            f"prefills ({r.chunk}-token chunks): {r.status}")
+    if r.status not in ("complete", "stopped (time budget)"):
+        return head + (f" ({r.note})" if r.note else "")
+    return (head + f"; TPOT alone {r.tpot_alone_ms:.2f} ms, during the prefill mean {r.tpot_mixed_ms:.2f} / p50 "
+            f"{r.tpot_mixed_p50_ms:.2f} / max {r.tpot_mixed_max_ms:.2f} ms over {r.steps_mixed} steps "
+            f"({r.tpot_mixed_ms / r.tpot_alone_ms:.1f}x); steps where a decode got no token: {r.stalled_steps}; "
+            f"{r.prefill_tokens_done:,} prompt tokens in {r.prefill_s:.1f} s" + (f" [{r.note}]" if r.note else ""))
 
 
 def decode_table(rows: list[DecodeRow]) -> str:
@@ -735,6 +830,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--prefill-max-seconds", type=float, default=60.0,
                     help="time budget of the --prefill-long attempt (the others are bounded by the run's guard)")
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="chunked_prefill_size")
+    ap.add_argument("--mixed-prefill", type=int, default=0,
+                    help="prompt length of a prefill run beside running decodes, to time their TPOT (0: none)")
+    ap.add_argument("--mixed-decode-context", type=int, default=4096, help="context of those decodes")
+    ap.add_argument("--mixed-decode-batch", type=int, default=8, help="how many decodes run beside the prefill")
+    ap.add_argument("--mixed-max-seconds", type=float, default=120.0, help="time limit of the mixed prefill")
     ap.add_argument("--dense-prefill", action="store_true", help="also time the dense mode's prefills")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="cap on the batch (max_running_requests; default 256 on CUDA, 16 on the CPU)")
@@ -844,6 +944,10 @@ def report_text(rep: Report, args: argparse.Namespace) -> None:
         print("\n## kernels per layer (one eager decode step)\n")
         for r in counted:
             print(f"{r.mode}, {fmt_tokens(r.context)} x {r.batch}: " + kernel_text(r.kernels, names=r is counted[0]))
+    if rep.mixed:
+        print("\n## decodes beside a prefill\n")
+        for r in rep.mixed:
+            print(mixed_text(r))
     print("\n## targets\n")
     for line in rep.summary:
         print("- " + line)

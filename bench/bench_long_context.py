@@ -557,7 +557,8 @@ def run(args: argparse.Namespace) -> Report:
                     row.note = f"{guard.elapsed:.0f} s elapsed of {args.time_budget:.0f}"
                 else:
                     try:
-                        measure_decode(eng, row, args, guard, row.context in args.breakdown_contexts)
+                        measure_decode(eng, row, args, guard, row.context in args.breakdown_contexts
+                                       and row.batch <= args.breakdown_max_batch)
                     except Exception as e:  # noqa: BLE001 (recorded as a fact, the run goes on)
                         row.status, row.note = ("OOM" if is_oom(e) else "error"), f"{type(e).__name__}: {e}"[:300]
                         if is_oom(e):
@@ -821,6 +822,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles here)")
     ap.add_argument("--breakdown-contexts", type=_ints, default=[131072, 1048576])
     ap.add_argument("--breakdown-steps", type=int, default=2)
+    ap.add_argument("--breakdown-max-batch", type=int, default=1 << 30,
+                    help="break down (and count kernels of) only rows of at most this batch")
     ap.add_argument("--kernel-count", action="store_true",
                     help="at --breakdown-contexts also count kernels per layer (bench/kernel_count.py)")
     ap.add_argument("--prefill-contexts", type=_ints, default=None,

@@ -24,6 +24,8 @@ POSITIONS = torch.tensor([0, 7, 131_071, 1_048_575])       # up to 1M: fp32 angl
 
 interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
                                       reason="CPU tensors through Triton need the interpreter")
+# the kernel runs on CUDA tensors on a GPU machine, on CPU tensors under the interpreter elsewhere
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def exact(x: torch.Tensor, w, pos, inv, norm: bool, inverse: bool) -> torch.Tensor:
@@ -71,7 +73,6 @@ CASES = [  # (shape [T, ..., D], weight, rope, inverse, what)
 ]
 
 
-@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,has_w,rope,inverse,what", CASES)
 def test_norm_rope_matches_float64_and_the_torch_path(shape, has_w, rope, inverse, what, dtype):
@@ -80,7 +81,9 @@ def test_norm_rope_matches_float64_and_the_torch_path(shape, has_w, rope, invers
     w = w if has_w else None
     rot = Rotary(CFG.compress_rope_theta, CFG.rope_scaling)
     inv = rot.inv_freq if rope else None
-    got = norm_rope(x, w, EPS, POSITIONS if rope else None, inv, norm=norm, inverse=inverse)
+    dev = KERNEL_DEVICE
+    got = norm_rope(x.to(dev), None if w is None else w.to(dev), EPS, POSITIONS.to(dev) if rope else None,
+                    None if inv is None else inv.to(dev), norm=norm, inverse=inverse).cpu()
     assert got.dtype == dtype and got.shape == x.shape
     # the model's torch path on the CPU (what the kernel replaces on CUDA)
     h = rms_norm(x, w, EPS) if norm else x

@@ -193,11 +193,12 @@ def test_mixed_batch_draws_follow_each_rows_filtered_probs():
         assert ((freq - want).abs() <= tol).all(), (j, freq, want)
 
 
-def test_one_device_read_per_step_whatever_the_parameters(monkeypatch):
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_one_device_read_per_step_whatever_the_parameters(monkeypatch, dev):
     """Greedy, penalised, temperature and filtered rows together: the token ids come back in one
     ``tolist`` and no row is read on its own (no ``item`` / ``cpu``)."""
     V = 30
-    logits = torch.stack([_rand_logits(V, s) for s in range(6)])
+    logits = torch.stack([_rand_logits(V, s) for s in range(6)]).to(dev)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, presence_penalty=0.5),
               SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=4),
               SamplingParams(temperature=1.0, top_p=0.3, repetition_penalty=1.2), SamplingParams(min_p=0.1)]

@@ -224,10 +224,6 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(ratio, coff * d), requires_grad=False)
         self.norm = RMSNorm(d, eps)
 
-    def raw(self, x: torch.Tensor) -> CompressorInput:
-        h = x.to(hi_dtype(x.dtype))  # the compressors run in fp32 (or float64)
-        return CompressorInput(*shared_input(h, self.wkv, self.wgate))
-
 
 class Indexer(nn.Module):
     def __init__(self, cfg: DSV4Config, quantized: bool = False):
@@ -264,21 +260,35 @@ class Attention(nn.Module):
         T, H, hd, eps = x.shape[0], self.n_heads, self.head_dim, self.cfg.rms_norm_eps
         qa, kv = shared_input(x, self.wq_a, self.wkv)
         qr = self.q_norm(qa)
-        q = self.rope.norm_apply(self.wq_b(qr).view(T, H, hd), None, eps, positions)
-        kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
         compress = self.ratio and getattr(meta, "compress", True)
-        comp = self.compressor.raw(x) if compress else None
-        index = self._indexer_inputs(x, qr, positions) if compress and self.indexer is not None else None
-        o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, index), meta)  # [T, H, hd]
+        index = compress and self.indexer is not None
+        qb, iq = shared_input(qr, self.wq_b, self.indexer.wq_b) if index else (self.wq_b(qr), None)
+        q = self.rope.norm_apply(qb.view(T, H, hd), None, eps, positions)
+        kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
+        comp = idx_in = None
+        if compress:
+            raws = self._compressor_inputs(x)
+            comp = raws[0]
+            idx_in = self._indexer_inputs(x, iq, raws[1], positions) if index else None
+        o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, idx_in), meta)  # [T, H, hd]
         o = self.rope.apply(o, positions, inverse=True)
         return self._project_out(o)
 
-    def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> IndexerInput:
+    def _compressor_inputs(self, x: torch.Tensor) -> list[CompressorInput]:
+        """Raw (C, Z) of the attention compressor and, in CSA layers, the indexer's: the four
+        (or two) projections of x through one shared_input (one matmul where they are stacked)."""
+        comps = [self.compressor] + ([self.indexer.compressor] if self.indexer is not None else [])
+        h = x.to(hi_dtype(x.dtype))  # the compressors run in fp32 (or float64)
+        ys = shared_input(h, *[lin for c in comps for lin in (c.wkv, c.wgate)])
+        return [CompressorInput(ys[2 * i], ys[2 * i + 1]) for i in range(len(comps))]
+
+    def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, comp: CompressorInput,
+                        positions: torch.Tensor) -> IndexerInput:
+        # iq: indexer.wq_b(qr) [T, index_heads * 128]
         ix, T = self.indexer, x.shape[0]
-        q = ix.wq_b(qr).view(T, ix.n_heads, ix.head_dim)
-        q = indexer_fake_quant(hadamard(self.rope.apply(q, positions)))
+        q = indexer_fake_quant(hadamard(self.rope.apply(iq.view(T, ix.n_heads, ix.head_dim), positions)))
         w = ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
-        return IndexerInput(q, w, ix.compressor.raw(x))
+        return IndexerInput(q, w, comp)
 
     def _project_out(self, o: torch.Tensor) -> torch.Tensor:
         # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
@@ -633,8 +643,11 @@ class DSV4Model(nn.Module):
             for mod in self.modules():
                 if isinstance(mod, Attention):
                     stack_rows(mod.wq_a, mod.wkv)
-                elif isinstance(mod, Compressor):
-                    stack_rows(mod.wkv, mod.wgate)
+                    comps = [mod.compressor] + ([mod.indexer.compressor] if mod.indexer is not None else [])
+                    if mod.compressor is not None:
+                        stack_rows(*[lin for c in comps for lin in (c.wkv, c.wgate)])
+                    if mod.indexer is not None:
+                        stack_rows(mod.wq_b, mod.indexer.wq_b)
                 elif isinstance(mod, MoE):
                     stack_rows(mod.shared_experts.w1, mod.shared_experts.w3)
 

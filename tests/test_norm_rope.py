@@ -156,3 +156,16 @@ def test_model_routes_its_norms_and_ropes_to_the_kernel(monkeypatch):
     assert calls.count((D, 2, True, False, True, False)) >= 2 * L + 1      # block norms + final norm
     assert calls.count((QR, 2, True, False, True, False)) >= L             # q_norm (+ indexer compressor norms)
     assert calls.count((idx, 3, False, True, False, False)) == n_csa
+
+
+def test_norm_rope_reads_strided_views_like_their_copies():
+    """q comes as a column slice of the stacked wq_b | indexer.wq_b output viewed [T, H, D]:
+    the kernel reads it through its strides and computes exactly what it does on a copy."""
+    dev = KERNEL_DEVICE
+    T, H, D = 3, 2, 512
+    big, _ = inputs((T, H * D + 256), 9, torch.bfloat16)
+    view = big.to(dev)[:, :H * D].view(T, H, D)
+    assert not view.is_contiguous()
+    inv = Rotary(CFG.compress_rope_theta, CFG.rope_scaling).inv_freq.to(dev)
+    pos = POSITIONS[:T].to(dev)
+    assert torch.equal(norm_rope(view, None, EPS, pos, inv), norm_rope(view.contiguous(), None, EPS, pos, inv))

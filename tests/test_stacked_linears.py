@@ -26,11 +26,16 @@ def test_stacked_model_loads_the_release_weights_and_runs_one_matmul(monkeypatch
     m.load_state_dict(w)
     sd = m.state_dict()
     assert set(sd) == set(w) and all(torch.equal(sd[k], w[k]) for k in w)
-    attn, comp = m.layers[1].attn, m.layers[1].attn.compressor
-    shared = m.layers[1].ffn.shared_experts
-    for a, b in ((attn.wq_a, attn.wkv), (comp.wkv, comp.wgate), (shared.w1, shared.w3)):
-        assert a.row_stack is b.row_stack
-        assert b.weight.data_ptr() == a.weight.data_ptr() + a.weight.numel() * 4      # consecutive rows
+    attn, comp = m.layers[1].attn, m.layers[1].attn.compressor      # a CSA layer
+    icomp, shared = attn.indexer.compressor, m.layers[1].ffn.shared_experts
+    stacks = [(attn.wq_a, attn.wkv), (attn.wq_b, attn.indexer.wq_b), (comp.wkv, comp.wgate, icomp.wkv, icomp.wgate),
+              (shared.w1, shared.w3)]
+    for mods in stacks:
+        for a, b in zip(mods, mods[1:]):
+            assert a.row_stack is b.row_stack and a.row_stack.mods == mods
+            assert b.weight.data_ptr() == a.weight.data_ptr() + a.weight.numel() * 4  # consecutive rows
+    hca = m.layers[2].attn.compressor
+    assert hca.wkv.row_stack.mods == (hca.wkv, hca.wgate)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, CFG.hidden_size, generator=g)
     calls = []

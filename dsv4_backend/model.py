@@ -519,6 +519,15 @@ def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tj,tjd->td", pre, X.to(pre.dtype))
 
 
+def hc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, out_dtype: torch.dtype) -> torch.Tensor:
+    """A sub-layer's input ``norm(sum_j pre_j X_j)`` in ``out_dtype``; one kernel on CUDA."""
+    if (_mhc_kernels_apply(X) and _norm_rope_kernel_applies(X) and pre.dtype == torch.float32
+            and out_dtype in (torch.float32, torch.bfloat16)):
+        from .kernels.mhc import mhc_collapse_norm
+        return mhc_collapse_norm(X.contiguous(), pre, norm.weight, norm.eps, out_dtype)
+    return norm(hc_collapse(X, pre), out_dtype)
+
+
 def hc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     # X'_k = post_k f + sum_j C[j, k] X_j, mixed in C's precision; the streams keep X's dtype
     if _mhc_kernels_apply(X) and C.dtype == torch.float32:
@@ -545,10 +554,10 @@ class Block(nn.Module):
 
     def forward(self, X, input_ids, positions, backend, meta):
         pre, post, C = hc_mix_weights(self.cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        f = self.attn(self.attn_norm(hc_collapse(X, pre), X.dtype), positions, backend, meta)
+        f = self.attn(hc_collapse_norm(X, pre, self.attn_norm, X.dtype), positions, backend, meta)
         X = hc_expand(X, f, post, C)
         pre, post, C = hc_mix_weights(self.cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        f = self.ffn(self.ffn_norm(hc_collapse(X, pre), X.dtype), input_ids)
+        f = self.ffn(hc_collapse_norm(X, pre, self.ffn_norm, X.dtype), input_ids)
         return hc_expand(X, f, post, C)
 
 

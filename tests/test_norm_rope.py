@@ -169,3 +169,33 @@ def test_norm_rope_reads_strided_views_like_their_copies():
     inv = Rotary(CFG.compress_rope_theta, CFG.rope_scaling).inv_freq.to(dev)
     pos = POSITIONS[:T].to(dev)
     assert torch.equal(norm_rope(view, None, EPS, pos, inv), norm_rope(view.contiguous(), None, EPS, pos, inv))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mhc_collapse_norm_is_collapse_then_norm(dtype):
+    """kernels.mhc.mhc_collapse_norm against float64 (collapse, then RMSNorm) and the model's torch
+    path: the collapse of hc terms carries gamma(hc) of sum_j |pre_j X_j|, which enters the norm's
+    bound as its input difference; the bf16 store adds one step."""
+    from bounds import gamma
+    from dsv4_backend.kernels.mhc import mhc_collapse_norm
+    from dsv4_backend.model import hc_collapse
+    T, hc, D = 3, CFG.hc_mult, CFG.hidden_size
+    g = torch.Generator().manual_seed(11)
+    X = (torch.randn(T, hc, D, generator=g) * 3).to(dtype)
+    pre = torch.rand(T, hc, generator=g) + 0.05
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(torch.bfloat16)
+    dev = KERNEL_DEVICE
+    got = mhc_collapse_norm(X.to(dev), pre.to(dev), w.to(dev), EPS, torch.bfloat16 if dtype == torch.bfloat16
+                            else torch.float32).cpu()
+    y64 = torch.einsum("tj,tjd->td", pre.double(), X.double())
+    dx = gamma(hc) * torch.einsum("tj,tjd->td", pre.double(), X.double().abs())
+    b = norm_rope_bound(y64, dx, w)
+    want64 = y64 * torch.rsqrt(y64.square().mean(-1, keepdim=True) + EPS) * w.double()
+    torch_path = rms_norm(hc_collapse(X, pre), w, EPS, got.dtype)
+    if dtype == torch.float32:
+        assert_within(got, want64, b, "collapse + norm vs float64")
+        assert_within(got, torch_path, 2 * b, "collapse + norm vs the torch path")
+    else:
+        assert_within(got, torch_path, 2 * b + BF16_STEP * torch_path.double().abs(), "collapse + norm (bf16)")
+    with pytest.raises(ValueError, match="pre must be fp32"):
+        mhc_collapse_norm(X.to(dev), pre.double().to(dev), w.to(dev), EPS, torch.float32)

@@ -566,7 +566,8 @@ def run(args: argparse.Namespace) -> Report:
                 say(f"decode {mode:<10} {fmt_tokens(row.context):>5} x {row.batch:<4} ({row.batch_kind}): "
                     + (f"{row.ms_per_step:9.2f} ms/step {row.tokens_per_s:10.1f} tok/s"
                        if row.status == "ok" else row.status)
-                    + (f"  floor {row.floor_ms:.2f} ms ({row.x_floor:.1f}x)" if row.x_floor else "")
+                    + (f"  floor {row.floor_ms:.2f} ms = {row.floor['weight_bytes'] / 1e9:.2f} GB weights + "
+                       f"{row.floor['kv_bytes'] / 1e9:.3f} GB KV ({row.x_floor:.1f}x)" if row.x_floor else "")
                     + (f"  [{row.note}]" if row.note else "")
                     + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
                        f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
@@ -656,16 +657,23 @@ def mixed_text(r: MixedRow) -> str:
             f"{r.prefill_tokens_done:,} prompt tokens in {r.prefill_s:.1f} s" + (f" [{r.note}]" if r.note else ""))
 
 
+def floor_gb(r: DecodeRow) -> str:
+    if not r.floor:
+        return "-"
+    return f"{r.floor['weight_bytes'] / 1e9:.2f} + {r.floor['kv_bytes'] / 1e9:.3f}"
+
+
 def decode_table(rows: list[DecodeRow]) -> str:
-    head = ("| mode | context | batch | ms / step | tokens / s | floor ms | x floor | graph GPU ms | "
-            "plan bytes / request | held / request | status |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| mode | context | batch | ms / step | tokens / s | floor GB (weights + KV) | floor ms | x floor | "
+            "graph GPU ms | plan bytes / request | held / request | status |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.status == "ok"
         gpu = f"{r.graph['replay_gpu_ms']:.2f}" if r.graph else "-"
         lines.append(f"| {r.mode} | {fmt_tokens(r.context)} | {r.batch} ({r.batch_kind}) | "
                      f"{f'{r.ms_per_step:.2f}' if ok else '-'} | {f'{r.tokens_per_s:.1f}' if ok else '-'} | "
-                     f"{f'{r.floor_ms:.2f}' if r.floor else '-'} | {f'{r.x_floor:.2f}' if r.x_floor else '-'} | {gpu} | "
+                     f"{floor_gb(r)} | {f'{r.floor_ms:.2f}' if r.floor else '-'} | "
+                     f"{f'{r.x_floor:.2f}' if r.x_floor else '-'} | {gpu} | "
                      f"{fmt_bytes(r.plan_bytes_per_request) if r.plan_bytes_per_request else '-'} | "
                      f"{fmt_bytes(r.held_bytes_per_request) if r.held_bytes_per_request else '-'} | "
                      f"{r.status}{': ' + r.note if r.note else ''} |")

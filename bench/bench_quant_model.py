@@ -484,7 +484,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # decode
     ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin, breakdown_steps=0)
     rep["decode"] = []
-    print("\ndecode      context  batch   ms/step   tok/s     floor ms  % floor  status")
+    print("\ndecode      context  batch   ms/step   tok/s     floor GB  floor ms  % floor  status")
     for ctx in args.contexts:
         fits = min(args.max_batch, plan.requests_fit(ctx + headroom))
         batches = sorted({fits if b == "max" else b for b in args.batches if b == "max" or b <= fits} - {0})
@@ -495,12 +495,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     measure_decode(eng, row, ns, guard, breakdown=False)
                 except Exception as e:   # an OOM or a refusal is a result, not the end of the run
                     row.status, row.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
-            floor = step_floor_ms(cfg, b, ctx, bw)
-            d = asdict(row) | {"floor_ms": floor, "floor": decode_step_floor(cfg, ctx, b, DTYPE, True).to_dict(bw)}
+            fl = decode_step_floor(cfg, ctx, b, DTYPE, quantized=True)
+            floor = fl.ms(bw)
+            d = asdict(row) | {"floor_ms": floor, "floor": fl.to_dict(bw)}
             rep["decode"].append(d)
             pct = f"{100 * floor / row.ms_per_step:7.1f}" if row.ms_per_step else "      -"
             print(f"{'':10} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
-                  f"{floor:9.2f} {pct}  {row.status} {row.note}")
+                  f"{fl.total_bytes / 1e9:9.3f} {floor:9.2f} {pct}  {row.status} {row.note}")
 
     # prefill
     pf = PrefillRow("compressed", args.prefill_context, "skipped (time guard)")

@@ -97,14 +97,25 @@ class Breakdown:
         return {"steps": self.steps, "step_ms": self.step_ms, "ms": dict(self.ms),
                 "pct": {k: self.pct(k) for k in self.ms}}
 
-    def table(self, title: str = "") -> str:
+    def table(self, title: str = "", floor_ms: Optional[dict[str, float]] = None) -> str:
+        """The parts, ms and share of the step; with ``floor_ms`` (category -> ms) each part's
+        byte floor and its ratio to it beside."""
         lines = [title] if title else []
-        lines.append(f"  {'part':<44} {'ms/step':>9} {'%':>6}")
+        f_head = f" {'floor ms':>9} {'x floor':>8}" if floor_ms else ""
+        lines.append(f"  {'part':<44} {'ms/step':>9} {'%':>6}" + f_head)
         for key, label in CATEGORIES + SUB_CATEGORIES:
             if key in self.ms:
                 pad = "    " if (key, label) in SUB_CATEGORIES else ""
-                lines.append(f"  {pad + label:<44} {self.ms[key]:>9.2f} {self.pct(key):>5.1f}%")
-        lines.append(f"  {'step':<44} {self.step_ms:>9.2f} {100.0:>5.1f}%")
+                line = f"  {pad + label:<44} {self.ms[key]:>9.2f} {self.pct(key):>5.1f}%"
+                fl = (floor_ms or {}).get(key)
+                if fl:
+                    line += f" {fl:>9.3f} {self.ms[key] / fl:>7.1f}x"
+                lines.append(line)
+        step = f"  {'step':<44} {self.step_ms:>9.2f} {100.0:>5.1f}%"
+        if floor_ms:
+            total = sum(floor_ms.get(k, 0.0) for k, _ in CATEGORIES)
+            step += f" {total:>9.3f} {self.step_ms / total:>7.1f}x"
+        lines.append(step)
         return "\n".join(lines)
 
 

@@ -16,7 +16,10 @@ Engine (scheduler, hooks, pools; on CUDA the kernel of ``--attention-kernel``). 
   (1M) under ``--prefill-max-seconds``: the script prints how far it got, how long it took and at
   what rate; it never extrapolates;
 - the per-layer-type time breakdown (window-only / CSA incl. indexer / HCA attention, MoE, mHC +
-  norms, metadata, sampling + scheduling) at ``--breakdown-contexts``.
+  norms, metadata, sampling + scheduling) at ``--breakdown-contexts``;
+- beside every decode row and breakdown part, its byte floor (``bench/_floor.py``: the weights the
+  step uses, routed experts as the expected distinct count under uniform routing, plus the KV
+  rows it reads) at the copy bandwidth measured at the start of the run, and the step's ratio to it.
 
 It ends with the issue's targets (1M vs 4K decode at batch 1; compressed vs dense at 128K at the
 largest common batch; 1M where dense cannot run), writes JSON (``--out``, rewritten after every
@@ -63,6 +66,8 @@ from bench._bench_common import (  # noqa: E402
     Breakdown, KernelBreakdown, LayerTimer, admit_synthetic, finish_all, fmt_bytes, fmt_tokens, kv_bytes_held,
     plan_bytes_per_request, sync, timed_decode_steps,
 )
+from bench._floor import EXPERTS_UNIFORM, copy_gbps, decode_step_floor  # noqa: E402
+from bench.kernel_count import KernelCounter, report as kernel_report, report_text as kernel_text, syncs_per_step  # noqa: E402,E501
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.weights import param_dtype, weight_specs  # noqa: E402
 from memory.configurator import DSV4PoolConfigurator, PlanError, PoolPlan  # noqa: E402
@@ -90,6 +95,17 @@ class DecodeRow:
     held_bytes_per_request: int = 0      # what the admitted requests hold in the pools / batch
     breakdown: Optional[dict[str, Any]] = None
     graph: Optional[dict[str, float]] = None  # CUDA-graph steps: host prep and replay GPU ms / step
+    floor: Optional[dict[str, Any]] = None    # bench/_floor.StepFloor.to_dict(copy GB/s): the byte floor
+    kernels: Optional[dict[str, Any]] = None  # bench/kernel_count.report of one eager step
+
+    @property
+    def floor_ms(self) -> float:
+        return self.floor["floor_ms"] if self.floor else 0.0
+
+    @property
+    def x_floor(self) -> float:
+        """The step's ratio to its byte floor (0 when either is missing)."""
+        return self.ms_per_step / self.floor_ms if self.floor_ms and self.status == "ok" else 0.0
 
 
 @dataclass
@@ -106,17 +122,40 @@ class PrefillRow:
 
 
 @dataclass
+class MixedRow:
+    """Running decodes while another request prefills: their time per output token before the
+    prefill arrives and during it (every step of the prefill also decodes them)."""
+    decode_context: int
+    decode_batch: int
+    prefill_context: int
+    status: str
+    note: str = ""
+    chunk: int = 0
+    tpot_alone_ms: float = 0.0           # mean decode step before the prefill
+    steps_mixed: int = 0                 # steps while the prefill ran
+    tpot_mixed_ms: float = 0.0           # mean of those steps (each gave every decode a token)
+    tpot_mixed_p50_ms: float = 0.0
+    tpot_mixed_max_ms: float = 0.0
+    stalled_steps: int = 0               # steps of the prefill in which a running decode got no token
+    prefill_tokens_done: int = 0
+    prefill_s: float = 0.0
+
+
+@dataclass
 class Report:
     meta: dict[str, Any] = field(default_factory=dict)
     plans: dict[str, Any] = field(default_factory=dict)
     decode: list[DecodeRow] = field(default_factory=list)
     prefill: list[PrefillRow] = field(default_factory=list)
+    mixed: list[MixedRow] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"meta": self.meta, "plans": self.plans, "decode": [asdict(r) for r in self.decode],
-                "prefill": [asdict(r) for r in self.prefill], "summary": self.summary, "log": self.log}
+        return {"meta": self.meta, "plans": self.plans, "decode": [asdict(r) | {"floor_ms": r.floor_ms, "x_floor": r.x_floor}
+                                                               for r in self.decode],
+                "prefill": [asdict(r) for r in self.prefill], "mixed": [asdict(r) for r in self.mixed],
+                "summary": self.summary, "log": self.log}
 
 
 # ---- the clock ----------------------------------------------------------------------------------
@@ -174,7 +213,8 @@ def plan_for(cfg: DSV4Config, mode: str, mem: MemorySetup) -> PoolPlan:
 
 def memory_setup(cfg: DSV4Config, args: argparse.Namespace, device: torch.device, headroom: int) -> MemorySetup:
     dtype = DTYPES[args.dtype]
-    context_length = max(args.contexts + args.prefill_contexts + [args.prefill_long]) + headroom + 256
+    context_length = max(args.contexts + args.prefill_contexts + [args.prefill_long, args.mixed_prefill]) \
+        + headroom + 256
     notes = []
     W = weight_bytes(cfg, dtype)
     if device.type == "cuda":
@@ -192,7 +232,7 @@ def memory_setup(cfg: DSV4Config, args: argparse.Namespace, device: torch.device
         mem = MemorySetup(pool_budget, args.max_batch, context_length, None, notes)
     else:
         # the budget of a compressed plan for this many tokens, given to either mode
-        tokens = args.cpu_pool_tokens or 8 * (max(args.contexts) + headroom + 256)
+        tokens = args.cpu_pool_tokens or 8 * (max(args.contexts + [args.mixed_prefill]) + headroom + 256)
         budget = conf_for(cfg, "compressed", args.max_batch).plan_for_tokens(tokens).budget_bytes
         notes.append(f"CPU: weights {fmt_bytes(W)}; KV pool budget {fmt_bytes(budget)} for either mode "
                      f"(a compressed plan of {tokens:,} tokens)")
@@ -236,7 +276,8 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
                    breakdown: bool) -> None:
     """Admit ``row.batch`` synthetic requests, warm up, time decode steps, optionally split one."""
     bd_steps = args.breakdown_steps if breakdown else 0
-    max_new = args.warmup + args.steps + bd_steps + 4
+    count = breakdown and args.kernel_count
+    max_new = args.warmup + args.steps + bd_steps + 3 * count + 4
     t0 = time.perf_counter()
     rids = admit_synthetic(eng, row.context, row.batch, max_new)
     try:
@@ -276,6 +317,11 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
                     for _ in range(bd_steps):
                         lt.step()
                 row.breakdown = lt.breakdown().to_dict()
+        if count and guard.left > args.guard_margin:
+            with KernelCounter(eng) as kc:
+                kc.step()
+            row.kernels = kernel_report(kc, 1)
+            row.kernels["host_syncs"] = syncs_per_step(eng, 2)       # graph steps, as timed
         row.status = "ok"
     finally:
         finish_all(eng, rids)
@@ -321,6 +367,54 @@ def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float,
         eng.abort(req.rid)
         eng.check_integrity()
     row.tokens_per_s = row.tokens_done / row.seconds if row.seconds else 0.0
+
+
+def measure_mixed(eng: Engine, row: MixedRow, args: argparse.Namespace, max_seconds: float) -> None:
+    """``row.decode_batch`` synthetic decodes of ``row.decode_context`` tokens: timed alone, then
+    while a real prefill of ``row.prefill_context`` random ids runs chunk by chunk beside them (for
+    at most ``max_seconds``); each step's wall time is one output token of every running decode."""
+    if row.decode_batch + 1 > eng.scheduler.cfg.max_running_requests:
+        row.status = "refused"
+        row.note = (f"{row.decode_batch} decodes + the prefill exceed max_running_requests "
+                    f"{eng.scheduler.cfg.max_running_requests}")
+        return
+    chunks = -(-row.prefill_context // eng.scheduler.cfg.chunked_prefill_size)
+    rids = admit_synthetic(eng, row.decode_context, row.decode_batch, args.warmup + args.steps + chunks + 8)
+    g = torch.Generator().manual_seed(row.prefill_context + 1)
+    ids = torch.randint(0, eng.vocab_size, (row.prefill_context,), generator=g).tolist()
+    req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    sched = eng.scheduler
+    row.chunk = sched.cfg.chunked_prefill_size
+    try:
+        if args.warmup:
+            timed_decode_steps(eng, args.warmup, row.decode_batch)
+        row.tpot_alone_ms = timed_decode_steps(eng, args.steps, row.decode_batch).ms_per_step
+        sched.add(req)
+        decoding, times, t_start = set(rids), [], time.perf_counter()
+        while True:
+            sync(eng.device)
+            t0 = time.perf_counter()
+            outs = eng.step()
+            sync(eng.device)
+            times.append(1e3 * (time.perf_counter() - t0))
+            got = {o.rid for o in outs if o.delta_ids}
+            row.stalled_steps += len(decoding - got) > 0
+            r = sched.reqs.get(req.rid)
+            row.prefill_tokens_done = row.prefill_context if r is None else r.kv_len
+            row.prefill_s = time.perf_counter() - t_start
+            if r is None or row.prefill_tokens_done >= row.prefill_context:
+                row.status = "complete"
+                break
+            if row.prefill_s >= max_seconds:
+                row.status = "stopped (time budget)"
+                row.note = f"{row.prefill_tokens_done:,} of {row.prefill_context:,} prompt tokens in {row.prefill_s:.1f} s"
+                break
+        ts = sorted(times)
+        row.steps_mixed = len(ts)
+        row.tpot_mixed_ms, row.tpot_mixed_p50_ms, row.tpot_mixed_max_ms = sum(ts) / len(ts), ts[len(ts) // 2], ts[-1]
+    finally:
+        eng.abort(req.rid)
+        finish_all(eng, rids)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -377,6 +471,7 @@ def run(args: argparse.Namespace) -> Report:
     headroom = args.warmup + args.steps + args.breakdown_steps + 8
     mem = memory_setup(cfg, args, device, headroom)
     rep = Report()
+    gbps = copy_gbps(device)
     rep.meta = {
         "preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype, "attention_kernel": args.attention_kernel, "torch": torch.__version__, "python": platform.python_version(),
@@ -385,6 +480,7 @@ def run(args: argparse.Namespace) -> Report:
         "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
         "weight_bytes": weight_bytes(cfg, DTYPES[args.dtype]), "memory": mem.notes,
         "max_running_requests": mem.max_running, "context_length": mem.context_length,
+        "copy_gbps": gbps, "floor_experts": EXPERTS_UNIFORM,
     }
     try:
         import triton
@@ -398,6 +494,7 @@ def run(args: argparse.Namespace) -> Report:
         f"{args.dtype}, random, drawn on {device.type}")
     for n in mem.notes:
         say(n)
+    say(f"copy bandwidth {gbps:.0f} GB/s (read + write, a device-to-device copy): the floors' divisor")
     for mode in args.modes:
         p = plan_for(cfg, mode, mem)
         rep.plans[mode] = {"table": p.table(), "bytes_per_full_token": p.bytes_per_full_token,
@@ -413,6 +510,8 @@ def run(args: argparse.Namespace) -> Report:
     if args.dense_prefill and "dense" in args.modes:
         prows += [PrefillRow("dense", c, "pending") for c in args.prefill_contexts]
     rep.prefill = prows
+    if args.mixed_prefill and "compressed" in args.modes:
+        rep.mixed = [MixedRow(args.mixed_decode_context, args.mixed_decode_batch, args.mixed_prefill, "pending")]
     todo = [r for r in drows if r.status == "pending"]
     if args.dry_run:
         say("\ndry run: would measure")
@@ -451,24 +550,43 @@ def run(args: argparse.Namespace) -> Report:
                 f"{fmt_bytes(eng.plan.total_bytes)}, max_total_tokens {eng.max_total_tokens:,}")
             for row in mine:
                 bar.set_postfix_str(f"{mode} {fmt_tokens(row.context)} x {row.batch}")
+                row.floor = decode_step_floor(cfg, row.context, row.batch, DTYPES[args.dtype],
+                                              eng.runner.model.quantized, mode == "dense").to_dict(gbps)
                 if time.time() > phase_end - args.guard_margin or guard.left < args.guard_margin:
                     row.status = "skipped (time guard)"
                     row.note = f"{guard.elapsed:.0f} s elapsed of {args.time_budget:.0f}"
                 else:
                     try:
-                        measure_decode(eng, row, args, guard, row.context in args.breakdown_contexts)
+                        measure_decode(eng, row, args, guard, row.context in args.breakdown_contexts
+                                       and row.batch <= args.breakdown_max_batch)
                     except Exception as e:  # noqa: BLE001 (recorded as a fact, the run goes on)
                         row.status, row.note = ("OOM" if is_oom(e) else "error"), f"{type(e).__name__}: {e}"[:300]
                         if is_oom(e):
                             torch.cuda.empty_cache()
                 say(f"decode {mode:<10} {fmt_tokens(row.context):>5} x {row.batch:<4} ({row.batch_kind}): "
                     + (f"{row.ms_per_step:9.2f} ms/step {row.tokens_per_s:10.1f} tok/s"
-                       if row.status == "ok" else row.status) + (f"  [{row.note}]" if row.note else "")
+                       if row.status == "ok" else row.status)
+                    + (f"  floor {row.floor_ms:.2f} ms = {row.floor['weight_bytes'] / 1e9:.2f} GB weights + "
+                       f"{row.floor['kv_bytes'] / 1e9:.3f} GB KV ({row.x_floor:.1f}x)" if row.x_floor else "")
+                    + (f"  [{row.note}]" if row.note else "")
                     + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
                        f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
                 if row.breakdown:
                     say(breakdown_text(row, "  "))
+                if row.kernels:
+                    say(kernel_text(row.kernels, names=False))
                 bar.update(1)
+                save()
+            for mrow in (rep.mixed if mode == "compressed" else []):
+                left = phase_end - time.time() - args.guard_margin
+                if left < 1:
+                    mrow.status = "skipped (time guard)"
+                else:
+                    try:
+                        measure_mixed(eng, mrow, args, min(args.mixed_max_seconds, left))
+                    except Exception as e:  # noqa: BLE001
+                        mrow.status, mrow.note = ("OOM" if is_oom(e) else "error"), f"{type(e).__name__}: {e}"[:300]
+                say(mixed_text(mrow))
                 save()
             for prow in mine_prefill:
                 bar.set_postfix_str(f"prefill {mode} {fmt_tokens(prow.context)}")
@@ -516,21 +634,46 @@ def breakdown_text(r: DecodeRow, indent: str = "") -> str:
         replay = f"graph replay {r.graph['replay_gpu_ms']:.2f} ms GPU; " if r.graph else ""
         title += (f" (graph step {b['step_ms']:.2f} ms; {replay}GPU kernels of an eager step under the "
                   f"profiler {b['kernel_ms']:.2f} ms; 'sampling + scheduling' = step - kernels)")
-    lines = [Breakdown(b["steps"], b["step_ms"], b["ms"]).table(title + ":")]
+    floors = None
+    if r.floor:
+        per_ms = r.floor["floor_ms"] / r.floor["total_bytes"]
+        floors = {k: v * per_ms for k, v in r.floor["categories"].items()}
+        floors["indexer_topk"] = r.floor["parts"]["indexer_rows"] * per_ms   # the scan, inside attn_csa
+        title += f"; byte floor {r.floor['floor_ms']:.2f} ms at {r.floor['copy_gbps']:.0f} GB/s"
+    lines = [Breakdown(b["steps"], b["step_ms"], b["ms"]).table(title + ":", floors)]
     for name, ms in b.get("top_kernels", [])[:10]:
         lines.append(f"{indent}    {ms:8.3f} ms  {name}")
     return "\n".join(lines)
 
 
+def mixed_text(r: MixedRow) -> str:
+    head = (f"mixed: {r.decode_batch} decodes of {fmt_tokens(r.decode_context)} while {fmt_tokens(r.prefill_context)} "
+            f"prefills ({r.chunk}-token chunks): {r.status}")
+    if r.status not in ("complete", "stopped (time budget)"):
+        return head + (f" ({r.note})" if r.note else "")
+    return (head + f"; TPOT alone {r.tpot_alone_ms:.2f} ms, during the prefill mean {r.tpot_mixed_ms:.2f} / p50 "
+            f"{r.tpot_mixed_p50_ms:.2f} / max {r.tpot_mixed_max_ms:.2f} ms over {r.steps_mixed} steps "
+            f"({r.tpot_mixed_ms / r.tpot_alone_ms:.1f}x); steps where a decode got no token: {r.stalled_steps}; "
+            f"{r.prefill_tokens_done:,} prompt tokens in {r.prefill_s:.1f} s" + (f" [{r.note}]" if r.note else ""))
+
+
+def floor_gb(r: DecodeRow) -> str:
+    if not r.floor:
+        return "-"
+    return f"{r.floor['weight_bytes'] / 1e9:.2f} + {r.floor['kv_bytes'] / 1e9:.3f}"
+
+
 def decode_table(rows: list[DecodeRow]) -> str:
-    head = ("| mode | context | batch | ms / step | tokens / s | graph GPU ms | plan bytes / request | "
-            "held / request | status |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| mode | context | batch | ms / step | tokens / s | floor GB (weights + KV) | floor ms | x floor | "
+            "graph GPU ms | plan bytes / request | held / request | status |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ok = r.status == "ok"
         gpu = f"{r.graph['replay_gpu_ms']:.2f}" if r.graph else "-"
         lines.append(f"| {r.mode} | {fmt_tokens(r.context)} | {r.batch} ({r.batch_kind}) | "
-                     f"{f'{r.ms_per_step:.2f}' if ok else '-'} | {f'{r.tokens_per_s:.1f}' if ok else '-'} | {gpu} | "
+                     f"{f'{r.ms_per_step:.2f}' if ok else '-'} | {f'{r.tokens_per_s:.1f}' if ok else '-'} | "
+                     f"{floor_gb(r)} | {f'{r.floor_ms:.2f}' if r.floor else '-'} | "
+                     f"{f'{r.x_floor:.2f}' if r.x_floor else '-'} | {gpu} | "
                      f"{fmt_bytes(r.plan_bytes_per_request) if r.plan_bytes_per_request else '-'} | "
                      f"{fmt_bytes(r.held_bytes_per_request) if r.held_bytes_per_request else '-'} | "
                      f"{r.status}{': ' + r.note if r.note else ''} |")
@@ -602,6 +745,11 @@ def summarize(rep: Report, args: argparse.Namespace) -> list[str]:
                        f"({r.breakdown['pct'][top]:.0f}% of the step)"
                        + (f"; CSA top-k selection (indexer scan) {r.breakdown['pct']['indexer_topk']:.0f}%"
                           if idx is not None else ""))
+    for r in rows:
+        if r.mode == "compressed" and r.batch == 1 and r.context in (lo, hi) and r.x_floor:
+            verdict = "met" if r.x_floor <= 2 else "MISSED"
+            out.append(f"{fmt_tokens(r.context)} x 1 compressed: step {r.ms_per_step:.2f} ms = {r.x_floor:.2f}x its "
+                       f"byte floor {r.floor_ms:.2f} ms (target <= 2x: {verdict})")
     for p in rep.prefill:
         if p.context == args.prefill_long:
             out.append(f"{fmt_tokens(p.context)} chunked prefill ({p.mode}): {p.status}, {p.tokens_done:,} tokens in "
@@ -682,6 +830,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps first (Triton compiles here)")
     ap.add_argument("--breakdown-contexts", type=_ints, default=[131072, 1048576])
     ap.add_argument("--breakdown-steps", type=int, default=2)
+    ap.add_argument("--breakdown-max-batch", type=int, default=1 << 30,
+                    help="break down (and count kernels of) only rows of at most this batch")
+    ap.add_argument("--kernel-count", action="store_true",
+                    help="at --breakdown-contexts also count kernels per layer (bench/kernel_count.py)")
     ap.add_argument("--prefill-contexts", type=_ints, default=None,
                     help="real chunked prefills timed to completion (default 4K,32K,128K up to the largest context)")
     ap.add_argument("--prefill-long", type=int, default=None,
@@ -689,6 +841,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--prefill-max-seconds", type=float, default=60.0,
                     help="time budget of the --prefill-long attempt (the others are bounded by the run's guard)")
     ap.add_argument("--prefill-chunk", type=int, default=8192, help="chunked_prefill_size")
+    ap.add_argument("--mixed-prefill", type=int, default=0,
+                    help="prompt length of a prefill run beside running decodes, to time their TPOT (0: none)")
+    ap.add_argument("--mixed-decode-context", type=int, default=4096, help="context of those decodes")
+    ap.add_argument("--mixed-decode-batch", type=int, default=8, help="how many decodes run beside the prefill")
+    ap.add_argument("--mixed-max-seconds", type=float, default=120.0, help="time limit of the mixed prefill")
     ap.add_argument("--dense-prefill", action="store_true", help="also time the dense mode's prefills")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="cap on the batch (max_running_requests; default 256 on CUDA, 16 on the CPU)")
@@ -793,6 +950,15 @@ def report_text(rep: Report, args: argparse.Namespace) -> None:
         print("\n## per-layer-type breakdown\n")
         for r in bds:
             print(breakdown_text(r))
+    counted = [r for r in rep.decode if r.kernels]
+    if counted:
+        print("\n## kernels per layer (one eager decode step)\n")
+        for r in counted:
+            print(f"{r.mode}, {fmt_tokens(r.context)} x {r.batch}: " + kernel_text(r.kernels, names=r is counted[0]))
+    if rep.mixed:
+        print("\n## decodes beside a prefill\n")
+        for r in rep.mixed:
+            print(mixed_text(r))
     print("\n## targets\n")
     for line in rep.summary:
         print("- " + line)

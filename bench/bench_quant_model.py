@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._bench_common import admit_synthetic, finish_all, fmt_bytes, fmt_tokens, sync, timed_decode_steps  # noqa: E402,E501
+from bench._floor import copy_gbps, decode_step_floor  # noqa: E402
 from bench.bench_long_context import DecodeRow, PrefillRow, is_oom, measure_decode, measure_prefill  # noqa: E402
 from dsv4_backend.checkpoint import CheckpointReader, quantize_fp8_blockwise, save_checkpoint  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
@@ -73,7 +74,6 @@ from dsv4_backend.layers import linear as qlinear  # noqa: E402
 from dsv4_backend.layers import quant as qquant  # noqa: E402
 from dsv4_backend.weights import (WeightKind, WeightSpec, keeps_quantized, model_tensors, param_dtype,  # noqa: E402
                                   random_weights, scale_name, weight_specs)
-from memory.configurator import INDEXER_ROW_BYTES, KV_ROW_BYTES  # noqa: E402
 from scheduler_hooks.engine import Engine  # noqa: E402
 
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)   # RMS of uniform random codes
@@ -257,15 +257,6 @@ def graph_time_ms(fns: list[Callable[[], Any]], device: torch.device, iters: int
     return start.elapsed_time(end) / (reps * len(fns))
 
 
-def copy_gbps(device: torch.device) -> float:
-    """Device-to-device copy bandwidth, bytes read + written (as bench/bench_kernels.py counts)."""
-    n = (1 << 30) if device.type == "cuda" else (1 << 26)
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, 50 if device.type == "cuda" else 5)
-    return 2 * n / (ms * 1e-3) / 1e9
-
-
 def fp8_peak_tflops(device: torch.device) -> Optional[float]:
     """An 8192^3 e4m3 matmul through torch._scaled_mm (None without one)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
@@ -284,30 +275,9 @@ def fp8_peak_tflops(device: torch.device) -> Optional[float]:
 
 # ---- floors ----------------------------------------------------------------------------------------
 
-def distinct_experts(cfg: DSV4Config, tokens: int) -> float:
-    """Expected distinct routed experts ``tokens`` tokens touch under uniform routing."""
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    return E * (1 - (1 - k / E) ** tokens)
-
-
-def layer_read_bytes(cfg: DSV4Config, i: int, batch: int, context: int) -> float:
-    """Bytes a decode step of ``batch`` requests at ``context`` reads in layer i: its weights but
-    the untouched experts, plus the KV it attends (DSV4.md section 9)."""
-    experts = cfg.n_routed_experts * expert_bytes(cfg)
-    w = layer_bytes(cfg, i) - experts + distinct_experts(cfg, batch) * expert_bytes(cfg)
-    ratio, window = cfg.layer_ratios[i], cfg.sliding_window
-    if ratio == 4:
-        kv = (window + min(cfg.index_topk, context // 4)) * KV_ROW_BYTES + context // 4 * INDEXER_ROW_BYTES
-    elif ratio == 128:
-        kv = (window + context // 128) * KV_ROW_BYTES
-    else:
-        kv = window * KV_ROW_BYTES
-    return w + batch * kv
-
-
-def step_read_bytes(cfg: DSV4Config, batch: int, context: int) -> float:
-    head = cfg.vocab_size * cfg.hidden_size * DTYPE.itemsize
-    return head + sum(layer_read_bytes(cfg, i, batch, context) for i in range(cfg.num_hidden_layers))
+def step_floor_ms(cfg: DSV4Config, batch: int, context: int, gbps: float) -> float:
+    """The byte floor of a decode step of this (kept-quantised) model (bench/_floor.py)."""
+    return decode_step_floor(cfg, context, batch, DTYPE, quantized=True).ms(gbps)
 
 
 # ---- kernels -----------------------------------------------------------------------------------------
@@ -514,7 +484,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # decode
     ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin, breakdown_steps=0)
     rep["decode"] = []
-    print("\ndecode      context  batch   ms/step   tok/s     floor ms  % floor  status")
+    print("\ndecode      context  batch   ms/step   tok/s     floor GB  floor ms  % floor  status")
     for ctx in args.contexts:
         fits = min(args.max_batch, plan.requests_fit(ctx + headroom))
         batches = sorted({fits if b == "max" else b for b in args.batches if b == "max" or b <= fits} - {0})
@@ -525,12 +495,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     measure_decode(eng, row, ns, guard, breakdown=False)
                 except Exception as e:   # an OOM or a refusal is a result, not the end of the run
                     row.status, row.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
-            floor = step_read_bytes(cfg, b, ctx) / (bw * 1e9) * 1e3
-            d = asdict(row) | {"floor_ms": floor}
+            fl = decode_step_floor(cfg, ctx, b, DTYPE, quantized=True)
+            floor = fl.ms(bw)
+            d = asdict(row) | {"floor_ms": floor, "floor": fl.to_dict(bw)}
             rep["decode"].append(d)
             pct = f"{100 * floor / row.ms_per_step:7.1f}" if row.ms_per_step else "      -"
             print(f"{'':10} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
-                  f"{floor:9.2f} {pct}  {row.status} {row.note}")
+                  f"{fl.total_bytes / 1e9:9.3f} {floor:9.2f} {pct}  {row.status} {row.note}")
 
     # prefill
     pf = PrefillRow("compressed", args.prefill_context, "skipped (time guard)")
@@ -555,13 +526,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             finish_all(eng, rids)
         per_layer = (full_ms - half_ms) / (n_layers - half)
-        layer_floor = sum(layer_read_bytes(cfg, i, 1, ctx0) for i in range(half, n_layers)) / (n_layers - half)
-        layer_floor_ms = layer_floor / (bw * 1e9) * 1e3
+        # the same difference of the two models' floors as of their steps
+        layer_floor_ms = (step_floor_ms(cfg, 1, ctx0, bw) - step_floor_ms(layer_config(base, half), 1, ctx0, bw)) \
+            / (n_layers - half)
         graph = next((d for d in rep["decode"] if d["context"] == ctx0 and d["batch"] == 1 and d["ms_per_step"]), None)
         step_ms = graph["ms_per_step"] if graph else full_ms
         L = base.num_hidden_layers                 # 43 for Flash
         derived = step_ms + (L - n_layers) * per_layer
-        derived_floor = step_read_bytes(base, 1, ctx0) / (bw * 1e9) * 1e3
+        derived_floor = step_floor_ms(base, 1, ctx0, bw)
         rep["per_layer"] = {"context": ctx0, "step_ms_all_layers": full_ms, f"step_ms_{half}_layers": half_ms,
                             "per_layer_ms": per_layer, "per_layer_floor_ms": layer_floor_ms,
                             "step_ms_batch1": step_ms, "derived_layers": L,

@@ -42,7 +42,7 @@ from torch import nn
 from memory.quant import indexer_fake_quant
 
 from .config import DSV4Config, RopeScaling
-from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, shared_input
+from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, shared_input, stack_rows
 from .weights import model_tensors
 
 
@@ -69,22 +69,36 @@ def fp8_linear(in_features: int, out_features: int, quantized: bool) -> nn.Modul
     return Fp8Linear(in_features, out_features) if quantized else Linear(in_features, out_features)
 
 
+# On CUDA (float32 / bfloat16) RMSNorm and RMSNorm + RoPE run as one Triton kernel per call
+# (kernels/norm_rope.py); DSV4_NORM_ROPE_KERNEL=0 keeps the torch ops (for A/B timing).
+USE_NORM_ROPE_KERNEL = os.environ.get("DSV4_NORM_ROPE_KERNEL", "1") != "0"
+
+
+def _norm_rope_kernel_applies(x: torch.Tensor) -> bool:
+    return USE_NORM_ROPE_KERNEL and x.is_cuda and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """RMS normalisation over the last dim in hi precision, times ``weight`` if given (None: the
+    weightless per-head q norm); out in ``out_dtype`` (default x's)."""
+    out_dtype = out_dtype or x.dtype
+    if _norm_rope_kernel_applies(x) and out_dtype in (torch.float32, torch.bfloat16):
+        from .kernels.norm_rope import norm_rope
+        return norm_rope(x, weight, eps, out_dtype=out_dtype)
+    h = x.to(hi_dtype(x.dtype))
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return (h if weight is None else h * weight.to(h.dtype)).to(out_dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(hi_dtype(x.dtype))
-        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.to(h.dtype)).to(x.dtype)
-
-
-def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS normalisation over the last dim (the per-head q norm)."""
-    h = x.to(hi_dtype(x.dtype))
-    return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    def forward(self, x: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, out_dtype)
 
 
 def yarn_inv_freq(theta: float, rope_dim: int, scaling: Optional[RopeScaling]) -> torch.Tensor:
@@ -122,6 +136,14 @@ class Rotary:
             self._inv_on[device] = self.inv_freq.to(device)
         return self._inv_on[device]
 
+    def norm_apply(self, x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                   positions: torch.Tensor) -> torch.Tensor:
+        """``apply(rms_norm(x, weight, eps), positions)``: one kernel on CUDA."""
+        if _norm_rope_kernel_applies(x):
+            from .kernels.norm_rope import norm_rope
+            return norm_rope(x, weight, eps, positions, self.inv_freq_on(x.device))
+        return self.apply(rms_norm(x, weight, eps), positions)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] int -> cos, sin [T, rope_dim / 2] in dtype
         angles = positions.to(torch.float32)[:, None] * self.inv_freq_on(positions.device)[None, :]
@@ -130,6 +152,9 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate ``x [T, ..., D]`` at ``positions [T]`` (by minus the angle when ``inverse``)."""
+        if _norm_rope_kernel_applies(x):
+            from .kernels.norm_rope import norm_rope
+            return norm_rope(x, None, 0.0, positions, self.inv_freq_on(x.device), norm=False, inverse=inverse)
         cos, sin = self.cos_sin(positions, hi_dtype(x.dtype))  # bf16 rotates in float32
         if inverse:
             sin = -sin
@@ -199,10 +224,6 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(ratio, coff * d), requires_grad=False)
         self.norm = RMSNorm(d, eps)
 
-    def raw(self, x: torch.Tensor) -> CompressorInput:
-        h = x.to(hi_dtype(x.dtype))  # the compressors run in fp32 (or float64)
-        return CompressorInput(self.wkv(h), self.wgate(h))
-
 
 class Indexer(nn.Module):
     def __init__(self, cfg: DSV4Config, quantized: bool = False):
@@ -239,22 +260,35 @@ class Attention(nn.Module):
         T, H, hd, eps = x.shape[0], self.n_heads, self.head_dim, self.cfg.rms_norm_eps
         qa, kv = shared_input(x, self.wq_a, self.wkv)
         qr = self.q_norm(qa)
-        q = head_rms_norm(self.wq_b(qr).view(T, H, hd), eps)
-        q = self.rope.apply(q, positions)
-        kv = self.rope.apply(self.kv_norm(kv), positions)
         compress = self.ratio and getattr(meta, "compress", True)
-        comp = self.compressor.raw(x) if compress else None
-        index = self._indexer_inputs(x, qr, positions) if compress and self.indexer is not None else None
-        o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, index), meta)  # [T, H, hd]
+        index = compress and self.indexer is not None
+        qb, iq = shared_input(qr, self.wq_b, self.indexer.wq_b) if index else (self.wq_b(qr), None)
+        q = self.rope.norm_apply(qb.view(T, H, hd), None, eps, positions)
+        kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
+        comp = idx_in = None
+        if compress:
+            raws = self._compressor_inputs(x)
+            comp = raws[0]
+            idx_in = self._indexer_inputs(x, iq, raws[1], positions) if index else None
+        o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, idx_in), meta)  # [T, H, hd]
         o = self.rope.apply(o, positions, inverse=True)
         return self._project_out(o)
 
-    def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor) -> IndexerInput:
+    def _compressor_inputs(self, x: torch.Tensor) -> list[CompressorInput]:
+        """Raw (C, Z) of the attention compressor and, in CSA layers, the indexer's: the four
+        (or two) projections of x through one shared_input (one matmul where they are stacked)."""
+        comps = [self.compressor] + ([self.indexer.compressor] if self.indexer is not None else [])
+        h = x.to(hi_dtype(x.dtype))  # the compressors run in fp32 (or float64)
+        ys = shared_input(h, *[lin for c in comps for lin in (c.wkv, c.wgate)])
+        return [CompressorInput(ys[2 * i], ys[2 * i + 1]) for i in range(len(comps))]
+
+    def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, comp: CompressorInput,
+                        positions: torch.Tensor) -> IndexerInput:
+        # iq: indexer.wq_b(qr) [T, index_heads * 128]
         ix, T = self.indexer, x.shape[0]
-        q = ix.wq_b(qr).view(T, ix.n_heads, ix.head_dim)
-        q = indexer_fake_quant(hadamard(self.rope.apply(q, positions)))
+        q = indexer_fake_quant(hadamard(self.rope.apply(iq.view(T, ix.n_heads, ix.head_dim), positions)))
         w = ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
-        return IndexerInput(q, w, ix.compressor.raw(x))
+        return IndexerInput(q, w, comp)
 
     def _project_out(self, o: torch.Tensor) -> torch.Tensor:
         # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
@@ -416,6 +450,17 @@ def _stack_experts_for(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16
 
 
+# Linears of one input (wq_a + wkv, a compressor's wkv + wgate, the shared expert's w1 + w3)
+# allocated as one stacked weight and run as one matmul on CUDA (layers.linear.stack_rows);
+# DSV4_STACK_LINEARS=0 keeps them apart (for A/B timing).
+USE_STACKED_LINEARS = os.environ.get("DSV4_STACK_LINEARS", "1") != "0"
+
+
+def _stack_rows_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether DSV4Model allocates the linears of one input as row stacks (unquantised models)."""
+    return USE_STACKED_LINEARS and device.type == "cuda" and dtype in (torch.float32, torch.bfloat16)
+
+
 def _grouped_mm_device(device: torch.device) -> bool:
     """Whether torch._grouped_mm has its sync-free bf16 kernel on this GPU (sm90 / sm100)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -483,6 +528,15 @@ def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tj,tjd->td", pre, X.to(pre.dtype))
 
 
+def hc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, out_dtype: torch.dtype) -> torch.Tensor:
+    """A sub-layer's input ``norm(sum_j pre_j X_j)`` in ``out_dtype``; one kernel on CUDA."""
+    if (_mhc_kernels_apply(X) and _norm_rope_kernel_applies(X) and pre.dtype == torch.float32
+            and out_dtype in (torch.float32, torch.bfloat16)):
+        from .kernels.mhc import mhc_collapse_norm
+        return mhc_collapse_norm(X.contiguous(), pre, norm.weight, norm.eps, out_dtype)
+    return norm(hc_collapse(X, pre), out_dtype)
+
+
 def hc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     # X'_k = post_k f + sum_j C[j, k] X_j, mixed in C's precision; the streams keep X's dtype
     if _mhc_kernels_apply(X) and C.dtype == torch.float32:
@@ -509,10 +563,10 @@ class Block(nn.Module):
 
     def forward(self, X, input_ids, positions, backend, meta):
         pre, post, C = hc_mix_weights(self.cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        f = self.attn(self.attn_norm(hc_collapse(X, pre)).to(X.dtype), positions, backend, meta)
+        f = self.attn(hc_collapse_norm(X, pre, self.attn_norm, X.dtype), positions, backend, meta)
         X = hc_expand(X, f, post, C)
         pre, post, C = hc_mix_weights(self.cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        f = self.ffn(self.ffn_norm(hc_collapse(X, pre)).to(X.dtype), input_ids)
+        f = self.ffn(hc_collapse_norm(X, pre, self.ffn_norm, X.dtype), input_ids)
         return hc_expand(X, f, post, C)
 
 
@@ -597,6 +651,7 @@ class DSV4Model(nn.Module):
             raise RuntimeError(f"DSV4Model tensor names differ from weight_specs: "
                                f"missing {missing[:8]}, unexpected {extra[:8]}")
         stack = self.quantized or _stack_experts_for(device, dtype)
+        rows = not self.quantized and _stack_rows_for(device, dtype)
         for name, t in own.items():
             spec = specs[name]
             if tuple(t.shape) != spec.shape:
@@ -610,6 +665,17 @@ class DSV4Model(nn.Module):
                     mod.fp4 = Fp4ExpertStack(mod.experts, device)
                 elif isinstance(mod, MoE):
                     mod.stack_experts(specs[f"{mod_name}.experts.0.w1.weight"].dtype, device)
+        if rows:
+            for mod in self.modules():
+                if isinstance(mod, Attention):
+                    stack_rows(mod.wq_a, mod.wkv)
+                    comps = [mod.compressor] + ([mod.indexer.compressor] if mod.indexer is not None else [])
+                    if mod.compressor is not None:
+                        stack_rows(*[lin for c in comps for lin in (c.wkv, c.wgate)])
+                    if mod.indexer is not None:
+                        stack_rows(mod.wq_b, mod.indexer.wq_b)
+                elif isinstance(mod, MoE):
+                    stack_rows(mod.shared_experts.w1, mod.shared_experts.w3)
 
     @torch.no_grad()
     def load_stream(self, tensors) -> None:

@@ -12,8 +12,12 @@ The pipeline for a row (SGLang's order):
    draw from the renormalised survivors.
 
 A request with a ``seed`` owns a ``torch.Generator`` (created by the scheduler, kept across
-steps and retractions), so its samples do not depend on what else is in the batch. The draw
-happens on the CPU so a seed gives the same tokens on any device.
+steps and retractions), so its samples do not depend on what else is in the batch. Each drawn
+row takes one uniform number from its generator on the CPU (so a seed gives the same number on
+any device); the token is then found on the logits' device for all drawn rows at once
+(:func:`draw_tokens`: the inverse CDF of the filtered probabilities), and the step's token ids
+come back to the host in one read (one device sync per step, whatever the batch's sampling
+parameters).
 
 Logprobs are ``log_softmax`` of the raw logits (before penalties and temperature), as SGLang
 reports them.
@@ -102,13 +106,34 @@ def penalised(params: SamplingParams, output_ids: list[int]) -> bool:
     return not (rp == 1.0 and ((fp == 0.0 and pp == 0.0) or not output_ids))
 
 
-def sample_row(logits: torch.Tensor, inp: SampleInput) -> int:
-    """One token for one request. logits: [V] raw."""
-    logits = apply_penalties(logits, inp.params, inp.prompt_ids, inp.output_ids)
-    if inp.params.greedy:
-        return int(torch.argmax(logits).item())
-    probs = filtered_probs(logits, inp.params).cpu()
-    return int(torch.multinomial(probs, 1, generator=inp.generator).item())
+def draw_tokens(logits: torch.Tensor, inputs: list[SampleInput]) -> torch.Tensor:
+    """One drawn token per row, on the logits' device without a host sync: the batched form of
+    :func:`filtered_probs` followed by a draw. logits: [N, V] (penalised) -> ids [N] int64.
+
+    Row i's token is the first (in descending-probability order when a row filters, else in
+    vocabulary order) whose cumulative kept probability exceeds ``u_i * total kept``, with
+    ``u_i ~ U[0, 1)`` from the row's generator: a draw from the renormalised survivors."""
+    dev, f64, V = logits.device, torch.float64, logits.shape[-1]
+
+    def col(values: list[float], dtype: torch.dtype = f64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)[:, None].to(dev, non_blocking=True)
+
+    u = col([float(torch.rand((), generator=inp.generator, dtype=f64)) for inp in inputs])
+    probs = torch.softmax(logits.double() / col([inp.params.temperature for inp in inputs]), dim=-1)
+    filtering = any(inp.params.top_k > 0 or inp.params.top_p < 1.0 or inp.params.min_p > 0.0 for inp in inputs)
+    if filtering:
+        probs, order = probs.sort(dim=-1, descending=True)
+        top_k = col([inp.params.top_k for inp in inputs], torch.int64)
+        top_p = col([inp.params.top_p for inp in inputs])
+        rank = torch.arange(V, device=dev)[None, :]
+        keep = (top_k <= 0) | (rank < top_k)
+        keep &= (top_p >= 1.0) | (probs.cumsum(-1) - probs <= top_p)
+        keep &= probs >= col([inp.params.min_p for inp in inputs]) * probs[:, :1]
+        keep[:, 0] = True                       # the most likely token always survives
+        probs = probs * keep
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=V - 1)   # [N, 1]
+    return (order.gather(1, idx) if filtering else idx).squeeze(1)
 
 
 def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
@@ -129,20 +154,34 @@ def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
 def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
     """One token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
     assert logits.shape[0] == len(inputs), (logits.shape, len(inputs))
-    # greedy rows without penalties take the batch argmax; it and the per-row finiteness flag
-    # come back in one device read (a read is a device sync on the GPU)
-    argmax = torch.argmax(logits, dim=-1)
-    non_finite = (~torch.isfinite(logits).all(dim=-1)).to(argmax.dtype)
-    tokens, bad = torch.stack([argmax, non_finite]).tolist()
     errors: list[Optional[str]] = [None] * len(inputs)
-    for i, inp in enumerate(inputs):
-        if bad[i]:
-            errors[i] = "the model produced non-finite logits"
-        elif not (inp.params.greedy and not penalised(inp.params, inp.output_ids)):
+    work = logits
+    pen = [i for i, inp in enumerate(inputs) if penalised(inp.params, inp.output_ids)]
+    if pen:
+        work = logits.clone()
+        for i in pen:
             try:
-                tokens[i] = sample_row(logits[i], inp)
+                work[i] = apply_penalties(logits[i], inputs[i].params, inputs[i].prompt_ids, inputs[i].output_ids)
             except Exception as e:  # only this request fails
                 errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+    # greedy rows take the batch argmax, drawn rows draw_tokens; the ids and the per-row
+    # finiteness flag come back in one device read (a read is a device sync on the GPU)
+    token_ids = torch.argmax(work, dim=-1)
+    drawn = [i for i, inp in enumerate(inputs) if not inp.params.greedy and errors[i] is None]
+    if drawn:
+        try:
+            token_ids[drawn] = draw_tokens(work[drawn], [inputs[i] for i in drawn])
+        except Exception:  # find the rows that fail and fail only them
+            for i in drawn:
+                try:
+                    token_ids[i] = draw_tokens(work[i:i + 1], [inputs[i]])[0]
+                except Exception as e:
+                    errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+    non_finite = (~torch.isfinite(logits).all(dim=-1)).to(token_ids.dtype)
+    tokens, bad = torch.stack([token_ids, non_finite]).tolist()
+    for i in range(len(inputs)):
+        if bad[i]:
+            errors[i] = "the model produced non-finite logits"
     logprobs: list[Optional[float]] = [None] * len(inputs)
     tops: list[Optional[list[TokenLogprob]]] = [None] * len(inputs)
     want = [i for i, inp in enumerate(inputs) if inp.return_logprob and errors[i] is None]

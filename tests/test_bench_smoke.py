@@ -209,6 +209,14 @@ def test_bench_long_context_end_to_end(tmp_path):
     assert png.stat().st_size > 1000
     data = json.loads(out.read_text())
     assert data["summary"] and len(data["decode"]) == len(rep.decode)
+    # every measured row carries its byte floor at the run's copy bandwidth
+    from bench._floor import decode_step_floor
+    cfg, gbps = bench_long_context.model_config(bench_long_context.parse_args(["--preset", "tiny"])), data["meta"]["copy_gbps"]
+    for r in ok:
+        want = decode_step_floor(cfg, r.context, r.batch, torch.float32, dense=r.mode == "dense")
+        assert r.floor["total_bytes"] == want.total_bytes and r.floor_ms == pytest.approx(want.ms(gbps))
+        assert r.x_floor == pytest.approx(r.ms_per_step / r.floor_ms)
+    assert all(d["floor_ms"] > 0 for d in data["decode"] if d["status"] == "ok")
 
 
 def test_ids_between_is_a_slice_of_all_ids():
@@ -269,3 +277,17 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
     assert rep["prefill"]["status"] == "complete" and rep["prefill"]["tokens_done"] == 256
     pl = rep["per_layer"]
     assert pl["per_layer_floor_ms"] > 0 and pl["derived_layers"] == 4 and pl["derived_step_ms"] > 0
+
+
+def test_bench_long_context_times_decodes_beside_a_prefill():
+    """--mixed-prefill: two running decodes keep getting a token in every step of a chunked
+    prefill beside them, and the report has their TPOT before and during it."""
+    rep = bench_long_context.main([
+        "--preset", "tiny", "--device", "cpu", "--contexts", "256", "--batches", "1", "--modes", "compressed",
+        "--steps", "1", "--warmup", "1", "--breakdown-contexts", "", "--prefill-contexts", "", "--prefill-long", "0",
+        "--mixed-prefill", "512", "--mixed-decode-context", "256", "--mixed-decode-batch", "2",
+        "--prefill-chunk", "256", "--max-batch", "4", "--no-progress"])
+    (m,) = rep.mixed
+    assert m.status == "complete" and m.prefill_tokens_done == 512
+    assert m.steps_mixed == 2 and m.stalled_steps == 0          # two 256-token chunks, decodes in both
+    assert m.tpot_alone_ms > 0 and m.tpot_mixed_max_ms >= m.tpot_mixed_p50_ms > 0

@@ -169,3 +169,45 @@ def test_logprobs_are_of_raw_logits():
     out = sample(rows[:1], [SampleInput(p, [1, 2], [3], gen, top_logprobs_num=2, return_logprob=True)])
     lp_direct, _ = logprob_entries(rows[:1], torch.tensor(out.token_ids), 0)
     assert out.logprobs == lp_direct and len(out.top_logprobs[0]) == 2
+
+
+def test_mixed_batch_draws_follow_each_rows_filtered_probs():
+    """One batch of rows with different temperature / top-k / top-p / min-p (and a penalised
+    one): every draw lies in its row's support, and each row's frequencies follow the plain-Python
+    formula within 5 binomial standard deviations (sqrt(p (1 - p) / n)) plus the float64 rounding."""
+    V, n = 12, 3000
+    base = _rand_logits(V, 31)
+    rows = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.3, top_p=0.5),
+            SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=0.9),
+            SamplingParams(temperature=1.1, top_k=5, repetition_penalty=1.4)]
+    outs = [[], [], [], [], [1, 4]]
+    gens = [torch.Generator().manual_seed(40 + i) for i in range(len(rows))]
+    ins = [SampleInput(rows[j], [2], outs[j], gens[j]) for _ in range(n) for j in range(len(rows))]
+    got = torch.tensor(sample(base[None].expand(n * len(rows), V).clone(), ins).token_ids).view(n, len(rows))
+    for j, p in enumerate(rows):
+        lg = _penalised(base.tolist(), [2], outs[j], p.repetition_penalty, 0.0, 0.0)
+        want = torch.tensor(_filtered(lg, p.temperature, p.top_k, p.top_p, p.min_p), dtype=torch.float64)
+        freq = torch.bincount(got[:, j], minlength=V).double() / n
+        assert freq[want == 0].sum() == 0, (j, freq, want)
+        tol = 5 * (want * (1 - want) / n).sqrt() + 1e-12
+        assert ((freq - want).abs() <= tol).all(), (j, freq, want)
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_one_device_read_per_step_whatever_the_parameters(monkeypatch, dev):
+    """Greedy, penalised, temperature and filtered rows together: the token ids come back in one
+    ``tolist`` and no row is read on its own (no ``item`` / ``cpu``)."""
+    V = 30
+    logits = torch.stack([_rand_logits(V, s) for s in range(6)]).to(dev)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, presence_penalty=0.5),
+              SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_k=4),
+              SamplingParams(temperature=1.0, top_p=0.3, repetition_penalty=1.2), SamplingParams(min_p=0.1)]
+    ins = [SampleInput(p, [1], [3, 3], torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+    reads = []
+    for name in ("tolist", "item", "cpu"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _r=real, **k: reads.append(_n) or _r(self, *a, **k))
+    out = sample(logits, ins)
+    monkeypatch.undo()
+    assert reads == ["tolist"]
+    assert all(e is None for e in out.errors) and all(0 <= t < V for t in out.token_ids)

@@ -10,6 +10,8 @@ replaces the ~90 small torch ops of a Sinkhorn mix (and the handful of a collaps
   of two and masked.
 - ``mhc_collapse``: ``y[t] = sum_j pre[t, j] X[t, j]`` (fp32 out).
 - ``mhc_expand``: ``X'[t, k] = post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` (X's dtype out).
+- ``mhc_collapse_norm``: ``RMSNorm(sum_j pre[t, j] X[t, j]) * weight``, a sub-layer's input
+  (collapse and block norm in one launch).
 """
 
 from __future__ import annotations
@@ -174,4 +176,43 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
             X, f.contiguous(), post.contiguous(), C.contiguous(), out, D,
             HC=hc, HCP=triton.next_power_of_2(hc), BLOCK_D=block_d,
             ROUND_BF16=X.dtype == torch.bfloat16 and not native(), NATIVE=native())
+    return out
+
+
+@triton.jit
+def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    y = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(HC):
+        p = tl.load(pre_ptr + t * HC + j)
+        y += p * tl.load(x_ptr + (t * HC + j) * D + d, mask=ok, other=0.0).to(tl.float32)
+    y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
+        y = round_bf16(y, NATIVE)
+    tl.store(out_ptr + t * D + d, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """A sub-layer's input in one launch: ``RMSNorm(sum_j pre[t, j] X[t, j, :]) * weight``, the
+    collapse and the norm in fp32 registers (what ``mhc_collapse`` then an RMSNorm compute, without
+    the fp32 [T, D] round trip). X: [T, hc, D]; pre: fp32 [T, hc]; weight: [D] -> [T, D] out_dtype."""
+    _check_streams(X, "mhc_collapse_norm")
+    T, hc, D = X.shape
+    if pre.shape != (T, hc) or pre.dtype != torch.float32:
+        raise ValueError(f"mhc_collapse_norm: pre must be fp32 [{T}, {hc}], got {pre.dtype} {tuple(pre.shape)}")
+    if weight.shape != (D,):
+        raise ValueError(f"mhc_collapse_norm: weight must be [{D}], got {tuple(weight.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"mhc_collapse_norm: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    check_device(X, pre, weight)
+    out = torch.empty(T, D, dtype=out_dtype, device=X.device)
+    if T:
+        block = triton.next_power_of_2(D)
+        _collapse_norm_kernel[(T,)](X, pre.contiguous(), weight, out, D, float(eps), HC=hc, BLOCK_D=block,
+                                    ROUND_BF16=out_dtype == torch.bfloat16 and not native(), NATIVE=native(),
+                                    num_warps=8 if block >= 2048 else 4)
     return out

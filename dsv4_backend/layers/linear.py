@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,12 +76,58 @@ class Fp8Linear(nn.Module):
         return deq() if on_gpu_tensor else self._cache.get((self.weight, self.scale), dtype, deq)
 
 
+class RowStack(NamedTuple):
+    """Linears of one input whose weights are consecutive row slices of ``weight``."""
+    weight: torch.Tensor            # [sum of out_features, in_features]
+    mods: tuple[nn.Module, ...]
+
+
+def stack_rows(*mods: nn.Module) -> RowStack:
+    """Re-allocate the ``weight`` of plain linears of one input (same in_features, dtype, device)
+    as consecutive row slices of one tensor, so :func:`shared_input` runs them as one matmul.
+    Values are not kept: call it before loading (``load_state_dict`` / ``load_stream`` copy into
+    the slices in place)."""
+    ws = [m.weight for m in mods]
+    if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
+        raise ValueError(f"stack_rows: weights differ in in_features / dtype / device: "
+                         f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in ws]}")
+    big = torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
+    start = 0
+    for m, w in zip(mods, ws):
+        m.weight.data = big[start:start + w.shape[0]]
+        start += w.shape[0]
+    stack = RowStack(big, tuple(mods))
+    for m in mods:
+        m.row_stack = stack
+    return stack
+
+
+def _row_stack(mods: tuple[nn.Module, ...]) -> Optional[RowStack]:
+    """The modules' stack if their weights are still its slices, in this order (a ``.to()`` or a
+    replaced parameter ends that)."""
+    st = getattr(mods[0], "row_stack", None)
+    if st is None or len(st.mods) != len(mods) or any(a is not b for a, b in zip(st.mods, mods)):
+        return None
+    start = 0
+    for m in mods:
+        if m.weight.data_ptr() != st.weight[start].data_ptr() or not m.weight.is_contiguous():
+            return None
+        start += m.weight.shape[0]
+    return st
+
+
 def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
-    """``[m(x) for m in mods]`` for linears of one input (wq_a and wkv; an expert's w1 and w3).
-    When every module is an ``Fp8Linear``, x is rounded to e4m3 once for all of them: one
-    act-quant (one launch on the GPU) instead of one per projection."""
+    """``[m(x) for m in mods]`` for linears of one input (wq_a and wkv; an expert's w1 and w3; a
+    compressor's wkv and wgate). When every module is an ``Fp8Linear``, x is rounded to e4m3 once
+    for all of them: one act-quant (one launch on the GPU) instead of one per projection. Plain
+    linears stacked by :func:`stack_rows` run as one matmul (x read once, one launch); the outputs
+    are then column views of its result."""
     if not all(isinstance(m, Fp8Linear) for m in mods):
-        return [m(x) for m in mods]
+        st = _row_stack(mods)
+        if st is None:
+            return [m(x) for m in mods]
+        y = F.linear(x, st.weight.to(x.dtype))
+        return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     quant = _kernel("fp8_gemm", "act_quant_fp8") if _on_gpu(x) else None

@@ -116,7 +116,7 @@ def part_a(args) -> list[dict]:
                 runner = ModelRunner.build(cfg, dtype=dtype, weights={k: v.to(d) for k, v in weights.items()},
                                            device=d, max_total_tokens=4096, max_running_requests=4,
                                            online_compress=case.online,
-                                           backend="triton" if dev == "gpu-standin" else None)
+                                           backend=None if dev == "cpu" else "triton")  # FlashMLA: gpu_flashmla_check.py
                 want = "torch" if dev == "cpu" else "triton"
                 assert runner.backend_name == want, (dev, runner.backend_name)
                 t0 = time.perf_counter()

@@ -183,6 +183,14 @@ class Engine:
             raise ValueError("speculative decoding runs on one rank only: tp_size and ep_size must be 1 with "
                              "speculative_algorithm")
 
+        if hisparse_config is not None and not enable_hisparse:
+            raise ValueError("hisparse_config is given but HiSparse is off; pass enable_hisparse=True "
+                             "(--enable-hisparse) as well")
+        self.hisparse_config = HiSparseConfig.parse(hisparse_config) if enable_hisparse else None
+        if self.hisparse_config is not None and (self.speculative is not None or max(tp_size, ep_size) > 1):
+            # neither the speculative rollback nor the ranks' replay of rank 0's calls knows the hot pool yet
+            raise ValueError("enable_hisparse runs without speculative decoding and on one rank (tp_size = "
+                             "ep_size = 1) for now")
         self._weights_on_device = random_weights_on_device
         if weight_stream is not None and model_path is not None:
             raise ValueError("pass model_path or weight_stream, not both")
@@ -215,10 +223,6 @@ class Engine:
             self.vocab_size = min(self.vocab_size, self.tokenizer.vocab_size)
 
         state_dtype = torch.float64 if self.dtype == torch.float64 else None
-        if hisparse_config is not None and not enable_hisparse:
-            raise ValueError("hisparse_config is given but HiSparse is off; pass enable_hisparse=True "
-                             "(--enable-hisparse) as well")
-        self.hisparse_config = HiSparseConfig.parse(hisparse_config) if enable_hisparse else None
         spec = self.speculative
         if spec is not None and self.config.num_nextn_predict_layers < 1:
             raise ValueError("speculative decoding drafts with the MTP layer; this config has "

@@ -54,10 +54,11 @@ def build_engine(args: argparse.Namespace, cache: bool) -> Engine:
                               random_seed=args.seed, max_running_requests=args.max_running,
                               chunked_prefill_size=args.chunk, disable_radix_cache=not cache,
                               config_overrides=over or None, context_length=args.context_length)
-    if args.device == "cpu":
-        kw["max_total_tokens"] = args.max_total_tokens
-    else:
-        kw.update(mem_fraction_static=args.mem_fraction, random_weights_on_device=True)
+    # pools sized in tokens on both devices: a fraction of a GPU would also count the weights,
+    # which the model holds twice while it stacks the experts
+    kw["max_total_tokens"] = args.max_total_tokens or (16384 if args.device == "cpu" else 262144)
+    if args.device == "cuda":
+        kw["random_weights_on_device"] = True
     return Engine(**kw)
 
 
@@ -227,8 +228,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=None, help="chunked_prefill_size (CPU 2048, CUDA 8192)")
     ap.add_argument("--max-running", type=int, default=4)
-    ap.add_argument("--max-total-tokens", type=int, default=16384, help="CPU pool size in full tokens")
-    ap.add_argument("--mem-fraction", type=float, default=0.85, help="CUDA: mem_fraction_static")
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="pool size in full tokens (default 16384 on the CPU, 262144 on CUDA)")
     ap.add_argument("--context-length", type=int, default=65536)
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="ids of the untimed warm-up request (CPU 300; CUDA one chunk + 300)")

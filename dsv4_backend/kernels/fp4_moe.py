@@ -62,8 +62,10 @@ class MoeConfig(NamedTuple):
     # routing in one Triton launch (``route_fused``) when T k <= ROUTE_FUSED_MAX_PAIRS
     fused_route: bool = True
     # T k <= decode_max_pairs: the split-K GEMVs of ``fp4_moe_decode`` instead of the grouped
-    # tensor-core kernels (the fields above then do not apply); None: ``pick_gemv_configs``
-    decode_max_pairs: int = 384
+    # tensor-core kernels (the fields above then do not apply); None: ``pick_gemv_configs``.
+    # 24 = four tokens of top-6: on the H200 the GEMVs were faster up to T = 4 (108 vs 192 us at
+    # T = 1) and slower from T = 16 (1291 vs 1088 us), docs/PERF.md
+    decode_max_pairs: int = 24
     gemv_gate_up: GemvConfig | None = None
     gemv_down: GemvConfig | None = None
 

@@ -53,11 +53,12 @@ DECODES = {"f16": 0, "e4m3": 1, "lut": 2}
 
 
 def pick_gemv_configs(num_pairs: int) -> tuple[GemvConfig, GemvConfig]:
-    """(gate-up, down) launch shapes. A token's k experts give k x N / block_n programs (768 at
-    Flash's widths and 32-row tiles, ~6 per SM of an H200); below two tokens, split K in two so
-    that each program's loop is short and more of them stream at once."""
-    split = 2 if num_pairs <= 12 else 1
-    return GemvConfig(32, 128, split), GemvConfig(32, 128, split)
+    """(gate-up, down) launch shapes, from the H200 sweep of ``bench/gpu_moe_sweep.py``
+    (docs/PERF.md): one token (6 pairs) streams best with K split in four for gate-up (16-row
+    tiles, 256-deep K steps) and in two for down; up to four tokens, 256-deep steps split in two."""
+    if num_pairs <= 12:
+        return GemvConfig(16, 256, 4, 2, 2), GemvConfig(32, 128, 2, 2, 2)
+    return GemvConfig(32, 256, 2, 4, 2), GemvConfig(32, 256, 2, 4, 2)
 
 
 # ---- pieces --------------------------------------------------------------------------------

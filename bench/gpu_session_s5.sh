@@ -5,7 +5,8 @@
 #                                         per layer, host syncs, mixed-prefill TPOT (issue 14), the
 #                                         prefix cache workloads (issue 17)
 #   bash bench/gpu_session_s5.sh $OUT b   HiSparse against the compressed pools (issue 21), the TP/EP
-#                                         code path on one rank over NCCL (issue 15)
+#                                         code path on one rank over NCCL (issue 15), the prefix cache
+#                                         again (its first engine ran out of memory in part a)
 # (The MoE sweep of issue 13 and the speculative benchmark of issue 18 ran as their own calls:
 #  python3 bench/gpu_moe_sweep.py --out $OUT/moe_sweep.json; python3 bench/bench_speculative.py --out $OUT/spec.json.)
 # Each part has its own time limit so one that hangs leaves the others their share.
@@ -33,8 +34,11 @@ if [ "$WHICH" = a ]; then
     --out "$OUT/prefix_cache.json"
   tail -n 5 "$OUT/tests.log"; tail -n 25 "$OUT/engine_check.log"; tail -n 80 "$OUT/long_context.log"; tail -n 25 "$OUT/prefix.log"
 else
-  part 260 hisparse python3 bench/bench_hisparse.py --out "$OUT/hisparse.json"
-  part 220 tp1 python3 bench/bench_parallel.py --tp-size 1 --nccl-one-rank --time-budget 180 --prefill-max-seconds 40 \
+  part 230 hisparse python3 bench/bench_hisparse.py --time-budget 215 --steps 3 --out "$OUT/hisparse.json"
+  part 180 tp1 python3 bench/bench_parallel.py --tp-size 1 --nccl-one-rank --time-budget 150 --prefill-max-seconds 30 \
     --out "$OUT/tp1.json"
-  tail -n 40 "$OUT/hisparse.log"; tail -n 40 "$OUT/tp1.log"
+  part 130 prefix python3 bench/bench_prefix_cache.py --device cuda --preset flash --system-len 32768 --requests 4 \
+    --concurrency 1 --chat-system-len 4096 --convs 4 --turns 3 --user-len 512 --new-tokens 32 \
+    --out "$OUT/prefix_cache.json"
+  tail -n 40 "$OUT/hisparse.log"; tail -n 40 "$OUT/tp1.log"; tail -n 25 "$OUT/prefix.log"
 fi

@@ -143,7 +143,7 @@ def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace) -> dict
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = model_config(args)
     device = torch.device(args.device)
-    ns = argparse.Namespace(**vars(args), prefill_contexts=[], prefill_long=0)
+    ns = argparse.Namespace(**vars(args), prefill_contexts=[], prefill_long=0, mixed_prefill=0)
     mem = memory_setup(cfg, ns, device, HEADROOM)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "notes": mem.notes,
                               "weights_bytes": weight_bytes(cfg, DTYPES[args.dtype]), "plans": {}, "decode": [],

@@ -52,8 +52,8 @@ if str(ROOT) not in sys.path:
 
 from bench._bench_common import fmt_bytes, fmt_tokens  # noqa: E402
 from bench.bench_long_context import DecodeRow, PrefillRow, is_oom, measure_decode, measure_prefill  # noqa: E402
-from bench.bench_quant_model import (DTYPE, Budget, copy_gbps, layer_config, layer_read_bytes, log,  # noqa: E402
-                                     synth_tensors)
+from bench._floor import decode_step_floor  # noqa: E402
+from bench.bench_quant_model import DTYPE, Budget, copy_gbps, layer_config, log, synth_tensors  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.parallel import ParallelConfig, close_ranks, free_port, init_ranks, rank_weight_bytes  # noqa: E402
 from dsv4_backend.weights import model_tensors, weight_specs  # noqa: E402
@@ -163,14 +163,11 @@ def time_collectives(cfg: DSV4Config, pc: ParallelConfig, device: torch.device, 
 
 def rank_step_bytes(cfg: DSV4Config, pc: ParallelConfig, batch: int, context: int) -> float:
     """One rank's bytes read per decode step, a floor estimate: the one-GPU weight reads of
-    ``bench_quant_model.layer_read_bytes`` divided by the ranks (the small replicated tensors,
+    ``bench._floor.decode_step_floor`` divided by the ranks (the small replicated tensors,
     wq_a, wkv, compressors, gate, are counted as split too, so the floor is a little low),
     plus the whole KV read (every rank attends over its full pools)."""
-    one = sum(layer_read_bytes(cfg, i, batch, 0) for i in range(cfg.num_hidden_layers))
-    kv = sum(layer_read_bytes(cfg, i, batch, context) - layer_read_bytes(cfg, i, batch, 0)
-             for i in range(cfg.num_hidden_layers))
-    head = cfg.vocab_size * cfg.hidden_size * DTYPE.itemsize
-    return (one + head) / pc.world_size + kv
+    floor = decode_step_floor(cfg, context, batch, DTYPE, quantized=True)
+    return floor.weight_bytes / pc.world_size + floor.kv_bytes
 
 
 def fitting_layers(base: DSV4Config, pc: ParallelConfig, total: int, args: argparse.Namespace) -> int:

@@ -5,17 +5,11 @@
 #                                                derived bounds on the GPU (issue 12)
 #   bash bench/gpu_session_s4.sh $OUT followup   the quantised kernels after their follow-up,
 #                                                then the long-context run, FlashMLA beside Triton
-# Each part has its own time limit so one that hangs leaves the others their share.
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-first}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || echo "wheel install failed"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-date -u
-nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
-part() { local t=$1 name=$2; shift 2; echo "=== $name (limit ${t}s)"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name rc=$?"; }
+source bench/_gpu_session.sh
 if [ "$WHICH" = first ]; then
   part 110 quant_check python3 bench/gpu_quant_check.py --quick
   part 170 quant_kernels python3 bench/bench_quant_kernels.py --quick --out "$OUT/quant_kernels.json"

@@ -1,0 +1,11 @@
+# Sourced by the bench/gpu_session_*.sh scripts: installs the wheels carried in .whl/ (if any),
+# prints the machine, and defines `part LIMIT NAME CMD...`, which runs CMD under its own time
+# limit with its output in $OUT/NAME.log (so one part that hangs leaves the others their share).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "wheel install failed"
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+date -u
+nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
+part() { local t=$1 name=$2; shift 2; echo "=== $name (limit ${t}s)"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name rc=$?"; }

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._bench_common import admit_synthetic, finish_all, fmt_bytes, fmt_tokens, sync, timed_decode_steps  # noqa: E402
-from bench.bench_long_context import free_device_memory, memory_setup, model_config, weight_bytes  # noqa: E402
+from bench.bench_long_context import free_device_memory, memory_setup, model_config, model_defaults, weight_bytes  # noqa: E402
 from memory.configurator import DSV4PoolConfigurator, PoolPlan  # noqa: E402
 from memory.layout import KV_ROW_BYTES  # noqa: E402
 from scheduler_hooks.engine import DTYPES, Engine  # noqa: E402
@@ -255,10 +255,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.experts is None and args.preset != "tiny":
-        args.experts = 8
+    cuda = model_defaults(args)
     args.max_batch = args.max_batch or (96 if cuda else 8)
     bad = [m for m in args.modes if m not in MODES]
     if bad:

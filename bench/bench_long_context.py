@@ -211,6 +211,16 @@ def plan_for(cfg: DSV4Config, mode: str, mem: MemorySetup) -> PoolPlan:
     return conf_for(cfg, mode, mem.max_running).plan_for_budget(mem.pool_budget)
 
 
+def model_defaults(args: argparse.Namespace) -> bool:
+    """The benchmark model's defaults where the flags left them open (bf16 on CUDA, float32 on
+    the CPU; 8 routed experts for the Flash / Pro presets); returns whether the device is CUDA."""
+    cuda = torch.device(args.device).type == "cuda"
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.experts is None and args.preset != "tiny":
+        args.experts = 8
+    return cuda
+
+
 def memory_setup(cfg: DSV4Config, args: argparse.Namespace, device: torch.device, headroom: int) -> MemorySetup:
     dtype = DTYPES[args.dtype]
     context_length = max(args.contexts + args.prefill_contexts + [args.prefill_long, args.mixed_prefill]) \
@@ -865,10 +875,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.experts is None and args.preset != "tiny":
-        args.experts = 8
+    cuda = model_defaults(args)
     args.max_batch = args.max_batch or (256 if cuda else 16)
     if args.prefill_contexts is None:
         args.prefill_contexts = [c for c in (4096, 32768, 131072) if c <= max(args.contexts)]

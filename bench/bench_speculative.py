@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._bench_common import admit_synthetic, finish_all, fmt_tokens, sync  # noqa: E402
-from bench.bench_long_context import memory_setup, model_config, plan_for  # noqa: E402
+from bench.bench_long_context import memory_setup, model_config, model_defaults, plan_for  # noqa: E402
 from dsv4_backend import Engine  # noqa: E402
 
 
@@ -111,10 +111,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="seconds for the whole run; configurations that would start later are skipped (and listed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.experts is None and args.preset != "tiny":
-        args.experts = 8
+    cuda = model_defaults(args)
     if not cuda:
         torch.set_num_threads(1)
     # what bench_long_context.memory_setup reads

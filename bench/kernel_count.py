@@ -220,7 +220,7 @@ def count_decode_kernels(engine: Any, context: int, batch: int, steps: int = 1) 
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    from bench.bench_long_context import model_config
+    from bench.bench_long_context import model_config, model_defaults
     from scheduler_hooks.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -234,10 +234,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    cuda = torch.device(args.device).type == "cuda"
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.experts is None and args.preset != "tiny":
-        args.experts = 8
+    cuda = model_defaults(args)
     cfg = model_config(args)
     over: dict[str, Any] = {"n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok}
     if args.layers:

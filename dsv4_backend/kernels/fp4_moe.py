@@ -27,7 +27,8 @@ one (row block, N-tile), so at decode every selected expert's weight tile is rea
    one quantisation block) -> hq e4m3 [P, I], hs fp32 [P, I/128] in sorted row order.
 2. ``_down_kernel``: a program per (row block, block_n columns of D) -> y bf16 [P, D] at the
    pair's own position t * k + j.
-3. ``_combine_kernel``: out[t] = sum_j y[t * k + j] in order (deterministic, no atomics).
+3. ``moe_combine`` (``fp4_moe_decode``'s combine, one split): out[t] = sum_j y[t * k + j] in
+   order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import triton.language as tl
 from dsv4_backend.kernels._common import (
     check_device, dot_dtype, e2m1_times_2m14, e4m3_decode, exp2_int, native, round_bf16,
 )
-from dsv4_backend.kernels.fp4_moe_decode import GemvConfig, fp4_moe_decode, pick_gemv_configs
+from dsv4_backend.kernels.fp4_moe_decode import GemvConfig, combine_splits, fp4_moe_decode, pick_gemv_configs
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, quant_block_e4m3
 
 class MoeConfig(NamedTuple):
@@ -363,20 +364,6 @@ def _down_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, order_ptr, blk_e_ptr, blk_r0_ptr
     tl.store(y_ptr + p64[:, None] * D + n[None, :], y, mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def _combine_kernel(y_ptr, ids_ptr, out_ptr, D, E, TOPK: tl.constexpr, BLOCK_D: tl.constexpr,
-                    NATIVE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = d < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        e = tl.load(ids_ptr + t * TOPK + j)
-        ok = (e >= 0) & (e < E)
-        acc += tl.load(y_ptr + (t * TOPK + j) * D + d, mask=dmask & ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + d, round_bf16(acc, NATIVE), mask=dmask)
-
-
 # ---- entry points -------------------------------------------------------------------------
 
 def _check_moe_inputs(x, ids, weights, w13, w13_scale, w2, w2_scale):
@@ -446,14 +433,9 @@ def moe_down(hq, hs, w2, w2_scale, routing: Routing, config: MoeConfig) -> torch
 
 
 def moe_combine(y: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Stage 3: out [T, D] bf16 = sum_j y[t * k + j] over valid choices, in order j = 0..k-1."""
-    T, k = ids.shape
-    D = y.shape[1]
-    out = torch.empty(T, D, dtype=torch.bfloat16, device=y.device)
-    block_d = 1024
-    _combine_kernel[(T, triton.cdiv(D, block_d))](
-        y, ids.contiguous(), out, D, num_experts, TOPK=k, BLOCK_D=block_d, NATIVE=native(), num_warps=4)
-    return out
+    """Stage 3: out [T, D] bf16 = sum_j y[t * k + j] over valid choices, in order j = 0..k-1
+    (the decode path's combine with one split)."""
+    return combine_splits(y.unsqueeze(0), ids.contiguous(), num_experts)
 
 
 def _tl_dot_dtype():

@@ -201,9 +201,9 @@ def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, P, D, E, TOPK: tl.constex
         e = tl.load(ids_ptr + t * TOPK + j)
         m = dmask & (e >= 0) & (e < E)
         base = part_ptr + (t * TOPK + j) * D + d
-        y = tl.load(base, mask=m, other=0.0)
+        y = tl.load(base, mask=m, other=0.0).to(tl.float32)
         for s in tl.static_range(1, SPLIT):
-            y += tl.load(base + s * P * D, mask=m, other=0.0)
+            y += tl.load(base + s * P * D, mask=m, other=0.0).to(tl.float32)
         acc += round_bf16(y, NATIVE)
     tl.store(out_ptr + t * D + d, round_bf16(acc, NATIVE), mask=dmask)
 
@@ -274,7 +274,8 @@ def swiglu_quant(part: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n
 
 
 def combine_splits(part: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Down partials [splits, T k, D] -> out [T, D] bf16 (the contract's combine)."""
+    """Down partials [splits, T k, D] (fp32, or bf16 rows with one split) -> out [T, D] bf16
+    (the contract's combine)."""
     split, P, D = part.shape
     T, k = ids.shape
     out = torch.empty(T, D, dtype=torch.bfloat16, device=part.device)

@@ -1,8 +1,10 @@
-# Sourced by the bench/gpu_session_*.sh scripts: installs the wheels carried in .whl/ (if any),
+# Sourced by the bench/gpu_session_*.sh scripts: installs the wheels carried in .whl/ and .whl/serve/ (if any),
 # prints the machine, and defines `part LIMIT NAME CMD...`, which runs CMD under its own time
 # limit with its output in $OUT/NAME.log (so one part that hangs leaves the others their share).
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# (.whl/serve/: FastAPI, uvicorn, pydantic and the tokenizer packages, for serving runs)
+wheels=$(ls .whl/*.whl .whl/serve/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     || echo "wheel install failed"
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

@@ -2,17 +2,19 @@
 
 In float64, ``Engine(tp_size=2)``, ``(tp_size=4)``, ``(tp_size=2, ep_size=2)`` and
 ``(ep_size=2)`` give the logits of ``Engine(tp_size=1)`` at every computed position within
-1e-9, and the same greedy tokens, over chunked prefill with mixed prefill / decode batches, a
-retraction and aborts (waiting, mid-prefill, mid-decode). The ranks change only the order of
-sums (partial sums all-reduced): a float64 sum of n terms moves by at most about n eps sum|t|,
-with n <= 2048 (hidden 256 x hc 4 x 2) and sum|t| < 100 here about 5e-11 per layer, so the
-tolerance leaves margin over 3 layers, and FP8 rounding of KV rows decides alike on both sides.
+1e-9, and the same greedy tokens, over prefix-cache hits, evictions and a flush (the cache is
+rank 0's, the ranks replay its page operations), chunked prefill with mixed prefill / decode
+batches, a retraction and aborts (waiting, mid-prefill, mid-decode). The ranks change only the
+order of sums (partial sums all-reduced): a float64 sum of n terms moves by at most about
+n eps sum|t|, with n <= 2048 (hidden 256 x hc 4 x 2) and sum|t| < 100 here about 5e-11 per
+layer, so the tolerance leaves margin over 3 layers, and FP8 rounding of KV rows decides alike
+on both sides.
 
 One engine per parallel shape, shared by every scenario (process start-up is the cost):
 a 3-layer tiny model (window-only, CSA, HCA), 1024-token vocabulary, o_groups 4 so that 4 ranks
 split the output groups. Below, also a quantised FP8 / FP4 checkpoint under the split, the split
-rules, the plan's per-rank weights and the refusals. Whole file: 77 s measured on the two-core
-machine shared with other test runs (load 5-6), 23 s for the engine tests alone at a lighter load;
+rules, the plan's per-rank weights and the refusals. Whole file: 33 s measured on the two-core
+machine at load about 1 (77 s was measured for an earlier version at load 5-6);
 rank processes fork from a forkserver (a rank starts in about a second), and every collective
 waits for all ranks to get a core, so the time grows with the machine's load.
 """
@@ -55,7 +57,11 @@ Outputs = list[tuple[str, list[int]]]    # (request id, output ids) in submissio
 
 
 def generate(eng: Engine, lengths: list[int], new: list[int], seed: int) -> Outputs:
-    outs = eng.generate(input_ids=prompts(lengths, seed), sampling_params=[greedy(n) for n in new])
+    return generate_ids(eng, prompts(lengths, seed), new)
+
+
+def generate_ids(eng: Engine, ids: list[list[int]], new: list[int]) -> Outputs:
+    outs = eng.generate(input_ids=ids, sampling_params=[greedy(n) for n in new])
     return [(o["meta_info"]["id"], o["output_ids"]) for o in outs]
 
 
@@ -87,7 +93,25 @@ def scenario_aborts(eng: Engine) -> Outputs:
     return out
 
 
-SCENARIOS = [scenario_mixed, scenario_retraction, scenario_aborts]
+def scenario_prefix(eng: Engine) -> Outputs:
+    """The prefix cache: a restore point at 256 taken over by a prompt sharing 280 ids (it
+    prefills 44), an unrelated prompt that needs both full pages (the cache's are evicted), then
+    a flush. Under TP / EP the cache is rank 0's and the ranks replay its page operations."""
+    cache = eng.prefix_cache
+    hits, evicted = cache.num_hits, cache.evicted_pages
+    a, c = prompts([300, 400], seed=11)
+    b = a[:280] + prompts([20], seed=12)[0]
+    out = generate_ids(eng, [a], [3])
+    got = eng.generate(input_ids=[b], sampling_params=[greedy(4)])[0]
+    assert got["meta_info"]["cached_tokens"] == 256 and cache.num_hits == hits + 1
+    out.append((got["meta_info"]["id"], got["output_ids"]))
+    out += generate_ids(eng, [c], [3])
+    assert cache.evicted_pages > evicted
+    eng.flush_cache()
+    return out
+
+
+SCENARIOS = [scenario_prefix, scenario_mixed, scenario_retraction, scenario_aborts]
 
 
 def run_all(eng: Engine) -> list[list[tuple[list[int], torch.Tensor]]]:

@@ -646,6 +646,9 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+        if self.ranks is not None:   # and every other rank's allocator is in rank 0's state
+            with self._lock:
+                self.ranks.check_allocators(self.allocator)
         if self.pools.hisparse is not None:
             live = [self.allocator.req_slot(rid) for rid in self.allocator.live_requests]
             self.pools.hisparse.check_integrity(live)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -63,6 +64,7 @@ class Step:
     ops: list[tuple[str, tuple, Any]] = field(default_factory=list)
     reqs: Optional[list[ForwardRequest]] = None
     stop: bool = False
+    check: bool = False      # every rank reports its allocator_state (Ranks.check_allocators)
 
 
 # The KVAllocator methods that change its state (its other public methods only read it).
@@ -100,6 +102,18 @@ class AllocatorLog:
     def take(self) -> list[tuple[str, tuple, Any]]:
         ops, self.ops = self.ops, []
         return ops
+
+
+def allocator_state(allocator: Any) -> tuple:
+    """What the same calls must leave equal on every rank: each live request's slot, length and
+    full pages, every used page's holder count (the prefix cache's holds included) and a CRC of
+    each table (``req_to_token``, ``full_to_swa``)."""
+    reqs = sorted((str(r), allocator.req_slot(r), allocator.seq_len(r), tuple(allocator.full_pages_of(r)))
+                  for r in allocator.live_requests)
+    holders = tuple(tuple(sorted((p, pool.refcount(p)) for p in pool.used_pages))
+                    for pool in (allocator.full, allocator.swa))
+    tables = tuple(zlib.crc32(t.cpu().numpy().tobytes()) for t in (allocator.req_to_token, allocator.full_to_swa))
+    return reqs, holders, tables
 
 
 def replay(ops: list[tuple[str, tuple, Any]], allocator: Any, fill: Callable[[str, int], None], rank: int) -> None:
@@ -159,6 +173,21 @@ class Ranks:
     def send(self, step: Step) -> None:
         dist.broadcast_object_list([step], src=0, group=self.group.objects)
 
+    def check_allocators(self, allocator: Any) -> None:
+        """Rank 0, between steps: AssertionError unless every rank's allocator, once the calls
+        logged so far are replayed, is in rank 0's state (:func:`allocator_state`)."""
+        self.send(Step(self.ops_since_last_step(), check=True))
+        states = self._gather_states(allocator)
+        for r, st in enumerate(states):
+            diff = [name for name, a, b in zip(("requests", "page holders", "tables"), st, states[0]) if a != b]
+            if diff:
+                raise AssertionError(f"rank {r}'s allocator differs from rank 0's: its {' and '.join(diff)}")
+
+    def _gather_states(self, allocator: Any) -> list[Any]:
+        states: list[Any] = [None] * self.config.world_size
+        dist.all_gather_object(states, allocator_state(allocator), group=self.group.objects)
+        return states
+
     def ready(self, error: Optional[str] = None) -> None:
         """Every rank reports whether it built its engine; if any failed, all raise (and rank 0
         stops the processes)."""
@@ -198,6 +227,8 @@ class Ranks:
             replay(step.ops, engine.allocator, engine.synthetic_filler.fill, self.config.rank)
             if step.stop:
                 return
+            if step.check:
+                self._gather_states(engine.allocator)
             if step.reqs:
                 try:
                     engine.runner.forward(step.reqs)

@@ -5,7 +5,9 @@ The model has every Flash dimension and all 43 layers, its weights random in the
 quantised), made on each rank's GPU tensor by tensor (``bench_quant_model.synth_tensors``, one
 seed per tensor name, so every rank draws the same replicated tensors) and cut by the loader's
 split (``dsv4_backend/parallel.py``; a rank never makes another rank's experts). The Engine
-starts one process per rank (``--tp-size`` / ``--ep-size``; NCCL, the step broadcast over gloo).
+starts one process per rank (``--tp-size`` / ``--ep-size``; NCCL, the step broadcast over gloo)
+with bench_quant_model's arguments, and the decode / prefill rows are its too (``engine_kwargs``,
+``decode_rows``, ``prefill_row``), with this rank's byte floor.
 
 It prints, each beside its floor where one is defined:
 
@@ -36,7 +38,6 @@ import json
 import sys
 import time
 import zlib
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -50,10 +51,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._bench_common import fmt_bytes, fmt_tokens  # noqa: E402
-from bench.bench_long_context import DecodeRow, PrefillRow, is_oom, measure_decode, measure_prefill  # noqa: E402
+from bench._bench_common import fmt_bytes  # noqa: E402
 from bench._floor import decode_step_floor  # noqa: E402
-from bench.bench_quant_model import DTYPE, Budget, copy_gbps, layer_config, log, synth_tensors  # noqa: E402
+from bench.bench_quant_model import (DTYPE, Budget, copy_gbps, decode_rows, engine_kwargs, layer_config, log,  # noqa: E402
+                                    prefill_row, synth_tensors)
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.parallel import ParallelConfig, close_ranks, free_port, init_ranks, rank_weight_bytes  # noqa: E402
 from dsv4_backend.weights import model_tensors, weight_specs  # noqa: E402
@@ -215,17 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                  and r["collective"].endswith(f"T={min(t, 256)}")))
             print(f"  collectives per step at T={t}: {step:.3f} ms (estimated from the counts above)")
 
-    headroom = args.steps + args.warmup + 16
-    context_length = max(args.contexts + [args.prefill_context]) + headroom + 256
-    kw: dict[str, Any] = dict(device=args.device, dtype="bfloat16", skip_tokenizer_init=True, random_seed=args.seed,
-                              max_running_requests=args.max_batch, chunked_prefill_size=args.prefill_chunk,
-                              context_length=context_length, swa_ratio=0.1,
-                              weight_stream=RankWeights(cfg, pc.tp_size, pc.ep_size, args.seed),
-                              tp_size=pc.tp_size, ep_size=pc.ep_size)
-    if device.type == "cuda":
-        kw["mem_fraction_static"] = min(0.97, (args.kv_gb * 2 ** 30 + rank_bytes) / total)
-    else:
-        kw["max_total_tokens"] = max(4 * context_length, 2 * 128 * args.max_batch)
+    kw, headroom = engine_kwargs(args, RankWeights(cfg, pc.tp_size, pc.ep_size, args.seed), rank_bytes, total)
+    kw.update(tp_size=pc.tp_size, ep_size=pc.ep_size)
     t0 = time.perf_counter()
     one_rank = join_as(ParallelConfig()) if args.nccl_one_rank else contextlib.nullcontext()
     with one_rank:
@@ -239,41 +231,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"engine built in {build_s:.1f} s (weights made on every rank); KV plan per rank: "
             f"{fmt_bytes(plan.budget_bytes)}, {plan.max_full_tokens:,} full tokens; "
             f"CUDA graphs {'on' if getattr(eng.runner, 'cuda_graphs', None) is not None else 'off'}")
-        decode_and_prefill(eng, cfg, pc, args, guard, bw, headroom, rep)
+        rep["decode"] = decode_rows(eng, args, guard, headroom, bw,
+                                    lambda ctx, b: (rank_step_bytes(cfg, pc, b, ctx), {}))
+        rep["prefill"] = prefill_row(eng, args, guard)
     finally:
         eng.shutdown()
     return rep
-
-
-def decode_and_prefill(eng: Engine, cfg: DSV4Config, pc: ParallelConfig, args: argparse.Namespace, guard: Budget,
-                       bw: float, headroom: int, rep: dict[str, Any]) -> None:
-    ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin, breakdown_steps=0)
-    rep["decode"] = []
-    print("\ndecode   context  batch   ms/step   tok/s     rank floor ms  % floor  status")
-    for ctx in args.contexts:
-        fits = min(args.max_batch, eng.plan.requests_fit(ctx + headroom))
-        batches = sorted({fits if b == "max" else b for b in args.batches if b == "max" or b <= fits} - {0})
-        for b in batches:
-            row = DecodeRow("compressed", ctx, b, "max" if b == fits else str(b), "skipped (time guard)")
-            if guard.left > args.guard_margin:
-                try:
-                    measure_decode(eng, row, ns, guard, breakdown=False)
-                except Exception as e:   # an OOM or a refusal is a result, not the end of the run
-                    row.status, row.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
-            floor = rank_step_bytes(cfg, pc, b, ctx) / (bw * 1e9) * 1e3
-            rep["decode"].append(asdict(row) | {"rank_floor_ms": floor})
-            pct = f"{100 * floor / row.ms_per_step:7.1f}" if row.ms_per_step else "      -"
-            print(f"{'':7} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
-                  f"{floor:14.2f} {pct}  {row.status} {row.note}")
-    pf = PrefillRow("compressed", args.prefill_context, "skipped (time guard)")
-    if guard.left > args.guard_margin + 10:
-        try:
-            measure_prefill(eng, pf, min(args.prefill_max_seconds, guard.left - args.guard_margin), log)
-        except Exception as e:
-            pf.status, pf.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
-    rep["prefill"] = asdict(pf)
-    print(f"\nprefill {fmt_tokens(pf.context)}: {pf.tokens_per_s:,.0f} tok/s ({pf.tokens_done:,} tokens in "
-          f"{pf.seconds:.1f} s, chunk {pf.chunk}) {pf.status} {pf.note}")
 
 
 def _ints(s: str) -> list[int]:

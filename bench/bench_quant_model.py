@@ -402,6 +402,66 @@ def step_ms_with_layers(eng: Engine, layers: Optional[int], steps: int, batch: i
 
 # ---- the run -------------------------------------------------------------------------------------
 
+# ---- the engine and its decode / prefill rows (bench_parallel.py runs the same) ------------------
+
+def engine_kwargs(args: argparse.Namespace, weights: Any, weight_bytes: int, total: int) -> tuple[dict[str, Any], int]:
+    """The Engine's arguments for a Flash-width run from ``weights`` (a WeightStream), and the
+    steps' headroom per request: a context for the largest row; ``--kv-gb`` of KV pools beside
+    ``weight_bytes`` on a GPU of ``total`` bytes (the CPU: a few contexts' worth of tokens)."""
+    headroom = args.steps + args.warmup + 16
+    context_length = max(args.contexts + [args.prefill_context]) + headroom + 256
+    kw: dict[str, Any] = dict(device=args.device, dtype="bfloat16", skip_tokenizer_init=True, random_seed=args.seed,
+                              max_running_requests=args.max_batch, chunked_prefill_size=args.prefill_chunk,
+                              context_length=context_length, swa_ratio=0.1, weight_stream=weights)
+    if torch.device(args.device).type == "cuda":
+        kw["mem_fraction_static"] = min(0.97, (args.kv_gb * 2 ** 30 + weight_bytes) / total)
+    else:
+        # a few contexts' worth, at least the window + SWA page every request slot needs
+        kw["max_total_tokens"] = max(4 * context_length, 2 * 128 * args.max_batch)
+    return kw, headroom
+
+
+def decode_rows(eng: Engine, args: argparse.Namespace, guard: Budget, headroom: int, bw: float,
+                floor: Callable[[int, int], tuple[float, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Decode at every ``--contexts`` x ``--batches`` (``max``: as many requests as the plan fits),
+    each row printed and returned beside its byte floor: ``floor(context, batch)`` gives the
+    step's bytes read (per rank under TP / EP) and the row's extra JSON fields."""
+    ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin, breakdown_steps=0)
+    rows = []
+    print("\ndecode      context  batch   ms/step   tok/s     floor GB  floor ms  % floor  status")
+    for ctx in args.contexts:
+        fits = min(args.max_batch, eng.plan.requests_fit(ctx + headroom))
+        batches = sorted({fits if b == "max" else b for b in args.batches if b == "max" or b <= fits} - {0})
+        for b in batches:
+            row = DecodeRow("compressed", ctx, b, "max" if b == fits else str(b), "skipped (time guard)")
+            if guard.left > args.guard_margin:
+                try:
+                    measure_decode(eng, row, ns, guard, breakdown=False)
+                except Exception as e:   # an OOM or a refusal is a result, not the end of the run
+                    row.status, row.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
+            nbytes, extra = floor(ctx, b)
+            floor_ms = nbytes / (bw * 1e9) * 1e3
+            rows.append(asdict(row) | {"floor_ms": floor_ms} | extra)
+            pct = f"{100 * floor_ms / row.ms_per_step:7.1f}" if row.ms_per_step else "      -"
+            print(f"{'':10} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
+                  f"{nbytes / 1e9:9.3f} {floor_ms:9.2f} {pct}  {row.status} {row.note}")
+    return rows
+
+
+def prefill_row(eng: Engine, args: argparse.Namespace, guard: Budget) -> dict[str, Any]:
+    """A real chunked prefill of ``--prefill-context`` tokens, capped at ``--prefill-max-seconds``
+    and the time left; printed and returned."""
+    pf = PrefillRow("compressed", args.prefill_context, "skipped (time guard)")
+    if guard.left > args.guard_margin + 10:
+        try:
+            measure_prefill(eng, pf, min(args.prefill_max_seconds, guard.left - args.guard_margin), log)
+        except Exception as e:
+            pf.status, pf.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
+    print(f"\nprefill {fmt_tokens(pf.context)}: {pf.tokens_per_s:,.0f} tok/s ({pf.tokens_done:,} tokens in "
+          f"{pf.seconds:.1f} s, chunk {pf.chunk}) {pf.status} {pf.note}")
+    return asdict(pf)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     guard = Budget(args.time_budget)
@@ -431,16 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reader = CheckpointReader(ckpt, dtype=DTYPE, device=device, include_mtp=False, keep_quantized=True,
                               progress=args.progress)
     weights = FlashWeights(cfg, reader, disk, args.seed)
-    headroom = args.steps + args.warmup + 16
-    context_length = max(args.contexts + [args.prefill_context]) + headroom + 256
-    kw: dict[str, Any] = dict(device=args.device, dtype="bfloat16", skip_tokenizer_init=True, random_seed=args.seed,
-                              max_running_requests=args.max_batch, chunked_prefill_size=args.prefill_chunk,
-                              context_length=context_length, swa_ratio=0.1, weight_stream=weights)
-    if device.type == "cuda":
-        kw["mem_fraction_static"] = (args.kv_gb * 2 ** 30 + weights.nbytes) / total
-    else:
-        # a few contexts' worth, at least the window + SWA page every request slot needs
-        kw["max_total_tokens"] = max(4 * context_length, 2 * 128 * args.max_batch)
+    kw, headroom = engine_kwargs(args, weights, weights.nbytes, total)
     t0 = time.perf_counter()
     eng = Engine(**kw)
     build_s = time.perf_counter() - t0
@@ -481,38 +532,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 print(f"  fp4_moe    {c['shape']:<40} ||err|| / ||ref|| {c['relative_error_norm']:.2e} (distribution)")
 
-    # decode
-    ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin, breakdown_steps=0)
-    rep["decode"] = []
-    print("\ndecode      context  batch   ms/step   tok/s     floor GB  floor ms  % floor  status")
-    for ctx in args.contexts:
-        fits = min(args.max_batch, plan.requests_fit(ctx + headroom))
-        batches = sorted({fits if b == "max" else b for b in args.batches if b == "max" or b <= fits} - {0})
-        for b in batches:
-            row = DecodeRow("compressed", ctx, b, "max" if b == fits else str(b), "skipped (time guard)")
-            if guard.left > args.guard_margin:
-                try:
-                    measure_decode(eng, row, ns, guard, breakdown=False)
-                except Exception as e:   # an OOM or a refusal is a result, not the end of the run
-                    row.status, row.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
-            fl = decode_step_floor(cfg, ctx, b, DTYPE, quantized=True)
-            floor = fl.ms(bw)
-            d = asdict(row) | {"floor_ms": floor, "floor": fl.to_dict(bw)}
-            rep["decode"].append(d)
-            pct = f"{100 * floor / row.ms_per_step:7.1f}" if row.ms_per_step else "      -"
-            print(f"{'':10} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
-                  f"{fl.total_bytes / 1e9:9.3f} {floor:9.2f} {pct}  {row.status} {row.note}")
+    def floor(ctx: int, b: int) -> tuple[float, dict[str, Any]]:
+        fl = decode_step_floor(cfg, ctx, b, DTYPE, quantized=True)
+        return fl.total_bytes, {"floor": fl.to_dict(bw)}
 
-    # prefill
-    pf = PrefillRow("compressed", args.prefill_context, "skipped (time guard)")
-    if guard.left > args.guard_margin + 10:
-        try:
-            measure_prefill(eng, pf, min(args.prefill_max_seconds, guard.left - args.guard_margin), log)
-        except Exception as e:
-            pf.status, pf.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
-    rep["prefill"] = asdict(pf)
-    print(f"\nprefill {fmt_tokens(pf.context)}: {pf.tokens_per_s:,.0f} tok/s ({pf.tokens_done:,} tokens in "
-          f"{pf.seconds:.1f} s, chunk {pf.chunk}) {pf.status} {pf.note}")
+    rep["decode"] = decode_rows(eng, args, guard, headroom, bw, floor)
+    rep["prefill"] = prefill_row(eng, args, guard)
 
     # per-layer cost and the derived 43-layer step
     half = n_layers // 2

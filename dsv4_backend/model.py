@@ -232,6 +232,13 @@ class Indexer(nn.Module):
         self.wq_b = fp8_linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, quantized)
         self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads)
         self.compressor = Compressor(cfg.hidden_size, cfg.index_head_dim, 4, cfg.rms_norm_eps)
+        self.head_comm: Any = None   # tensor parallelism: wq_b holds this rank's heads (parallel.py)
+
+    def gather_heads(self, iq: torch.Tensor) -> torch.Tensor:
+        """``wq_b``'s output ``[T, local heads * head_dim]`` -> ``[T, n_heads * head_dim]``: under
+        tensor parallelism every rank projects its heads and all-gathers the rest (heads in rank
+        order), so every rank scores every head and picks the same top-k."""
+        return iq if self.head_comm is None else self.head_comm.all_gather(iq, -1)
 
 
 class Attention(nn.Module):
@@ -284,8 +291,9 @@ class Attention(nn.Module):
 
     def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, comp: CompressorInput,
                         positions: torch.Tensor) -> IndexerInput:
-        # iq: indexer.wq_b(qr) [T, index_heads * 128]
+        # iq: indexer.wq_b(qr) [T, local index_heads * 128]
         ix, T = self.indexer, x.shape[0]
+        iq = ix.gather_heads(iq)
         q = indexer_fake_quant(hadamard(self.rope.apply(iq.view(T, ix.n_heads, ix.head_dim), positions)))
         w = ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
         return IndexerInput(q, w, comp)

@@ -6,7 +6,8 @@ Every rank runs the same forward over the same tokens; a rank holds (docs/parall
 
     attention (tp)   query heads H / tp: wq_b rows, attn_sink, wo_a's groups G / tp and wo_b's
                      matching input columns (all-reduce of wo_b's output); the indexer's wq_b rows
-                     (its q is all-gathered, so top-k scores every head on every rank). wq_a, wkv,
+                     (``Indexer.gather_heads`` all-gathers its q, so top-k scores every head on
+                     every rank). wq_a, wkv,
                      the compressors, the norms and the KV pools are whole on every rank: the
                      512-d KV row is shared by all heads (MQA), so each rank writes the same rows.
     MoE (ep / tp)    ep > 1: routed experts E / ep, whole; ep = 1: every routed expert's
@@ -18,7 +19,8 @@ Every rank runs the same forward over the same tokens; a rank holds (docs/parall
 
 The split is a loader transform (gpt-fast's ``apply_tp``): :meth:`RankShard.shard` reshapes a
 freshly built ``DSV4Model`` (local head / group counts, this rank's experts, the vocabulary
-embedding, collectives as forward hooks) before its tensors are allocated, and
+embedding, the indexer's gather, the all-reduces as forward hooks on ``wo_b``, the MoE and the
+head, each a module its caller runs alone) before its tensors are allocated, and
 :meth:`RankShard.shard_stream` cuts each release tensor (weights and their block scales alike)
 on its way in. Names stay the release's, but routed experts renumber from 0 on each rank.
 """
@@ -262,7 +264,7 @@ class RankShard:
                 attn.o_groups //= pc.tp_size
                 attn.wo_b.register_forward_hook(self._reduce)
                 if attn.indexer is not None:
-                    attn.indexer.wq_b.register_forward_hook(self._gather)
+                    attn.indexer.head_comm = self.comm
             if pc.ep_size > 1:
                 lo, hi = pc.expert_range(len(moe.experts))
                 moe.experts = nn.ModuleList(list(moe.experts)[lo:hi])

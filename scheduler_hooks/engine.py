@@ -250,16 +250,16 @@ class Engine:
                                   attention_kernel=attention_kernel, shard=shard)
         self.attention_kernel = self.runner.attention_kernel
         logger.info("attention kernel: %s (%s)", self.attention_kernel, self.runner.attention_kernel_reason)
-        # the ranks replay rank 0's allocator calls, which know no prefix cache yet: off under TP / EP
-        self.prefix_cache = (None if (disable_radix_cache or dense or self.ranks is not None)
+        # under TP / EP the prefix cache is rank 0's: the other ranks replay its page operations
+        follower = self.ranks is not None and not self.ranks.leader
+        self.prefix_cache = (None if (disable_radix_cache or dense or follower)
                              else PrefixCache(self.allocator))
         self.synthetic_filler = SyntheticContextFiller(self.pools, self.allocator, seed=random_seed)
-        if self.ranks is None:
-            self.hooks, runner, fill = (SchedulerHooks(self.allocator, self.prefix_cache), self.runner,
-                                        self.synthetic_filler.fill)
-        else:   # rank 0: hooks that log for the other ranks, a runner that broadcasts each step
-            self.hooks, runner, fill = self.ranks.scheduler_parts(self.allocator, self.runner,
-                                                                  self.synthetic_filler.fill)
+        self.hooks = SchedulerHooks(self.allocator, self.prefix_cache)
+        runner, fill = self.runner, self.synthetic_filler.fill
+        if self.ranks is not None and self.ranks.leader:
+            # its allocator's changes logged for the other ranks, each step broadcast with them
+            runner, fill = self.ranks.scheduler_parts(self.allocator, runner, fill)
         self.scheduler = Scheduler(runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             context_length=self.context_length, eos_token_id=self.config.eos_token_id,
@@ -646,6 +646,9 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+        if self.ranks is not None:   # and every other rank's allocator is in rank 0's state
+            with self._lock:
+                self.ranks.check_allocators(self.allocator)
         if self.pools.hisparse is not None:
             live = [self.allocator.req_slot(rid) for rid in self.allocator.live_requests]
             self.pools.hisparse.check_integrity(live)

@@ -7,13 +7,16 @@ holding its own shard of the model, then follows.
 Rank 0 alone owns the scheduler, the tokenizer and sampling. Every rank keeps its own copy of the
 allocator and pools, changed by the same calls in the same order:
 
-    rank 0 scheduler ── hooks (admit / reserve / after_forward / release / synthetic fill) ──┐
+    rank 0 scheduler ── hooks, prefix cache ── allocator calls (logged) + synthetic fills ──┐
                      └─ runner.forward(reqs) ─ broadcast Step(ops since the last step, reqs) ┤
-    rank k  follow():    replay the ops on its own hooks, then runner.forward(reqs)  <──────┘
+    rank k  follow():    replay the ops on its own allocator, then runner.forward(reqs) <────┘
 
 so every rank builds the same ForwardMetadata from its own tables and writes the same KV rows
-into its own (replicated) pools, and the forward's collectives pair up. Only the step's Python
-objects cross (a few hundred bytes at decode): over gloo, on a group beside NCCL on CUDA.
+into its own (replicated) pools, and the forward's collectives pair up. The prefix cache lives on
+rank 0 only: the followers replay its page operations (a hit's ``attach_prefix``, an insert's
+``retain``, an eviction's ``release``) among the scheduler's, so their holder counts match too.
+Only the step's Python objects cross (the log: about 60 pickled bytes per decoding request):
+over gloo, on a group beside NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -29,8 +33,6 @@ import torch.distributed as dist
 
 from dsv4_backend.model_runner import ForwardRequest
 from dsv4_backend.parallel import ParallelConfig, RankGroup, check_shardable, close_ranks, free_port, init_ranks
-
-from .hooks import SchedulerHooks
 
 logger = logging.getLogger(__name__)
 
@@ -56,65 +58,68 @@ def join_as(pc: ParallelConfig, port: Optional[int] = None) -> Iterator[None]:
 
 @dataclass
 class Step:
-    """What rank 0 sends before each forward: the hook calls since the last step (in order),
-    the forward's requests; ``stop``: leave the loop."""
+    """What rank 0 sends before each forward: its allocator's changes since the last step (in
+    order, :class:`AllocatorLog`), the forward's requests; ``stop``: leave the loop."""
 
-    ops: list[tuple[str, tuple]] = field(default_factory=list)
+    ops: list[tuple[str, tuple, Any]] = field(default_factory=list)
     reqs: Optional[list[ForwardRequest]] = None
     stop: bool = False
+    check: bool = False      # every rank reports its allocator_state (Ranks.check_allocators)
 
 
-class RecordingHooks(SchedulerHooks):
-    """Rank 0's hooks: each call that changes the allocator (or fills a synthetic context) is
-    applied and logged for the followers, with the result they must reproduce."""
+# The KVAllocator methods that change its state (its other public methods only read it).
+ALLOCATOR_CHANGES = ("admit", "extend", "evict_swa", "truncate", "free", "attach_prefix", "retain", "release")
+
+
+class AllocatorLog:
+    """Rank 0's record, in call order, of every call that changes its allocator, whoever makes it
+    (the scheduler's hooks, the prefix cache and its hooks), with the result the followers must
+    reproduce; and of the synthetic fills (random pool contents, drawn alike on every rank).
+
+    It wraps the allocator's methods on the instance, so the prefix cache's page operations
+    (``attach_prefix`` at a hit, ``retain`` at an insert, ``release`` at an eviction or a flush)
+    are logged as they happen, between the scheduler's own calls."""
 
     def __init__(self, allocator: Any, fill: Callable[[str, int], None]):
-        super().__init__(allocator)
         self._fill = fill
-        self.log: list[tuple[str, tuple]] = []
+        self.ops: list[tuple[str, tuple, Any]] = []
+        for name in ALLOCATOR_CHANGES:   # an instance attribute shadows the class's method
+            setattr(allocator, name, self._logged(name, getattr(allocator, name)))
 
-    def admit(self, rid: str, *args: Any, **kw: Any) -> Optional[int]:
-        slot = super().admit(rid, *args, **kw)   # no prefix cache under TP / EP: the ids are unused
-        self.log.append(("admit", (rid, slot)))
-        return slot
-
-    def reserve(self, rid: str, new_len: int) -> Any:
-        res = super().reserve(rid, new_len)
-        self.log.append(("reserve", (rid, new_len, bool(res.ok))))
-        return res
-
-    def after_forward(self, rids) -> None:
-        rids = list(rids)
-        super().after_forward(rids)
-        self.log.append(("after_forward", (rids,)))
-
-    def release(self, rid: str) -> None:
-        super().release(rid)
-        self.log.append(("release", (rid,)))
+    def _logged(self, name: str, method: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            out = method(*args)
+            # the page lists / maps are copied: the caller may change them before the step is sent
+            self.ops.append((name, tuple(type(a)(a) if isinstance(a, (list, dict)) else a for a in args), out))
+            return out
+        return call
 
     def fill(self, rid: str, num_tokens: int) -> None:
-        """The scheduler's ``synthetic_fill``: random pool contents, drawn alike on every rank."""
+        """The scheduler's ``synthetic_fill``."""
         self._fill(rid, num_tokens)
-        self.log.append(("fill", (rid, num_tokens)))
+        self.ops.append(("fill", (rid, num_tokens), None))
 
-    def take_log(self) -> list[tuple[str, tuple]]:
-        log, self.log = self.log, []
-        return log
+    def take(self) -> list[tuple[str, tuple, Any]]:
+        ops, self.ops = self.ops, []
+        return ops
 
 
-def replay(ops: list[tuple[str, tuple]], hooks: SchedulerHooks, fill: Callable[[str, int], None], rank: int) -> None:
-    """Apply rank 0's logged calls to this rank's hooks; a different outcome is a divergence."""
-    for name, args in ops:
-        if name == "admit":
-            got, want = hooks.admit(args[0]), args[1]
-        elif name == "reserve":
-            got, want = bool(hooks.reserve(args[0], args[1]).ok), args[2]
-        elif name == "after_forward":
-            got = want = hooks.after_forward(args[0])
-        elif name == "release":
-            got = want = hooks.release(args[0])
-        else:
-            got = want = fill(*args)
+def allocator_state(allocator: Any) -> tuple:
+    """What the same calls must leave equal on every rank: each live request's slot, length and
+    full pages, every used page's holder count (the prefix cache's holds included) and a CRC of
+    each table (``req_to_token``, ``full_to_swa``)."""
+    reqs = sorted((str(r), allocator.req_slot(r), allocator.seq_len(r), tuple(allocator.full_pages_of(r)))
+                  for r in allocator.live_requests)
+    holders = tuple(tuple(sorted((p, pool.refcount(p)) for p in pool.used_pages))
+                    for pool in (allocator.full, allocator.swa))
+    tables = tuple(zlib.crc32(t.cpu().numpy().tobytes()) for t in (allocator.req_to_token, allocator.full_to_swa))
+    return reqs, holders, tables
+
+
+def replay(ops: list[tuple[str, tuple, Any]], allocator: Any, fill: Callable[[str, int], None], rank: int) -> None:
+    """Apply rank 0's logged calls to this rank's allocator; a different result is a divergence."""
+    for name, args, want in ops:
+        got = fill(*args) if name == "fill" else getattr(allocator, name)(*args)
         if got != want:
             raise RuntimeError(f"rank {rank} diverged from rank 0: {name}{args[:2]} gave {got!r}, rank 0 {want!r}")
 
@@ -126,7 +131,7 @@ class BroadcastingRunner:
         self._runner, self._ranks = runner, ranks
 
     def forward(self, reqs: list[ForwardRequest]) -> list[torch.Tensor]:
-        self._ranks.send(Step(self._ranks.hooks_log(), reqs))
+        self._ranks.send(Step(self._ranks.ops_since_last_step(), reqs))
         return self._runner.forward(reqs)
 
     def __getattr__(self, name: str) -> Any:
@@ -138,7 +143,7 @@ class Ranks:
 
     def __init__(self, group: RankGroup, procs: list[Any]):
         self.group, self.procs = group, procs
-        self._hooks: Optional[RecordingHooks] = None
+        self._log: Optional[AllocatorLog] = None
         self._closed = False
 
     @property
@@ -156,20 +161,32 @@ class Ranks:
     # ---- rank 0 -----------------------------------------------------------------------
 
     def scheduler_parts(self, allocator: Any, runner: Any, fill: Callable[[str, int], None]
-                        ) -> tuple[SchedulerHooks, Any, Callable[[str, int], None]]:
-        """The scheduler's hooks, runner and synthetic fill on this rank: on rank 0 hooks that log
-        each call (the fill too) and a runner that broadcasts each step; elsewhere the plain ones
-        (a follower's scheduler never runs)."""
-        if not self.leader:
-            return SchedulerHooks(allocator), runner, fill
-        self._hooks = RecordingHooks(allocator, fill)
-        return self._hooks, BroadcastingRunner(runner, self), self._hooks.fill
+                        ) -> tuple[Any, Callable[[str, int], None]]:
+        """Rank 0: the runner and synthetic fill its scheduler uses: a runner that broadcasts each
+        step with the allocator's changes since the last (from now on logged), and a logged fill."""
+        self._log = AllocatorLog(allocator, fill)
+        return BroadcastingRunner(runner, self), self._log.fill
 
-    def hooks_log(self) -> list[tuple[str, tuple]]:
-        return self._hooks.take_log() if self._hooks is not None else []
+    def ops_since_last_step(self) -> list[tuple[str, tuple, Any]]:
+        return self._log.take() if self._log is not None else []
 
     def send(self, step: Step) -> None:
         dist.broadcast_object_list([step], src=0, group=self.group.objects)
+
+    def check_allocators(self, allocator: Any) -> None:
+        """Rank 0, between steps: AssertionError unless every rank's allocator, once the calls
+        logged so far are replayed, is in rank 0's state (:func:`allocator_state`)."""
+        self.send(Step(self.ops_since_last_step(), check=True))
+        states = self._gather_states(allocator)
+        for r, st in enumerate(states):
+            diff = [name for name, a, b in zip(("requests", "page holders", "tables"), st, states[0]) if a != b]
+            if diff:
+                raise AssertionError(f"rank {r}'s allocator differs from rank 0's: its {' and '.join(diff)}")
+
+    def _gather_states(self, allocator: Any) -> list[Any]:
+        states: list[Any] = [None] * self.config.world_size
+        dist.all_gather_object(states, allocator_state(allocator), group=self.group.objects)
+        return states
 
     def ready(self, error: Optional[str] = None) -> None:
         """Every rank reports whether it built its engine; if any failed, all raise (and rank 0
@@ -207,9 +224,11 @@ class Ranks:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=self.group.objects)
             step: Step = box[0]
-            replay(step.ops, engine.hooks, engine.synthetic_filler.fill, self.config.rank)
+            replay(step.ops, engine.allocator, engine.synthetic_filler.fill, self.config.rank)
             if step.stop:
                 return
+            if step.check:
+                self._gather_states(engine.allocator)
             if step.reqs:
                 try:
                     engine.runner.forward(step.reqs)

@@ -121,13 +121,14 @@ def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     compressor's wkv and wgate). When every module is an ``Fp8Linear``, x is rounded to e4m3 once
     for all of them: one act-quant (one launch on the GPU) instead of one per projection. Plain
     linears stacked by :func:`stack_rows` run as one matmul (x read once, one launch); the outputs
-    are then column views of its result."""
+    are then column views of its result. The fused paths run no forward hooks of ``mods``: a
+    collective on one of these outputs is the caller's explicit call (``Indexer.gather_heads``)."""
     if not all(isinstance(m, Fp8Linear) for m in mods):
         st = _row_stack(mods)
         if st is None:
             return [m(x) for m in mods]
         y = F.linear(x, st.weight.to(x.dtype))
-        return _hooked(mods, x, y.split([m.weight.shape[0] for m in mods], dim=-1))
+        return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     quant = _kernel("fp8_gemm", "act_quant_fp8") if _on_gpu(x) else None
@@ -139,19 +140,7 @@ def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
         c = compute_dtype(x.dtype)
         xa = act_fake_quant(x2)
         ys = [F.linear(xa, m.dequantised(c, x.is_cuda)).to(x.dtype) for m in mods]
-    return _hooked(mods, x, [y.view(*lead, y.shape[-1]) for y in ys])
-
-
-def _hooked(mods: tuple[nn.Module, ...], x: torch.Tensor, ys) -> list[torch.Tensor]:
-    """The modules' forward hooks on their outputs, as calling each module would run them (tensor
-    parallelism gathers the indexer's query heads with one: ``dsv4_backend.parallel``)."""
-    out = []
-    for m, y in zip(mods, ys):
-        for hook in m._forward_hooks.values():
-            y2 = hook(m, (x,), y)
-            y = y if y2 is None else y2
-        out.append(y)
-    return out
+    return [y.view(*lead, y.shape[-1]) for y in ys]
 
 
 class Fp4Slot(nn.Module):

@@ -83,6 +83,7 @@ class ServerArgs:
     mem_fraction_static: Optional[float] = None
     context_length: Optional[int] = None
     chunked_prefill_size: Optional[int] = None
+    mixed_chunk_tokens: Optional[int] = None
     random_seed: int = 0
     json_model_override_args: Optional[str] = None
     disable_cuda_graph: bool = False
@@ -121,7 +122,7 @@ class ServerArgs:
         kw: dict[str, Any] = dict(model_path=self.model_path, preset=self.preset, device=self.device,
                                   dtype=dtype, random_seed=self.random_seed)
         for name in ("max_running_requests", "max_queued_requests", "max_total_tokens",
-                     "mem_fraction_static", "context_length", "chunked_prefill_size"):
+                     "mem_fraction_static", "context_length", "chunked_prefill_size", "mixed_chunk_tokens"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
@@ -170,6 +171,9 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
     mem.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--mixed-chunk-tokens", type=int, default=d.mixed_chunk_tokens,
+                   help="prefill tokens per step while requests decode (default 512; 0: the whole "
+                        "--chunked-prefill-size): smaller keeps their time per token low, larger a long prompt's TTFT")
     p.add_argument("--random-seed", type=int, default=d.random_seed)
     p.add_argument("--json-model-override-args", default=d.json_model_override_args,
                    help='JSON object of config.json keys that replace a --preset\'s values, e.g. '

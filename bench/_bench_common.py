@@ -166,6 +166,12 @@ class _LabelledRanges:
         self._patched.append((obj, name))
 
     def __enter__(self):
+        self._instrument()
+        return self
+
+    def _instrument(self) -> None:
+        """Install the ranges: per block, its attention (by kind) and MoE; the forward, the metadata
+        and the CSA selection."""
         kinds = {0: "attn_window", 4: "attn_csa", 128: "attn_hca"}
         for block in self.model.layers:
             self._module_hooks(block, "block")
@@ -178,7 +184,6 @@ class _LabelledRanges:
             if hasattr(self.backend, name):
                 self._wrap(self.backend, name, "indexer_topk")
                 break
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
@@ -247,7 +252,51 @@ class LayerTimer(_LabelledRanges):
         return Breakdown(self._steps, self._step_ms / n, {k: v / n for k, v in self._totals.items()})
 
 
-class KernelBreakdown(_LabelledRanges):
+class _ProfiledRanges(_LabelledRanges):
+    """Ranges as ``torch.profiler`` marks for charging GPU kernels to the range that ran them.
+
+    Each boundary synchronizes the device, so every kernel of a range runs inside the range's
+    host interval (Triton's launches included: they are not torch ops, so the profiler links them
+    to no op). While installed, decode CUDA graphs are off: module hooks do not fire in a replay,
+    and a graph replays the same kernels the eager step launches."""
+
+    def __init__(self, engine: Any):
+        super().__init__(engine)
+        self._graphs_were: Optional[bool] = None
+
+    def _enter_range(self, key: str) -> Any:
+        sync(self.device)
+        rf = torch.profiler.record_function(key)
+        rf.__enter__()
+        return rf
+
+    def _exit_range(self, key: str, token: Any) -> None:
+        sync(self.device)
+        token.__exit__(None, None, None)
+
+    def __enter__(self):
+        graphs = getattr(self.runner, "cuda_graphs", None)
+        if graphs is not None:
+            self._graphs_were, graphs.enabled = graphs.enabled, False
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self._graphs_were is not None:
+            self.runner.cuda_graphs.enabled = self._graphs_were
+
+    def _profiled_step(self) -> tuple[list[Any], Any]:
+        """One ``engine.step()`` under the profiler (CUDA activity too on a GPU): (outputs, events)."""
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        sync(self.device)
+        with profile(activities=acts) as prof:
+            outs = self.engine.step()
+            sync(self.device)
+        return outs, prof.events()
+
+
+class KernelBreakdown(_ProfiledRanges):
     """GPU kernel time of decode steps, split by layer type (CUDA).
 
         with KernelBreakdown(engine) as kb:
@@ -256,12 +305,10 @@ class KernelBreakdown(_LabelledRanges):
         kb.breakdown(step_ms)      # -> Breakdown; step_ms: the measured (graph) step
 
     With decode CUDA graphs the step has no host gaps left to split, and module hooks do not
-    fire in a replay. So the steps run eagerly (graphs off) under ``torch.profiler``, with a
-    device synchronize at every range boundary, and each GPU kernel is charged to the innermost
-    labelled range (a block, its attention by kind, its MoE, the CSA selection; outside the
-    blocks: embedding and head) whose host interval contains the kernel's GPU interval: the
-    synchronizes make every kernel of a range run inside it, Triton's launches included (they
-    are not torch ops, so the profiler links them to no op). A graph replays
+    fire in a replay. So the steps run eagerly under the profiler (:class:`_ProfiledRanges`) and
+    each GPU kernel is charged to the innermost labelled range (a block, its attention by kind,
+    its MoE, the CSA selection; outside the blocks: embedding and head) whose host interval
+    contains the kernel's GPU interval. A graph replays
     the same kernels, so their sum is the GPU work of a graph step; ``step_ms`` minus that sum
     ("sched_sampling" here) is what the graph does not remove: the host's metadata, the copies
     into the graph's buffers, sampling and scheduling, and idle gaps. ``kernels()`` lists the
@@ -275,38 +322,12 @@ class KernelBreakdown(_LabelledRanges):
         self._totals: dict[str, float] = {}
         self._by_kernel: dict[str, float] = {}
         self._steps = 0
-        self._graphs_were: Optional[bool] = None
-
-    def _enter_range(self, key: str) -> Any:
-        sync(self.device)
-        rf = torch.profiler.record_function(key)
-        rf.__enter__()
-        return rf
-
-    def _exit_range(self, key: str, token: Any) -> None:
-        sync(self.device)
-        token.__exit__(None, None, None)
-
-    def __enter__(self) -> "KernelBreakdown":
-        graphs = getattr(self.runner, "cuda_graphs", None)
-        if graphs is not None:
-            self._graphs_were, graphs.enabled = graphs.enabled, False
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        if self._graphs_were is not None:
-            self.runner.cuda_graphs.enabled = self._graphs_were
 
     def step(self) -> list[Any]:
-        from torch.profiler import ProfilerActivity, profile
-        sync(self.runner.device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            outs = self.engine.step()
-            sync(self.runner.device)
+        outs, events = self._profiled_step()
         sums: dict[str, float] = {}
         ranges, kernels = [], []
-        for ev in prof.events():
+        for ev in events:
             tr = ev.time_range
             if ev.device_type.name == "CUDA":          # kernels, copies and memsets
                 # (a labelled range shows up on the GPU timeline too, as an annotation: skip it)

@@ -71,7 +71,7 @@ from bench.kernel_count import KernelCounter, report as kernel_report, report_te
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.weights import param_dtype, weight_specs  # noqa: E402
 from memory.configurator import DSV4PoolConfigurator, PlanError, PoolPlan  # noqa: E402
-from scheduler_hooks.engine import DTYPES, Engine  # noqa: E402
+from scheduler_hooks.engine import DEFAULT_MIXED_CHUNK_TOKENS, DTYPES, Engine  # noqa: E402
 from scheduler_hooks.io import GenerateRequest, SamplingParams  # noqa: E402
 
 MODES = ("compressed", "dense")
@@ -124,13 +124,15 @@ class PrefillRow:
 @dataclass
 class MixedRow:
     """Running decodes while another request prefills: their time per output token before the
-    prefill arrives and during it (every step of the prefill also decodes them)."""
+    prefill arrives and during it (every step of the prefill also decodes them), under one
+    policy: ``mixed_chunk_tokens`` prefill tokens per step beside decodes (0: the whole chunk)."""
     decode_context: int
     decode_batch: int
     prefill_context: int
     status: str
+    mixed_chunk_tokens: int = 0
     note: str = ""
-    chunk: int = 0
+    chunk: int = 0                       # prefill tokens per step beside the decodes
     tpot_alone_ms: float = 0.0           # mean decode step before the prefill
     steps_mixed: int = 0                 # steps while the prefill ran
     tpot_mixed_ms: float = 0.0           # mean of those steps (each gave every decode a token)
@@ -139,6 +141,7 @@ class MixedRow:
     stalled_steps: int = 0               # steps of the prefill in which a running decode got no token
     prefill_tokens_done: int = 0
     prefill_s: float = 0.0
+    ttft_s: float = 0.0                  # the long prompt's first token (its prefill done), 0 if not reached
 
 
 @dataclass
@@ -382,19 +385,22 @@ def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float,
 def measure_mixed(eng: Engine, row: MixedRow, args: argparse.Namespace, max_seconds: float) -> None:
     """``row.decode_batch`` synthetic decodes of ``row.decode_context`` tokens: timed alone, then
     while a real prefill of ``row.prefill_context`` random ids runs chunk by chunk beside them (for
-    at most ``max_seconds``); each step's wall time is one output token of every running decode."""
+    at most ``max_seconds``); each step's wall time is one output token of every running decode.
+    The scheduler runs under ``row.mixed_chunk_tokens`` for the measurement (restored after)."""
     if row.decode_batch + 1 > eng.scheduler.cfg.max_running_requests:
         row.status = "refused"
         row.note = (f"{row.decode_batch} decodes + the prefill exceed max_running_requests "
                     f"{eng.scheduler.cfg.max_running_requests}")
         return
-    chunks = -(-row.prefill_context // eng.scheduler.cfg.chunked_prefill_size)
+    sched = eng.scheduler
+    policy_was, sched.cfg.mixed_chunk_tokens = sched.cfg.mixed_chunk_tokens, row.mixed_chunk_tokens
+    row.chunk = sched.cfg.prefill_budget(decoding=True)
+    chunks = -(-row.prefill_context // row.chunk)
     rids = admit_synthetic(eng, row.decode_context, row.decode_batch, args.warmup + args.steps + chunks + 8)
-    g = torch.Generator().manual_seed(row.prefill_context + 1)
+    # ids of its own per policy: the prefix cache must not serve one row's prompt to the next
+    g = torch.Generator().manual_seed(row.prefill_context + 1 + row.mixed_chunk_tokens)
     ids = torch.randint(0, eng.vocab_size, (row.prefill_context,), generator=g).tolist()
     req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-    sched = eng.scheduler
-    row.chunk = sched.cfg.chunked_prefill_size
     try:
         if args.warmup:
             timed_decode_steps(eng, args.warmup, row.decode_batch)
@@ -414,6 +420,7 @@ def measure_mixed(eng: Engine, row: MixedRow, args: argparse.Namespace, max_seco
             row.prefill_s = time.perf_counter() - t_start
             if r is None or row.prefill_tokens_done >= row.prefill_context:
                 row.status = "complete"
+                row.ttft_s = row.prefill_s
                 break
             if row.prefill_s >= max_seconds:
                 row.status = "stopped (time budget)"
@@ -425,6 +432,7 @@ def measure_mixed(eng: Engine, row: MixedRow, args: argparse.Namespace, max_seco
     finally:
         eng.abort(req.rid)
         finish_all(eng, rids)
+        sched.cfg.mixed_chunk_tokens = policy_was
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -521,7 +529,9 @@ def run(args: argparse.Namespace) -> Report:
         prows += [PrefillRow("dense", c, "pending") for c in args.prefill_contexts]
     rep.prefill = prows
     if args.mixed_prefill and "compressed" in args.modes:
-        rep.mixed = [MixedRow(args.mixed_decode_context, args.mixed_decode_batch, args.mixed_prefill, "pending")]
+        # before: the prefill chunk shares the step whole (mixed_chunk_tokens 0); after: capped
+        rep.mixed = [MixedRow(args.mixed_decode_context, args.mixed_decode_batch, args.mixed_prefill, "pending", cap)
+                     for cap in dict.fromkeys([0, args.mixed_chunk_tokens])]
     todo = [r for r in drows if r.status == "pending"]
     if args.dry_run:
         say("\ndry run: would measure")
@@ -657,14 +667,30 @@ def breakdown_text(r: DecodeRow, indent: str = "") -> str:
 
 
 def mixed_text(r: MixedRow) -> str:
-    head = (f"mixed: {r.decode_batch} decodes of {fmt_tokens(r.decode_context)} while {fmt_tokens(r.prefill_context)} "
-            f"prefills ({r.chunk}-token chunks): {r.status}")
+    policy = (f"mixed_chunk_tokens {r.mixed_chunk_tokens}" if r.mixed_chunk_tokens
+              else "mixed_chunk_tokens 0 (the old policy: the whole chunk)")
+    head = (f"mixed, {policy}: {r.decode_batch} decodes of {fmt_tokens(r.decode_context)} while "
+            f"{fmt_tokens(r.prefill_context)} prefills ({r.chunk}-token chunks beside them): {r.status}")
     if r.status not in ("complete", "stopped (time budget)"):
         return head + (f" ({r.note})" if r.note else "")
+    ttft = f"TTFT of the long prompt {r.ttft_s:.1f} s" if r.ttft_s else "no TTFT (prefill not finished)"
     return (head + f"; TPOT alone {r.tpot_alone_ms:.2f} ms, during the prefill mean {r.tpot_mixed_ms:.2f} / p50 "
             f"{r.tpot_mixed_p50_ms:.2f} / max {r.tpot_mixed_max_ms:.2f} ms over {r.steps_mixed} steps "
             f"({r.tpot_mixed_ms / r.tpot_alone_ms:.1f}x); steps where a decode got no token: {r.stalled_steps}; "
-            f"{r.prefill_tokens_done:,} prompt tokens in {r.prefill_s:.1f} s" + (f" [{r.note}]" if r.note else ""))
+            f"{r.prefill_tokens_done:,} prompt tokens in {r.prefill_s:.1f} s; {ttft}" + (f" [{r.note}]" if r.note else ""))
+
+
+def mixed_table(rows: list[MixedRow]) -> str:
+    """Before / after side by side: the running decodes' TPOT and the long prompt's TTFT per policy."""
+    lines = ["| mixed_chunk_tokens | chunk beside decodes | TPOT alone ms | TPOT mean ms | p50 | max | x alone | "
+             "TTFT s | status |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = r.status in ("complete", "stopped (time budget)") and r.tpot_alone_ms
+        cells = ([f"{r.tpot_alone_ms:.2f}", f"{r.tpot_mixed_ms:.2f}", f"{r.tpot_mixed_p50_ms:.2f}",
+                  f"{r.tpot_mixed_max_ms:.2f}", f"{r.tpot_mixed_ms / r.tpot_alone_ms:.1f}",
+                  f"{r.ttft_s:.1f}" if r.ttft_s else "-"] if ok else ["-"] * 6)
+        lines.append(f"| {r.mixed_chunk_tokens or '0 (old)'} | {r.chunk} | " + " | ".join(cells) + f" | {r.status} |")
+    return "\n".join(lines)
 
 
 def floor_gb(r: DecodeRow) -> str:
@@ -855,7 +881,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="prompt length of a prefill run beside running decodes, to time their TPOT (0: none)")
     ap.add_argument("--mixed-decode-context", type=int, default=4096, help="context of those decodes")
     ap.add_argument("--mixed-decode-batch", type=int, default=8, help="how many decodes run beside the prefill")
-    ap.add_argument("--mixed-max-seconds", type=float, default=120.0, help="time limit of the mixed prefill")
+    ap.add_argument("--mixed-max-seconds", type=float, default=120.0, help="time limit of each mixed prefill")
+    ap.add_argument("--mixed-chunk-tokens", type=int, default=DEFAULT_MIXED_CHUNK_TOKENS,
+                    help="the capped policy timed after the old one (0 first: the whole chunk beside the decodes)")
     ap.add_argument("--dense-prefill", action="store_true", help="also time the dense mode's prefills")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="cap on the batch (max_running_requests; default 256 on CUDA, 16 on the CPU)")
@@ -966,6 +994,7 @@ def report_text(rep: Report, args: argparse.Namespace) -> None:
         print("\n## decodes beside a prefill\n")
         for r in rep.mixed:
             print(mixed_text(r))
+        print("\n" + mixed_table(rep.mixed))
     print("\n## targets\n")
     for line in rep.summary:
         print("- " + line)

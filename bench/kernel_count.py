@@ -3,8 +3,9 @@
 A CUDA graph replays every kernel of the step back to back, each waiting for the one before, so
 a step's gaps grow with the number of kernels, not with their work: this counts them. One decode
 step runs eagerly (graphs off) under ``torch.profiler`` with a device synchronize at every range
-boundary (as ``KernelBreakdown`` does), and each GPU kernel, copy and memset is charged to the
-innermost range whose host interval contains its GPU interval: a layer's attention, its MoE, or
+boundary (``_bench_common._ProfiledRanges``, shared with ``KernelBreakdown``), and each GPU
+kernel, copy and memset is charged to the innermost range whose host interval contains its GPU
+interval: a layer's attention, its MoE, or
 the layer itself (mHC mixes, the two block norms); outside the layers the embedding / head and the
 backend's metadata. The graph replays the same kernels, so these are the graph's nodes per layer.
 
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._bench_common import _LabelledRanges, admit_synthetic, finish_all, sync  # noqa: E402
+from bench._bench_common import _ProfiledRanges, admit_synthetic, finish_all  # noqa: E402
 
 KINDS = {0: "window-only", 4: "CSA", 128: "HCA"}
 # torch ops that launch nothing (views, metadata): not counted on the CPU
@@ -42,7 +43,7 @@ NO_KERNEL_OPS = {"aten::" + n for n in ("view", "slice", "reshape", "unsqueeze",
                                          "as_strided", "transpose", "permute", "unbind", "split", "chunk")}
 
 
-class KernelCounter(_LabelledRanges):
+class KernelCounter(_ProfiledRanges):
     """Kernels (CUDA) or top-level torch ops (CPU) of engine steps, per layer and part.
 
         with KernelCounter(engine) as kc:
@@ -55,34 +56,14 @@ class KernelCounter(_LabelledRanges):
         self.cuda = self.device.type == "cuda"
         self.counts: Counter = Counter()          # range label -> kernels in it (innermost)
         self.names: dict[str, Counter] = {}       # range label -> kernel name -> count
-        self._graphs_were: Optional[bool] = None
 
-    def _enter_range(self, key: str) -> Any:
-        sync(self.device)
-        rf = torch.profiler.record_function(key)
-        rf.__enter__()
-        return rf
-
-    def _exit_range(self, key: str, token: Any) -> None:
-        sync(self.device)
-        token.__exit__(None, None, None)
-
-    def __enter__(self) -> "KernelCounter":
-        graphs = getattr(self.runner, "cuda_graphs", None)
-        if graphs is not None:
-            self._graphs_were, graphs.enabled = graphs.enabled, False
+    def _instrument(self) -> None:
         for i, block in enumerate(self.model.layers):
             self._module_hooks(block, f"layer.{i}")
             self._module_hooks(block.attn, f"layer.{i}.attention")
             self._module_hooks(block.ffn, f"layer.{i}.moe")
         self._wrap(self.runner, "forward", "forward")
         self._wrap(self.backend, "init_forward_metadata", "metadata")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        if self._graphs_were is not None:
-            self.runner.cuda_graphs.enabled = self._graphs_were
 
     def _labels(self) -> set[str]:
         return ({f"layer.{i}{p}" for i in range(len(self.model.layers)) for p in ("", ".attention", ".moe")}
@@ -90,15 +71,10 @@ class KernelCounter(_LabelledRanges):
 
     def step(self) -> list[Any]:
         """One engine step, profiled; its kernels are added to ``counts`` / ``names``."""
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         labels = self._labels()
-        sync(self.device)
-        with profile(activities=acts) as prof:
-            outs = self.engine.step()
-            sync(self.device)
+        outs, events = self._profiled_step()
         ranges, items = [], []
-        for ev in prof.events():
+        for ev in events:
             tr = ev.time_range
             if ev.name in labels and ev.device_type.name == "CPU":
                 ranges.append((tr.end - tr.start, tr.start, tr.end, ev.name))

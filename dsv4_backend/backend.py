@@ -39,6 +39,7 @@ import torch
 
 from memory.configurator import FULL_PAGE, SWA_PAGE
 from memory.layout import read_indexer_rows, read_kv_rows, write_indexer_rows, write_kv_rows
+from memory.upload import upload
 
 from .config import DSV4Config
 from .model import AttentionInputs, CompressorInput, hadamard, hi_dtype
@@ -334,11 +335,12 @@ def _segments_host(m: int, step: _StepHost) -> dict:
 
 
 def _upload(host: dict, device: torch.device) -> dict:
-    """Move a dict of small int64 host tensors to ``device`` in one copy (views of one buffer)."""
+    """Move a dict of small int64 host tensors to ``device`` in one copy (views of one buffer),
+    queued without a host sync."""
     if device.type == "cpu":
         return dict(host)
     keys = list(host)
-    flat = torch.cat([host[k].reshape(-1) for k in keys]).to(device)
+    flat = upload(torch.cat([host[k].reshape(-1) for k in keys]), device)
     out, i = {}, 0
     for k in keys:
         n = host[k].numel()
@@ -400,7 +402,7 @@ class TorchDSV4Backend(AttentionBackend):
         # Everything whose size is the step's (tokens, events, ring writes) is laid out on the host
         # from the batch's ints and moved in one copy; everything read from the tables (full and
         # SWA slots, compressed rows) is gathered on the tables' device, so no context-length row
-        # ever goes through the host. The one device read is the missing-SWA-slot check.
+        # ever goes through the host, and nothing is read back from the device.
         tables = self.tables
         dev = tables.req_to_token.device
         step = _StepHost.build(batch, self.window, self.dense)
@@ -447,14 +449,13 @@ class TorchDSV4Backend(AttentionBackend):
             full = req_to_token[slots[:, None], torch.where(valid, pos, 0)]
         else:   # every row starts at position 0 (dense mode, short requests): a row copy
             full = req_to_token[:, :width].index_select(0, slots)
+        # every window position must have an SWA slot: checked on the allocator's page
+        # bookkeeping (reading full_to_swa back would be a host sync per step)
+        for slot, k, s in zip(lists.req_slots, lists.kv_start, lists.seq_lens):
+            if gone := self.tables.unmapped(slot, k, s):
+                raise RuntimeError(f"request slot {slot}: positions {gone[:8]} of the step's windows have no "
+                                   "SWA slot (evicted, or the allocator was not extended before the forward)")
         ks = full_to_swa[full].to(torch.int64)
-        missing = valid & (ks < 0)
-        if bool(missing.any()):
-            for r, slot in enumerate(lists.req_slots):
-                if bool(missing[r].any()):
-                    gone = (torch.nonzero(missing[r]).flatten() + lists.kv_start[r]).tolist()[:8]
-                    raise RuntimeError(f"request slot {slot}: positions {gone} of the step's windows have no "
-                                       "SWA slot (evicted, or the allocator was not extended before the forward)")
         return torch.where(valid, ks, -1)
 
     def _block_rows(self, m: int, meta: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from memory.configurator import FULL_PAGE
+from memory.upload import upload
 
 from .backend import ForwardBatch, TorchDSV4Backend
 
@@ -149,7 +150,7 @@ class DecodeGraphs:
         # the ordinary layout, without the events (the static tables derive their own) and
         # without the per-layer Triton tables (the static ones replace them)
         meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False)
-        ids = torch.tensor([r.input_ids[0] for r in reqs], dtype=torch.int64, device=runner.device)
+        ids = upload(torch.tensor([r.input_ids[0] for r in reqs], dtype=torch.int64), runner.device)
         bs = next(b for b in self.buckets if b >= len(reqs))
         ctx = context_bucket(max(meta.host.seq_lens), self.min_context)
         entry = self._graphs.get((bs, ctx))

@@ -21,6 +21,7 @@ from memory.allocator import KVAllocator
 from memory.configurator import DSV4PoolConfigurator
 from memory.hisparse import HiSparseConfig
 from memory.pools import DSV4KVPools
+from memory.upload import upload
 
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
 from .flashmla_backend import FLASHMLA_PAGE_ALIGN, resolve_attention_kernel  # registers "flashmla"
@@ -172,7 +173,7 @@ class ModelRunner:
                              [len(r.input_ids) for r in reqs], rollback)
         meta = self.backend.init_forward_metadata(batch)
         self.last_metadata = meta
-        ids = torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64, device=self.device)
+        ids = upload(torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64), self.device)
         X = self.model(ids, meta.positions.to(self.device), self.backend, meta)          # [T, hc, D]
         self.last_hidden = X
         pick, counts = [], []
@@ -182,7 +183,7 @@ class ModelRunner:
             pick += rows
             counts.append(len(rows))
         if pick:
-            logits = self.model.logits(X[torch.tensor(pick, dtype=torch.int64, device=X.device)])
+            logits = self.model.logits(X[upload(torch.tensor(pick, dtype=torch.int64), X.device)])
         else:
             logits = torch.empty(0, self.config.vocab_size, dtype=hi_dtype(self.dtype), device=X.device)
         return list(torch.split(logits, counts))

@@ -29,6 +29,7 @@ from typing import Callable, Hashable, NamedTuple, Optional, Protocol
 import torch
 
 from memory.configurator import SWA_PAGE, PoolPlan
+from memory.upload import upload
 
 
 class PagedAllocator:
@@ -178,8 +179,8 @@ class KVAllocator:
 
     Table writes are queued on the host and applied together, in order, when a table is next
     read (both accessors flush): a decode step's ``extend`` of B requests then costs one upload
-    and one scatter per table instead of 2 B of each, each upload a blocking host-to-device copy
-    on a GPU. The page bookkeeping itself is immediate.
+    and one scatter per table instead of 2 B of each; on a GPU the upload is queued without a
+    host sync (``memory/upload.py``). The page bookkeeping itself is immediate.
     """
 
     def __init__(self, plan: PoolPlan, max_context: int, window: int = 128, dense: bool = False,
@@ -197,6 +198,7 @@ class KVAllocator:
         self._full_to_swa = torch.full((plan.max_full_tokens + 1,), -1, dtype=torch.int64, device=device)
         self._full_to_swa[-1] = plan.num_swa_pages * SWA_PAGE  # dummy full slot -> dummy SWA page
         self._reqs: dict[Hashable, _Request] = {}
+        self._by_slot: dict[int, _Request] = {}            # request slot -> its request
         self.on_free: list[Callable[[int], None]] = []   # called with the request slot in free() (HiSparse)
         # SWA page -> full slot of the first of its 128 tokens: the entries of full_to_swa it fills
         self._swa_home: dict[int, int] = {}
@@ -231,7 +233,7 @@ class KVAllocator:
                 order = torch.arange(idx.numel())
                 last = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce_(0, inv, order, "amax")
                 idx, val = uniq, val[last]
-            both = torch.stack([idx, val]).to(table.device)
+            both = upload(torch.stack([idx, val]), table.device)
             table.view(-1)[both[0]] = both[1]
 
     def _queue(self, name: str, idx: torch.Tensor, val: torch.Tensor) -> None:
@@ -264,6 +266,21 @@ class KVAllocator:
     def req_slot(self, rid: Hashable) -> int:
         return self._req(rid).slot
 
+    def unmapped(self, slot: int, start: int, end: int) -> list[int]:
+        """Positions in ``[start, end)`` of the request in ``slot`` that have no SWA slot (evicted,
+        or not extended to yet): from the page bookkeeping, without reading ``full_to_swa``."""
+        req = self._by_slot.get(slot)
+        if req is None:
+            return list(range(start, end))
+        held = min(end, req.seq_len)
+        k0, k1 = start // SWA_PAGE, -(-held // SWA_PAGE)
+        if k0 == 0 and held == req.seq_len and len(req.swa_pages) == k1:
+            gone = []      # its pages are keys below k1 (check_integrity), so these k1 are all of them
+        else:
+            gone = [k for k in range(k0, k1) if k not in req.swa_pages]
+        out = [p for k in gone for p in range(max(start, k * SWA_PAGE), min(held, (k + 1) * SWA_PAGE))]
+        return out + list(range(max(start, held), end))
+
     def swa_page_of(self, rid: Hashable, k: int) -> int | None:
         """The SWA page holding positions ``[128k, 128k + 128)`` of ``rid``; None if evicted or never allocated."""
         return self._req(rid).swa_pages.get(k)
@@ -276,7 +293,7 @@ class KVAllocator:
             raise ValueError(f"request {rid!r} is already admitted")
         slot = self.req_pool.alloc()
         if slot is not None:
-            self._reqs[rid] = _Request(slot)
+            self._reqs[rid] = self._by_slot[slot] = _Request(slot)
         return slot
 
     def can_extend(self, rid: Hashable, new_len: int) -> AllocResult:
@@ -359,7 +376,7 @@ class KVAllocator:
         self.full.free(req.full_pages)
         self._release_swa(list(req.swa_pages.values()))
         self.req_pool.free(req.slot)
-        del self._reqs[rid]
+        del self._reqs[rid], self._by_slot[req.slot]
         for hook in self.on_free:
             hook(req.slot)
 

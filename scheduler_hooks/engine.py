@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_GPU_MEM_FRACTION = 0.85
 DEFAULT_CPU_MEM_FRACTION = 0.25
+# prefill tokens a step may carry beside running decodes (docs/engine.md, "Scheduler policy")
+DEFAULT_MIXED_CHUNK_TOKENS = 512
 
 Callback = Callable[[RequestOutput], None]
 
@@ -164,6 +166,7 @@ class Engine:
         speculative_num_draft_tokens: Optional[int] = None,
         tp_size: int = 1,
         ep_size: int = 1,
+        mixed_chunk_tokens: int = DEFAULT_MIXED_CHUNK_TOKENS,
     ):
         engine_args = {k: v for k, v in locals().items() if k != "self"}   # what each rank process rebuilds
         if dtype not in DTYPES:
@@ -173,6 +176,9 @@ class Engine:
             raise ValueError("dtype='float64' is the CPU-only exact mode")
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        if mixed_chunk_tokens < 0:
+            raise ValueError(f"mixed_chunk_tokens must be >= 0 (0: no cap), got {mixed_chunk_tokens}")
+        self.mixed_chunk_tokens = mixed_chunk_tokens
         self.dtype = DTYPES[dtype]
         torch.manual_seed(random_seed)
         self.speculative = SpeculativeConfig.from_flags(speculative_algorithm, speculative_num_steps,
@@ -263,7 +269,8 @@ class Engine:
         self.scheduler = Scheduler(runner, self.hooks, SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             context_length=self.context_length, eos_token_id=self.config.eos_token_id,
-            capture_logits=capture_logits, random_seed=random_seed), self.tokenizer)
+            capture_logits=capture_logits, random_seed=random_seed,
+            mixed_chunk_tokens=self.mixed_chunk_tokens), self.tokenizer)
         self.max_queued_requests = max_queued_requests
         self.dense = dense
         self.scheduler.synthetic_fill = fill

@@ -13,7 +13,9 @@ Policy of ``step()``:
    outputs so far, to be prefilled again: its outputs continue exactly where they stopped);
    repeat until the decode fits or the request itself was the one retracted.
 2. Prefill chunks share a budget of ``chunked_prefill_size`` tokens per step (decodes do not
-   count): first requests whose prefill is under way, oldest first, then new admissions from
+   count), or of ``mixed_chunk_tokens`` when the step also decodes (so a long prompt's chunks
+   add at most that many tokens to the running requests' time per output token; 0: no cap):
+   first requests whose prefill is under way, oldest first, then new admissions from
    the head of the queue while a request slot is free. A chunk may end anywhere; when the
    pools cannot hold a chunk it is halved until it fits (down to one token) or the request
    waits. Admission needs a request slot (which also addresses its C128 ring or online state)
@@ -78,6 +80,14 @@ class SchedulerConfig:
     eos_token_id: int
     capture_logits: bool = False
     random_seed: int = 0
+    # prefill tokens a step may add beside running decodes (0: chunked_prefill_size, no cap)
+    mixed_chunk_tokens: int = 0
+
+    def prefill_budget(self, decoding: bool) -> int:
+        """Prefill tokens of a step: the chunk size, capped at ``mixed_chunk_tokens`` while decodes run."""
+        if decoding and self.mixed_chunk_tokens > 0:
+            return min(self.chunked_prefill_size, self.mixed_chunk_tokens)
+        return self.chunked_prefill_size
 
 
 @dataclass
@@ -428,7 +438,7 @@ class Scheduler:
                 if self.spec is not None and not k:
                     self.spec.num_plain_decodes += 1
 
-        budget = self.cfg.chunked_prefill_size
+        budget = self.cfg.prefill_budget(decoding=bool(batch))
         for r in [r for r in self.running if r.remaining > 1]:
             if budget <= 0:
                 break

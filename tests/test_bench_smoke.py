@@ -281,13 +281,17 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
 
 def test_bench_long_context_times_decodes_beside_a_prefill():
     """--mixed-prefill: two running decodes keep getting a token in every step of a chunked
-    prefill beside them, and the report has their TPOT before and during it."""
+    prefill beside them, under the old policy (the whole chunk) and then the capped one; the
+    report has their TPOT before and during it and the long prompt's TTFT for each."""
     rep = bench_long_context.main([
         "--preset", "tiny", "--device", "cpu", "--contexts", "256", "--batches", "1", "--modes", "compressed",
         "--steps", "1", "--warmup", "1", "--breakdown-contexts", "", "--prefill-contexts", "", "--prefill-long", "0",
         "--mixed-prefill", "512", "--mixed-decode-context", "256", "--mixed-decode-batch", "2",
-        "--prefill-chunk", "256", "--max-batch", "4", "--no-progress"])
-    (m,) = rep.mixed
-    assert m.status == "complete" and m.prefill_tokens_done == 512
-    assert m.steps_mixed == 2 and m.stalled_steps == 0          # two 256-token chunks, decodes in both
-    assert m.tpot_alone_ms > 0 and m.tpot_mixed_max_ms >= m.tpot_mixed_p50_ms > 0
+        "--prefill-chunk", "256", "--mixed-chunk-tokens", "128", "--max-batch", "4", "--no-progress"])
+    old, capped = rep.mixed
+    assert (old.mixed_chunk_tokens, old.chunk, capped.mixed_chunk_tokens, capped.chunk) == (0, 256, 128, 128)
+    for m, steps in ((old, 2), (capped, 4)):                   # 512 prompt tokens in 256- / 128-token chunks
+        assert m.status == "complete" and m.prefill_tokens_done == 512
+        assert m.steps_mixed == steps and m.stalled_steps == 0  # the decodes got a token in every step
+        assert m.tpot_alone_ms > 0 and m.tpot_mixed_max_ms >= m.tpot_mixed_p50_ms > 0
+        assert m.ttft_s == m.prefill_s > 0

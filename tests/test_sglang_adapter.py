@@ -464,46 +464,74 @@ def test_backend_falls_back_to_sglang_outside_our_modes():
     assert backend.serves_indexer(idx) and not backend.serves_indexer(NS(use_fp4_indexer=True))
 
 
+def _topk_is_best(chosen, scores, bound, k):
+    """``chosen`` (list positions, no -1) is a best-``k`` set of float64 ``scores`` when each
+    score may be off by ``bound``: no unchosen position beats a chosen one by more than both
+    bounds (ties within rounding may go either way)."""
+    vis = scores.shape[0]
+    assert chosen.numel() == min(k, vis) and chosen.unique().numel() == chosen.numel()
+    picked = torch.zeros(vis, dtype=torch.bool)
+    picked[chosen] = True
+    return bool(((scores + bound)[picked][:, None] >= (scores - bound)[~picked][None]).all())
+
+
 def test_backend_c4_indexer_top_k_on_sglang_pool():
-    """select_c4_rows: SGLang's indexer page table and compressed lengths, its FP8 queries and
-    folded weights, into the metadata's c4_sparse_page_indices in place. Chosen rows must be
-    the best by the float64 scores up to the kernel's score bound; all visible rows when fewer
-    than index_topk; -1 after; a padded metadata row is left alone."""
+    """forward_c4_indexer (SGLang's query preparation, given here, then select_c4_rows): SGLang's indexer page table and compressed lengths, its FP8 queries and
+    folded weights, into the metadata's c4_sparse_page_indices in place (a padded metadata row
+    is left alone). The chosen rows are the best by the float64 scores up to our kernel's score
+    bound, all visible rows when fewer than index_topk, -1 after; and they agree with SGLang's
+    own torch indexer (fp8_paged_mqa_logits_torch + topk_transform_pytorch_vectorized, whose
+    per-head dot products are rounded to bf16) except for near-ties within both bounds."""
+    from sglang.srt.layers.attention.dsv4.indexer import (
+        fp8_paged_mqa_logits_torch, topk_transform_pytorch_vectorized,
+    )
     pool = _dsv4_pool()
     g = torch.Generator().manual_seed(51)
     idx_pool = pool.get_index_k_with_scale_buffer(1).view(torch.uint8)
     n = idx_pool.shape[0] * 64
     write_indexer_rows(idx_pool, torch.arange(n), torch.randn(n, 128, generator=g, dtype=torch.float64))
-    T, H, k = 3, 4, 8
+    T, H, k = 3, 4, 64
     table = torch.stack([torch.randperm(idx_pool.shape[0], generator=g)[:2] for _ in range(T)]).to(torch.int32)
     visible = torch.tensor([70, 5, 128], dtype=torch.int32)
     q = (torch.randn(T, H, 128, generator=g) * 4).to(torch.float8_e4m3fn)
     w = torch.randn(T, H, generator=g)
     core = _core_metadata(torch.zeros(T + 1, 64, dtype=torch.int32), torch.ones(T + 1, dtype=torch.int32),
-                          c4=(torch.full((T + 1, 64), 7, dtype=torch.int32), torch.ones(T + 1, dtype=torch.int32)),
+                          c4=(torch.full((T + 1, k), 7, dtype=torch.int32), torch.ones(T + 1, dtype=torch.int32)),
                           index_topk=k)
     im = NS(page_table=table, compressed_seq_lens=visible, compressed_page_size=64)
     backend = _backend(pool, index_topk=k, forward_metadata=NS(core_metadata=core, indexer_metadata=im))
-    backend.select_c4_rows(q, w, 1)
+    c4_indexer = NS(layer_id=1, use_fp4_indexer=False, compressor=None,
+                    compute_weights=lambda x, skip_scale: w,  # the model's projections: given here
+                    compute_q=lambda q_lora, positions, weights, quant: (q[:q_lora.shape[0]], weights[:, :, None]))
+    batch = NS(forward_mode=NS(is_idle=lambda: False))
+    backend.forward_c4_indexer(torch.zeros(T, 8), torch.zeros(T, 8), c4_indexer, batch, skip_compressor=True)
     got = core.c4_sparse_page_indices
+    assert torch.equal(got[T], torch.full((k,), 7, dtype=torch.int32)), "padded metadata row written"
 
-    assert torch.equal(got[T], torch.full((64,), 7, dtype=torch.int32)), "padded metadata row written"
-    assert torch.equal(got[:T, k:], torch.full((T, 64 - k), -1, dtype=torch.int32))
+    logits = fp8_paged_mqa_logits_torch(q.unsqueeze(1), idx_pool.view(-1, 64, 1, 132), w, visible,
+                                        table, None, 128, False)
+    theirs = torch.empty(T, k, dtype=torch.int32)
+    topk_transform_pytorch_vectorized(logits, visible, table, theirs, 64)
+
     j = torch.arange(128)
     slots = (table.long()[:, j // 64] * 64 + j % 64).masked_fill(j[None] >= visible[:, None].long(), -1)
     keys = read_indexer_rows(idx_pool, slots.clamp_min(0))
     qd = q.double()
     score = (w.double()[:, :, None] * torch.einsum("thd,tld->thl", qd, keys.double()).clamp_min(0)).sum(1)
-    bound = indexer_score_bound(qd, w, keys)
+    ours_b = indexer_score_bound(qd, w, keys)
+    theirs_b = ours_b + 2.0 ** -8 * (w.double().abs()[:, :, None]
+                                     * torch.einsum("thd,tld->thl", qd.abs(), keys.double().abs())).sum(1)
     for t in range(T):
         vis = int(visible[t])
-        chosen = got[t, :k][got[t, :k] >= 0].long()
-        assert chosen.numel() == min(k, vis) and chosen.unique().numel() == chosen.numel()
-        pos = {int(s): p for p, s in enumerate(slots[t, :vis].tolist())}
-        assert all(int(s) in pos for s in chosen), "a chosen row is not visible"
-        picked = torch.zeros(vis, dtype=torch.bool)
-        picked[[pos[int(s)] for s in chosen]] = True
-        if vis > k:
-            s, b = score[t, :vis], bound[t, :vis]
-            # chosen over not chosen by the kernel's scores: each fp64 score is within its bound
-            assert ((s[picked][:, None] + b[picked][:, None]) >= (s[~picked] - b[~picked])[None]).all()
+        position = {s: p for p, s in enumerate(slots[t, :vis].tolist())}
+        for name, sel, b in (("ours", got[t], ours_b), ("SGLang's", theirs[t], theirs_b)):
+            live = sel[sel >= 0].tolist()
+            assert torch.equal(sel[len(live):], torch.full((k - len(live),), -1, dtype=torch.int32)), name
+            assert all(s in position for s in live), f"{name}: a chosen row is not visible"
+            chosen = torch.tensor([position[s] for s in live], dtype=torch.long)
+            assert _topk_is_best(chosen, score[t, :vis], b[t, :vis], k), f"{name}: not a best-{k} set, row {t}"
+        mine, other = set(got[t].tolist()) - {-1}, set(theirs[t].tolist()) - {-1}
+        for a in mine - other:  # a near-tie swap: within both selections' bounds
+            for c in other - mine:
+                pa, pc = position[a], position[c]
+                assert abs(score[t, pa] - score[t, pc]) <= ours_b[t, pa] + ours_b[t, pc] + theirs_b[t, pa] + theirs_b[t, pc]

@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (  # noqa: E402
 from sglang.srt.model_executor import pool_configurator as sgl_cfg  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 
+import sglang_cases as C  # noqa: E402
 from bounds import assert_within, attention_bound, indexer_score_bound  # noqa: E402
 from conftest import ROOT, TESTDATA  # noqa: E402
 from dsv4_backend.kernels import reference as R  # noqa: E402
@@ -348,190 +349,40 @@ def test_torchvision_stub_only_when_absent():
 
 # ---- the backend's methods on SGLang's token-to-KV pool ---------------------------------------
 
-def _dsv4_pool():
-    """SGLang's DeepSeekV4TokenToKVPool on the CPU: layer 0 SWA only, layer 1 C4, layer 2 C128."""
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-    with get_context().override_server_args(page_size=256):
-        return DeepSeekV4TokenToKVPool(
-            max_num_reqs=2, swa_size=512, c4_size=256, c128_size=8, c4_state_pool_size=16,
-            c128_state_pool_size=16, page_size=256, swa_page_size=256, dtype=torch.float8_e4m3fn,
-            c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
-            qk_rope_head_dim=64, indexer_head_dim=128, layer_num=3, device="cpu",
-            enable_memory_saver=False, compression_ratios=[0, 4, 128], full_size=1024)
-
-
-def _backend(pool, **fields):
-    """Our backend without a model runner: SGLang's pool plus the fields its methods read."""
-    backend = object.__new__(A.TritonDSV4AttnBackend)
-    backend.__dict__.update(token_to_kv_pool=pool, pre_kv_store_hook=None, trtllm_attn=False,
-                            is_dsv41=False, mtp_enabled=False, hisparse_coordinator=None,
-                            debug_use_external_c4_sparse_indices=False, **fields)
-    return backend
-
-
-def _core_metadata(swa_idx, swa_len, c4=None, c128=None, index_topk=512):
-    """SGLang's DSV4AttnMetadata with the per-query lists the attention reads."""
-    from sglang.srt.layers.attention.deepseek_v4_backend import DSV4AttnMetadata
-    T = swa_idx.shape[0]
-    core = DSV4AttnMetadata(
-        page_size=256, page_table=torch.zeros(T, 1, dtype=torch.int32),
-        raw_out_loc=torch.zeros(T, dtype=torch.int64), cuda_int32_kwargs={},
-        seq_lens_casual=torch.ones(T, dtype=torch.int32), positions_casual=torch.zeros(T, dtype=torch.int64),
-        swa_page_indices=swa_idx, swa_topk_lengths=swa_len, index_topk=index_topk,
-        present_ratios=(4, 128))
-    for ratio, lists in ((4, c4), (128, c128)):
-        if lists is not None:
-            core.set_sparse_topk(ratio, page_indices=lists[0], topk_lengths=lists[1])
-    return core
-
-
-def _fill_kv(pool_bytes, g):
-    rows_per_page = pool_bytes.shape[1] // 584
-    n = pool_bytes.shape[0] * rows_per_page
-    write_kv_rows(pool_bytes, torch.arange(n), torch.randn(n, 512, generator=g, dtype=torch.float64) * 2)
-
-
-def _lists(g, T, n, slots, lengths):
-    """Per-query slot lists [T, n] (-1 at random places) with their SGLang lengths."""
-    idx = torch.randint(0, slots, (T, n), generator=g, dtype=torch.int32)
-    idx[torch.rand(T, n, generator=g) < 0.15] = -1
-    return idx, torch.tensor(lengths, dtype=torch.int32)
-
-
-def _attention_fp64(q, keys, valid, sink, scale):
-    """One softmax over the valid keys plus the sink, float64: (out [T, h, 512], lse [T, h])."""
-    q, keys = q.double(), keys.double()
-    s = (torch.einsum("thd,tnd->thn", q, keys) * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    z = torch.logaddexp(lse, sink.double()[None, :])
-    out = torch.einsum("thn,tnd->thd", torch.exp(s - z[..., None]).nan_to_num(0.0), keys)
-    return out, lse
-
-
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 def test_backend_attention_on_sglang_pool(ratio):
-    """TritonDSV4AttnBackend.forward: SGLang's per-query SWA and C4 / C128 lists (indices cut at
-    their topk_lengths, -1 skipped, the length-1 clamp over a -1 entry, metadata padded one row
-    past the queries) over SGLang's pool; FlashMLA's head padding past the sink comes back 0."""
-    pool = _dsv4_pool()
-    g = torch.Generator().manual_seed(41 + ratio)
-    T, H, heads, W = 3, 16, 12, 64
-    layer_id = {0: 0, 4: 1, 128: 2}[ratio]
-    swa = pool.get_swa_key_buffer_radix(layer_id).view(torch.uint8)
-    _fill_kv(swa, g)
-    swa_idx, swa_len = _lists(g, T + 1, W, swa.shape[0] * 256, [40, 64, 7, 64])
-    lists, extra = {}, None
-    if ratio:
-        extra = pool.get_extra_key_buffer(layer_id).view(torch.uint8)
-        _fill_kv(extra, g)
-        P = pool.get_extra_key_page_size(layer_id)
-        ext_idx, ext_len = _lists(g, T + 1, 64, extra.shape[0] * P, [64, 1, 30, 64])
-        ext_idx[1, 0] = -1  # SGLang's clamp1: length 1 over an empty list
-        lists[ratio] = (ext_idx, ext_len)
-    core = _core_metadata(swa_idx, swa_len, c4=lists.get(4), c128=lists.get(128))
-    backend = _backend(pool, softmax_scale=512 ** -0.5,
-                       forward_metadata=NS(core_attn_metadata=core, late_layer_tail=None))
-    q = torch.randn(T, H, 512, generator=g) * 2
-    sink = torch.randn(heads, generator=g)
-    layer = NS(layer_id=layer_id, v_head_dim=512)
-    batch = NS(forward_mode=NS(is_idle=lambda: False))
-    got = backend.forward(q, q, q, layer, batch, compress_ratio=ratio, save_kv_cache=False, attn_sink=sink)
-
-    j = torch.arange(W)
-    window = torch.where(j[None] < swa_len[:T, None], swa_idx[:T], -1).long()
-    keys, valid = read_kv_rows(swa, window.clamp_min(0)), window >= 0
-    if ratio:
-        e = torch.where(j[None] < ext_len[:T, None], ext_idx[:T], -1).long()
-        keys = torch.cat([keys, read_kv_rows(extra, e.clamp_min(0))], 1)
-        valid = torch.cat([valid, e >= 0], 1)
-    want, _ = _attention_fp64(q[:, :heads], keys, valid, sink, 512 ** -0.5)
-    out_b, _ = attention_bound(q[:, :heads], keys, valid, sink, 512 ** -0.5)
-    assert got.shape == (T, H, 512)
-    assert_within(got[:, :heads], want, out_b, "out")
-    assert torch.equal(got[:, heads:], torch.zeros(T, H - heads, 512)), "padded heads"
+    """TritonDSV4AttnBackend.forward on SGLang's DeepSeekV4TokenToKVPool and DSV4AttnMetadata:
+    per-query SWA and C4 / C128 lists cut at their topk_lengths, -1 skipped, a length-1 clamp
+    over a -1 entry, metadata one row past the queries; out against float64 within the bound;
+    FlashMLA's head padding past the sink comes back 0."""
+    case = C.attention_case(C.dsv4_pool(), ratio, torch.Generator().manual_seed(41 + ratio), T=3, H=16,
+                            heads=12, swa_lengths=[40, 64, 7, 64], extra_width=64,
+                            extra_lengths=[64, 1, 30, 64])
+    got, heads = case["got"], case["heads"]
+    assert got.shape == (3, 16, 512)
+    assert_within(got[:, :heads], case["want"], case["bound"], "out")
+    assert torch.equal(got[:, heads:], torch.zeros(3, 16 - heads, 512)), "padded heads"
 
 
 def test_backend_falls_back_to_sglang_outside_our_modes():
-    pool = _dsv4_pool()
-    core = _core_metadata(torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
-    backend = _backend(pool, forward_metadata=NS(core_attn_metadata=core))
+    pool = C.dsv4_pool()
+    core = C.core_metadata(torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    backend = C.make_backend(pool, forward_metadata=NS(core_attn_metadata=core))
     assert backend.serves_attention(4, None) and backend.serves_attention(0, None)
     assert not backend.serves_attention(4, torch.zeros(1))  # fused-RoPE "mega" attention
     assert not backend.serves_attention(2, None)  # DSV4.1 ratio
     backend.trtllm_attn = True
     assert not backend.serves_attention(0, None)
-    idx = NS(use_fp4_indexer=False)
-    assert backend.serves_indexer(idx) and not backend.serves_indexer(NS(use_fp4_indexer=True))
-
-
-def _topk_is_best(chosen, scores, bound, k):
-    """``chosen`` (list positions, no -1) is a best-``k`` set of float64 ``scores`` when each
-    score may be off by ``bound``: no unchosen position beats a chosen one by more than both
-    bounds (ties within rounding may go either way)."""
-    vis = scores.shape[0]
-    assert chosen.numel() == min(k, vis) and chosen.unique().numel() == chosen.numel()
-    picked = torch.zeros(vis, dtype=torch.bool)
-    picked[chosen] = True
-    return bool(((scores + bound)[picked][:, None] >= (scores - bound)[~picked][None]).all())
+    assert backend.serves_indexer(NS(use_fp4_indexer=False))
+    assert not backend.serves_indexer(NS(use_fp4_indexer=True))
 
 
 def test_backend_c4_indexer_top_k_on_sglang_pool():
-    """forward_c4_indexer (SGLang's query preparation, given here, then select_c4_rows): SGLang's indexer page table and compressed lengths, its FP8 queries and
-    folded weights, into the metadata's c4_sparse_page_indices in place (a padded metadata row
-    is left alone). The chosen rows are the best by the float64 scores up to our kernel's score
-    bound, all visible rows when fewer than index_topk, -1 after; and they agree with SGLang's
-    own torch indexer (fp8_paged_mqa_logits_torch + topk_transform_pytorch_vectorized, whose
-    per-head dot products are rounded to bf16) except for near-ties within both bounds."""
-    from sglang.srt.layers.attention.dsv4.indexer import (
-        fp8_paged_mqa_logits_torch, topk_transform_pytorch_vectorized,
-    )
-    pool = _dsv4_pool()
-    g = torch.Generator().manual_seed(51)
-    idx_pool = pool.get_index_k_with_scale_buffer(1).view(torch.uint8)
-    n = idx_pool.shape[0] * 64
-    write_indexer_rows(idx_pool, torch.arange(n), torch.randn(n, 128, generator=g, dtype=torch.float64))
-    T, H, k = 3, 4, 64
-    table = torch.stack([torch.randperm(idx_pool.shape[0], generator=g)[:2] for _ in range(T)]).to(torch.int32)
-    visible = torch.tensor([70, 5, 128], dtype=torch.int32)
-    q = (torch.randn(T, H, 128, generator=g) * 4).to(torch.float8_e4m3fn)
-    w = torch.randn(T, H, generator=g)
-    core = _core_metadata(torch.zeros(T + 1, 64, dtype=torch.int32), torch.ones(T + 1, dtype=torch.int32),
-                          c4=(torch.full((T + 1, k), 7, dtype=torch.int32), torch.ones(T + 1, dtype=torch.int32)),
-                          index_topk=k)
-    im = NS(page_table=table, compressed_seq_lens=visible, compressed_page_size=64)
-    backend = _backend(pool, index_topk=k, forward_metadata=NS(core_metadata=core, indexer_metadata=im))
-    c4_indexer = NS(layer_id=1, use_fp4_indexer=False, compressor=None,
-                    compute_weights=lambda x, skip_scale: w,  # the model's projections: given here
-                    compute_q=lambda q_lora, positions, weights, quant: (q[:q_lora.shape[0]], weights[:, :, None]))
-    batch = NS(forward_mode=NS(is_idle=lambda: False))
-    backend.forward_c4_indexer(torch.zeros(T, 8), torch.zeros(T, 8), c4_indexer, batch, skip_compressor=True)
-    got = core.c4_sparse_page_indices
-    assert torch.equal(got[T], torch.full((k,), 7, dtype=torch.int32)), "padded metadata row written"
-
-    logits = fp8_paged_mqa_logits_torch(q.unsqueeze(1), idx_pool.view(-1, 64, 1, 132), w, visible,
-                                        table, None, 128, False)
-    theirs = torch.empty(T, k, dtype=torch.int32)
-    topk_transform_pytorch_vectorized(logits, visible, table, theirs, 64)
-
-    j = torch.arange(128)
-    slots = (table.long()[:, j // 64] * 64 + j % 64).masked_fill(j[None] >= visible[:, None].long(), -1)
-    keys = read_indexer_rows(idx_pool, slots.clamp_min(0))
-    qd = q.double()
-    score = (w.double()[:, :, None] * torch.einsum("thd,tld->thl", qd, keys.double()).clamp_min(0)).sum(1)
-    ours_b = indexer_score_bound(qd, w, keys)
-    theirs_b = ours_b + 2.0 ** -8 * (w.double().abs()[:, :, None]
-                                     * torch.einsum("thd,tld->thl", qd.abs(), keys.double().abs())).sum(1)
-    for t in range(T):
-        vis = int(visible[t])
-        position = {s: p for p, s in enumerate(slots[t, :vis].tolist())}
-        for name, sel, b in (("ours", got[t], ours_b), ("SGLang's", theirs[t], theirs_b)):
-            live = sel[sel >= 0].tolist()
-            assert torch.equal(sel[len(live):], torch.full((k - len(live),), -1, dtype=torch.int32)), name
-            assert all(s in position for s in live), f"{name}: a chosen row is not visible"
-            chosen = torch.tensor([position[s] for s in live], dtype=torch.long)
-            assert _topk_is_best(chosen, score[t, :vis], b[t, :vis], k), f"{name}: not a best-{k} set, row {t}"
-        mine, other = set(got[t].tolist()) - {-1}, set(theirs[t].tolist()) - {-1}
-        for a in mine - other:  # a near-tie swap: within both selections' bounds
-            for c in other - mine:
-                pa, pc = position[a], position[c]
-                assert abs(score[t, pa] - score[t, pc]) <= ours_b[t, pa] + ours_b[t, pc] + theirs_b[t, pa] + theirs_b[t, pc]
+    """forward_c4_indexer (SGLang's query preparation, with the model's projections given) on
+    SGLang's indexer pool, page table and compressed lengths, writing the metadata's
+    c4_sparse_page_indices in place: a best-index_topk set by the float64 scores within our
+    kernel's bound (all visible rows when fewer), -1 after, a padded metadata row left alone;
+    and the same set as SGLang's own torch indexer except for near-ties within both bounds."""
+    case = C.indexer_case(C.dsv4_pool(), torch.Generator().manual_seed(51), T=3, H=4, k=64,
+                          visible=[70, 5, 128], pages=2)
+    assert C.indexer_findings(case) == []

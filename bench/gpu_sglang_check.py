@@ -207,6 +207,81 @@ def check_indexer(pools, g) -> None:
            worst_err_over_bound=f"{worst:.3g}", bound="<= 1")
 
 
+def _worst(got, want, bound) -> float:
+    return float(((got.double() - want.double()).abs() / bound.clamp_min(1e-300)).max())
+
+
+def _flashmla_form(inp):
+    """SGLang's FlashMLA call form of an attention case: q [T, 1, h, 512], caches viewed
+    [pages, P, 1, 584] (the kernel reads the format from the 584), lists [T, 1, n]."""
+    def view(buf, P):
+        return buf[:, :P * 584].view(buf.shape[0], P, 1, 584)
+    kw = dict(q=inp["q"].unsqueeze(1), k_cache=view(inp["swa"], 256), head_dim_v=512,
+              softmax_scale=512 ** -0.5, indices=inp["swa_idx"].unsqueeze(1),
+              topk_length=inp["swa_len"], attn_sink=inp["sink"])
+    if inp["extra"] is not None:
+        P = inp["extra"].shape[1] // 584
+        kw.update(extra_k_cache=view(inp["extra"], P), extra_indices_in_kvcache=inp["ext_idx"].unsqueeze(1),
+                  extra_topk_length=inp["ext_len"])
+    return kw
+
+
+def _sglang_triton_decode(inp):
+    from sglang.kernels.ops.attention.dsv4.triton_sparse_decode import triton_fp8_attention_fwd
+    return triton_fp8_attention_fwd(**_flashmla_form(inp))[0]
+
+
+def _sglang_flashmla_decode(inp):
+    from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
+    return flash_mla_with_kvcache(block_table=None, cache_seqlens=None,
+                                  tile_scheduler_metadata=get_mla_metadata()[0], is_fp8_kvcache=True,
+                                  use_legacy=True, **_flashmla_form(inp))[0]
+
+
+SGLANG_DECODES = (("SGLang's Triton sparse decode (triton_fp8_attention_fwd)", _sglang_triton_decode),
+                  ("SGLang's FlashMLA (flash_mla_with_kvcache)", _sglang_flashmla_decode))
+
+
+def check_backend_attention(name: str, pool, ratio: int, T: int, h: int, width: int, g) -> None:
+    """TritonDSV4AttnBackend.forward on SGLang's pool + DSV4AttnMetadata (tests/sglang_cases.py)."""
+    import sglang_cases as C
+    lens = lambda hi: torch.randint(1, hi + 1, (T + 1,), generator=g).tolist()  # noqa: E731
+    case = C.attention_case(pool, ratio, g, T=T, H=h, heads=h, swa_lengths=lens(128), extra_width=width,
+                            extra_lengths=lens(width) if ratio else None, device=DEV,
+                            gpu_arithmetic=DEV == "cuda")
+    worst = _worst(case["got"], case["want"], case["bound"])
+    label = f"backend attention, ratio {ratio} ({name})"
+    record(f"{label} vs fp64", "PASS" if worst <= 1 else "FAIL", T=T, h=h, extra=width,
+           worst_err_over_bound=f"{worst:.3g}", bound="<= 1")
+    for kernel, fn in SGLANG_DECODES:
+        if DEV != "cuda":
+            record(f"{label} vs {kernel}", "SKIP", reason="no GPU")
+            continue
+        try:
+            theirs = fn(case["sglang_inputs"]).squeeze(1).float().cpu()
+        except Exception as e:
+            record(f"{label} vs {kernel}", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+            continue
+        # both are within their own bf16-P bound of the fp64 result (assumed of theirs)
+        w = _worst(case["got"], theirs, 2 * case["bound"])
+        w_ref = _worst(theirs, case["want"], case["bound"])
+        record(f"{label} vs {kernel}", "PASS" if w <= 1 else "FAIL", worst_diff_over_2bounds=f"{w:.3g}",
+               theirs_vs_fp64_over_bound=f"{w_ref:.3g}", bound="<= 1")
+
+
+def check_backend_indexer(name: str, pool, T: int, h: int, k: int, pages: int, g) -> None:
+    """TritonDSV4AttnBackend.forward_c4_indexer vs fp64 and SGLang's own torch indexer."""
+    import sglang_cases as C
+    visible = torch.randint(1, pages * 64 + 1, (T,), generator=g)
+    visible[: T // 4] = torch.randint(1, k + 1, (T // 4,), generator=g)  # fewer than top-k
+    case = C.indexer_case(pool, g, T=T, H=h, k=k, visible=visible.tolist(), pages=pages, device=DEV)
+    bad = C.indexer_findings(case)
+    same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(case["ours"], case["theirs"]))
+    record(f"backend C4 indexer top-k ({name}) vs fp64 and SGLang's torch indexer",
+           "PASS" if not bad else "FAIL", T=T, h=h, topk=k, rows=pages * 64,
+           queries_with_identical_sets=f"{same}/{T}", findings=len(bad), first=bad[:3], bound="0 findings")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -234,6 +309,19 @@ def main() -> int:
         guarded("decode flash", check_decode, "Flash h64 top-k 512", pools, 64, 512, 32, g)
         guarded("decode pro", check_decode, "Pro h128 top-k 1024", pools, 128, 1024, 16, g)
     guarded("indexer", check_indexer, pools, g)
+    import sglang_cases as C
+    if TINY:
+        dsv4 = C.dsv4_pool(DEV)
+        for ratio in (0, 4, 128):
+            guarded(f"backend attention {ratio}", check_backend_attention, "tiny", dsv4, ratio, 2, 16, 64, g)
+        guarded("backend indexer", check_backend_indexer, "tiny", dsv4, 4, 4, 64, 2, g)
+    else:
+        dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048)
+        for name, h, k in (("Flash h64 top-k 512", 64, 512), ("Pro h128 top-k 1024", 128, 1024)):
+            for ratio, width in ((0, 0), (4, k), (128, 512)):
+                guarded(f"backend attention {ratio} {name}", check_backend_attention, name, dsv4, ratio,
+                        32, h, width, g)
+            guarded(f"backend indexer {name}", check_backend_indexer, name, dsv4, 32, 64, k, 64, g)
     failed = [c["name"] for c in CHECKS if c["status"] == "FAIL"]
     passed = sum(c["status"] == "PASS" for c in CHECKS)
     skipped = sum(c["status"] == "SKIP" for c in CHECKS)

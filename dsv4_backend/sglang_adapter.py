@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "dsv4_triton"
 DSV4_ARCH = "DeepseekV4ForCausalLM"
 _CONFIGURATOR_TARGET = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator"
+_FLASHMLA_SCHEDULE_TARGET = "sglang.srt.layers.attention.deepseek_v4_backend._create_flashmla_metadata"
 
 
 class _MissingTorchvision:
@@ -407,6 +408,19 @@ def create_configurator(original, kvc):
     return original(kvc)
 
 
+def flashmla_schedule(original):
+    """AROUND hook on SGLang's ``_create_flashmla_metadata``: SGLang's metadata builds a FlashMLA
+    tile schedule per ratio (``init_flashmla_related``), which imports ``flash_mla``. Under
+    ``dsv4_triton`` only the modes that fall through to SGLang's kernels read it, so where
+    ``flash_mla`` is not installed the schedule is None instead of an ImportError."""
+    try:
+        return original()
+    except ImportError:
+        if not _uses_our_backend():
+            raise
+        return None
+
+
 # ---- the entry point ------------------------------------------------------------------------
 
 _registered = False
@@ -423,6 +437,7 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     register_model_override_predicate(lambda arch: arch == DSV4_ARCH)(keep_backend_for_dsv4)
     HookRegistry.register(_CONFIGURATOR_TARGET, create_configurator, HookType.AROUND)
+    HookRegistry.register(_FLASHMLA_SCHEDULE_TARGET, flashmla_schedule, HookType.AROUND)
     logger.info("registered attention backend %s and its DSV4 pool configurator", BACKEND_NAME)
 
 

@@ -386,3 +386,21 @@ def test_backend_c4_indexer_top_k_on_sglang_pool():
     case = C.indexer_case(C.dsv4_pool(), torch.Generator().manual_seed(51), T=3, H=4, k=64,
                           visible=[70, 5, 128], pages=2)
     assert C.indexer_findings(case) == []
+
+
+def test_metadata_builds_without_flash_mla_under_our_backend():
+    """SGLang's init_flashmla_related (run by every metadata build) imports flash_mla for its
+    tile schedules; under dsv4_triton a missing flash_mla leaves them None (our kernels do not
+    read them), under SGLang's own backend the ImportError stands."""
+    import importlib.util
+    if importlib.util.find_spec("flash_mla") is not None:
+        pytest.skip("flash_mla is installed: the schedule is built")
+    core = C.core_metadata(torch.zeros(2, 64, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    core.c4_topk_lengths_clamp1 = torch.tensor([3, 1], dtype=torch.int32)
+    with get_context().override_server_args(attention_backend="dsv4_triton"):
+        core.init_flashmla_related()
+    assert core.c4_flashmla_metadata is None and core.c0_flashmla_metadata is None
+    assert core.c4_sparse_page_indices.shape == (2, 512) and bool((core.c4_sparse_page_indices == -1).all())
+    with get_context().override_server_args(attention_backend="dsv4"):
+        with pytest.raises(ImportError):
+            core.init_flashmla_related()

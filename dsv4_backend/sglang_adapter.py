@@ -14,11 +14,18 @@ argument parsing, in ``Engine.__init__`` and in every scheduler process. It:
 3. wraps ``create_memory_pool_configurator`` (``HookRegistry``, AROUND): when ``dsv4_triton``
    is the backend of a DeepSeek-V4 model, SGLang's ``DSV4PoolConfigurator`` is replaced by
    ``TritonDSV4PoolConfigurator``, which prices the pools with ``memory.sglang_sizing`` and
-   returns SGLang's ``MemoryPoolConfig``. The pool classes stay SGLang's.
+   returns SGLang's ``MemoryPoolConfig``. The pool classes stay SGLang's;
+4. wraps SGLang's ``_create_flashmla_metadata`` (AROUND) so that, under ``dsv4_triton``, its
+   metadata builds where ``flash_mla`` is not installed (the FlashMLA tile schedules are None).
 
-What stays SGLang's: scheduler, radix cache, model code, weights, MoE, the DSV4 pools and
-their page layout, the backend's metadata and CUDA-graph machinery (inherited). What is ours:
-the KV store (``store_cache``) on SGLang's SWA pool pages, and the configurator.
+What is ours inside SGLang: the KV store (``store_cache``), the sparse attention of every query
+(``_forward_attention``: SWA window + C4 top-k / all visible C128 rows, with the sink) and the
+C4 indexer's scores and top-k (``forward_c4_indexer``), all on SGLang's pools and per-query
+lists; and the configurator. What stays SGLang's: scheduler, radix cache, model code, weights,
+MoE, the DSV4 pools and their page layout, the backend's metadata and CUDA-graph machinery
+(inherited), the compressors (``forward_core_compressor``, ``forward_indexer_compressor``),
+the indexer's query projection, and every mode ``serves_attention`` / ``serves_indexer``
+leaves to SGLang's kernels.
 
 ``torchvision``: SGLang imports it at module level in one multimodal helper only. When it is
 not installed (a ``--no-deps`` install, as in our tests), ``_stub_torchvision()`` puts a module

@@ -104,9 +104,11 @@ from sglang.srt.model_executor.pool_configurator import (  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
 from memory.layout import KV_ROW_BYTES  # noqa: E402
+from dsv4_backend.kernels.compressor import CompressEvents, compress  # noqa: E402
 from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store_rows  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import sparse_decode  # noqa: E402
+from dsv4_backend.model import hadamard_matrix  # noqa: E402
 from memory.sglang_sizing import SGLangPoolInputs, SGLangPoolSizes, SGLangPoolSizing  # noqa: E402
 
 
@@ -140,6 +142,31 @@ def live_indices(indices: torch.Tensor, lengths: torch.Tensor, rows: int) -> tor
     lengths = _fit_rows(lengths, rows, 0)
     j = torch.arange(indices.shape[1], device=indices.device)
     return torch.where(j[None, :] < lengths[:, None], indices, -1).to(torch.int32)
+
+
+def decode_plan_fields(plan_d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """SGLang's compressor DecodePlan rows, uint8 [bs, 16] = {u32 seq_len, i32 write_loc,
+    i32 read_page_0, i32 read_page_1} (``compress_v2.cuh``), as four int64 [bs] columns."""
+    f = plan_d.contiguous().view(torch.int32).long()
+    return f[:, 0], f[:, 1], f[:, 2], f[:, 3]
+
+
+def c4_decode_events(plan_d: torch.Tensor, out_loc: torch.Tensor, freqs_cis: torch.Tensor) -> CompressEvents:
+    """Our compression events of one C4 decode step, read from SGLang's DecodePlan.
+
+    SGLang's C4 state is ``[slots, 4 * d]`` in pages of 4 slots. A request whose ``seq_len`` is
+    a multiple of 4 closes a block: its candidates are the previous block's page
+    (``read_page_0``, masked for the first block, seq_len <= 4) then its own
+    (``read_page_1``); the row goes to ``out_loc`` (C4 / indexer row) with RoPE at the block's
+    first position seq_len - 4. Other requests get destination -1 (skipped)."""
+    seq_len, _, page0, page1 = decode_plan_fields(plan_d)
+    n = seq_len.shape[0]
+    j = torch.arange(4, device=plan_d.device)
+    prev = torch.where(seq_len[:, None] > 4, page0[:, None] * 4 + j, -1)
+    sources = torch.cat([prev, page1[:, None] * 4 + j], 1)
+    dest = torch.where(seq_len % 4 == 0, _fit_rows(out_loc.long(), n, -1), -1)
+    rot = freqs_cis[(seq_len - 4).clamp_min(0)]
+    return CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
 
 
 class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
@@ -210,6 +237,59 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
         sparse_decode(q[:, :heads], _as_bytes(pool.get_swa_key_buffer_radix(layer_id)), window, extra_pool,
                       extra, attn_sink, self.softmax_scale, out=out[:, :heads])
         return out
+
+    # -- the C4 compressors (attention and indexer rows) --
+
+    def serves_compressor(self, layer_id: int, compressor) -> bool:
+        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
+        from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+        from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
+        pool = self.token_to_kv_pool
+        plan = getattr(self.forward_metadata, f"c{compressor.ratio}_compress_metadata", None)
+        if compressor.ratio != 4 or not isinstance(plan, CompressorDecodePlan):
+            return False
+        if not compressor.ape_converted or pool.uniform_fp8 or is_unified_kv_triton():
+            return False
+        if compressor.is_in_indexer:
+            return not self.enable_deepseek_v4_fp4_indexer
+        kv_pool = pool.layer_mapping[layer_id].compress_kv_pool
+        return (pool.get_extra_key_layout(layer_id) is KVLayout.V4
+                and not hasattr(kv_pool, "translate_loc_to_hisparse_device"))
+
+    def forward_unified(self, x, forward_batch, layer_id: int, compressor) -> None:
+        """C4 decode steps: our fused compressor on SGLang's state ring and pools; every other
+        step (prefill plans, C128, online, HiSparse, FP4 / unified layouts) is SGLang's."""
+        if forward_batch.forward_mode.is_idle():
+            return
+        if not self.serves_compressor(layer_id, compressor):
+            return super().forward_unified(x, forward_batch, layer_id, compressor)
+        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [bs, 4d] = [C | Z]
+        self.compress_c4_decode(layer_id, compressor, kv_score)
+
+    forward_core_compressor = forward_unified
+    forward_indexer_compressor = forward_unified
+
+    def compress_c4_decode(self, layer_id: int, compressor, kv_score: torch.Tensor) -> None:
+        """Write each request's new [C | Z] at its plan's ``write_loc`` (as SGLang's kernel does,
+        every row), then pool, normalise, rotate (Hadamard for the indexer), quantise and store
+        the rows of the blocks this step closes."""
+        pool = self.token_to_kv_pool
+        plan_d = self.forward_metadata.c4_compress_metadata.plan_d
+        state = compressor.get_state_pool(self).kv_score_buffer.kv_score  # [slots, 4d]
+        _, write_loc, _, _ = decode_plan_fields(plan_d)
+        state[write_loc] = kv_score.to(state.dtype)
+        events = c4_decode_events(plan_d, self.forward_metadata.core_metadata.c4_out_loc,
+                                  compressor.freqs_cis)
+        d = compressor.head_dim
+        halves = compressor.ape.view(8, d)  # SGLang's loader stored ape as [ape[:, :d]; ape[:, d:]]
+        ape = torch.cat([halves[:4], halves[4:]], 1)
+        if compressor.is_in_indexer:
+            target = pool.get_index_k_with_scale_buffer(layer_id)
+            hadamard = hadamard_matrix(128, torch.float32, state.device)
+        else:
+            target, hadamard = pool.get_extra_key_buffer(layer_id), None
+        compress(_as_bytes(target), events, state, ape, compressor.norm.weight, 4,
+                 eps=compressor.norm.variance_epsilon, hadamard=hadamard)
 
     # -- the C4 indexer --
 

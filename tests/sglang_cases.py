@@ -29,7 +29,7 @@ def dsv4_pool(device: str = "cpu", swa_tokens: int = 512, full_tokens: int = 102
     with get_context().override_server_args(page_size=256):
         return DeepSeekV4TokenToKVPool(
             max_num_reqs=2, swa_size=swa_tokens, c4_size=full_tokens // 4, c128_size=c128_pages,
-            c4_state_pool_size=16, c128_state_pool_size=16, page_size=256, swa_page_size=256,
+            c4_state_pool_size=64, c128_state_pool_size=16, page_size=256, swa_page_size=256,
             dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
             qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=3,
             device=device, enable_memory_saver=False, compression_ratios=[0, 4, 128],
@@ -243,3 +243,78 @@ def indexer_findings(case: dict) -> list[str]:
                 if abs(score[pa] - score[pc]) > ob[pa] + ob[pc] + tb[pa] + tb[pc]:
                     bad.append(f"row {t}: ours picks {a}, SGLang's {c}, not a near-tie")
     return bad
+
+
+def _ring_plan(seq_lens: list[int], base_page: int, device: str):
+    """SGLang's DecodePlan rows for requests with 2-page (8-slot) rings, request r on pages
+    base_page + 2r and + 2r + 1: block b of a request lives on page b % 2 of its ring. Returns
+    the plan (uint8 [bs, 16]) and, per request, the previous / current block's page."""
+    rows, pages = [], []
+    for r, s in enumerate(seq_lens):
+        block = (s - 1) // 4
+        cur, prev = base_page + 2 * r + block % 2, base_page + 2 * r + (block + 1) % 2
+        rows.append([s, cur * 4 + (s - 1) % 4, prev, cur])
+        pages.append((prev, cur))
+    plan = torch.tensor(rows, dtype=torch.int32).view(torch.uint8).to(device)
+    return plan, pages
+
+
+def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "cpu") -> dict:
+    """``backend.forward_core_compressor`` / ``forward_indexer_compressor`` for one C4 decode step
+    on SGLang's state ring (``get_*_compress_states``) and C4 / indexer pool, with a DecodePlan
+    built as SGLang's planner lays it out (``_ring_plan``) and SGLang's permuted ``ape``.
+
+    Returns our pool and the reference pool (``reference.compress_ref`` on the same state, with
+    the candidates listed from the ring pages, not from the plan), the destination rows, the
+    bound on each row before storage, and the state row our method wrote for each request."""
+    from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
+    d = 128 if indexer else 512
+    states = pool.get_indexer_compress_states(1) if indexer else pool.get_attention_compress_states(1)
+    state = states.kv_score_buffer.kv_score
+    bs = len(seq_lens)
+    state.copy_((torch.randn(state.shape, generator=g) * 2).to(state.dtype))
+    plan, pages = _ring_plan(seq_lens, base_page=1, device=device)
+    target = pool.get_index_k_with_scale_buffer(1) if indexer else pool.get_extra_key_buffer(1)
+    rows_total = target.shape[0] * 64
+    dest = torch.full((bs,), -1, dtype=torch.int64)
+    closing = [r for r, s in enumerate(seq_lens) if s % 4 == 0]
+    dest[closing] = torch.randperm(rows_total, generator=g)[:len(closing)]
+    out_loc = torch.where(dest >= 0, dest, torch.randint(0, rows_total, (bs,), generator=g))  # ignored when open
+    ape = torch.randn(4, 2 * d, generator=g)
+    stored_ape = torch.cat([ape[:, :d], ape[:, d:]], 0).reshape(4, 2 * d)  # SGLang's _apply_ape_hotfix
+    w = torch.rand(d, generator=g) + 0.5
+    angles = torch.randn(4096, 32, generator=g, dtype=torch.float64)
+    freqs = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    kv_score = torch.randn(bs, 4 * d, generator=g) * 2
+    as_bytes(target).zero_()
+    compressor = NS(ratio=4, head_dim=d, is_in_indexer=indexer, ape=stored_ape.to(device),
+                    ape_converted=True, norm=NS(weight=w.to(device), variance_epsilon=1e-6),
+                    freqs_cis=freqs.to(device), compute_kv_score=lambda x, fb: kv_score.to(device),
+                    get_state_pool=lambda backend: states)
+    metadata = NS(c4_compress_metadata=CompressorDecodePlan(4, plan),
+                  core_metadata=NS(c4_out_loc=out_loc.to(device)))
+    backend = make_backend(pool, enable_deepseek_v4_fp4_indexer=False, forward_metadata=metadata)
+    before = state.cpu().clone()
+    backend.forward_unified(torch.zeros(bs, 8, device=device), NS(forward_mode=NS(is_idle=lambda: False)),
+                            1, compressor)
+
+    ring = before.clone()
+    slots = []
+    for r, s in enumerate(seq_lens):
+        slot = pages[r][1] * 4 + (s - 1) % 4
+        ring[slot] = kv_score[r].to(state.dtype)
+        slots.append(slot)
+    j = torch.arange(4)
+    sources = torch.stack([torch.cat([torch.full((4,), -1) if s <= 4 else pages[r][0] * 4 + j,
+                                      pages[r][1] * 4 + j]) for r, s in enumerate(seq_lens)])
+    keep = dest >= 0
+    pos = torch.tensor(seq_lens) - 4
+    rot = freqs[pos.clamp_min(0)][keep]
+    ref_pool = torch.zeros(target.shape, dtype=torch.uint8)
+    from dsv4_backend.kernels import reference as R
+    from bounds import compress_bounds
+    R.compress_ref(ref_pool, dest[keep], ring, sources[keep], ape, w, rot.real.float(), rot.imag.float(), 4,
+                   indexer=indexer)
+    return dict(pool=as_bytes(target).cpu(), ref_pool=ref_pool, dest=dest[keep], state=state.cpu(),
+                want_state=ring, bound=compress_bounds(ring, sources[keep], ape, w, 4, d, indexer),
+                indexer=indexer)

@@ -404,3 +404,19 @@ def test_metadata_builds_without_flash_mla_under_our_backend():
     with get_context().override_server_args(attention_backend="dsv4"):
         with pytest.raises(ImportError):
             core.init_flashmla_related()
+
+
+@pytest.mark.parametrize("indexer", [False, True], ids=["c4", "indexer"])
+def test_backend_c4_decode_compressor_on_sglang_pool(indexer):
+    """forward_core_compressor / forward_indexer_compressor on a C4 decode step: SGLang's
+    DecodePlan (seq_len, write_loc, read_page_0 / 1), its state ring, its permuted ape and its
+    c4_out_loc. Each request's new [C | Z] lands at write_loc (state otherwise untouched); the
+    blocks closed this step (seq_len % 4 == 0; the first block without a previous one) are
+    pooled, normed, rotated and stored at their rows within the bounds of the float64 chain;
+    nothing else in the pool is written."""
+    from bounds import assert_indexer_pools_close, assert_kv_pools_close
+    case = C.compressor_case(C.dsv4_pool(), torch.Generator().manual_seed(61 + indexer), indexer,
+                             seq_lens=[4, 8, 13, 16, 6])
+    assert torch.equal(case["state"], case["want_state"])
+    close = assert_indexer_pools_close if indexer else assert_kv_pools_close
+    close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "compressed rows")

@@ -282,6 +282,44 @@ def check_backend_indexer(name: str, pool, T: int, h: int, k: int, pages: int, g
            queries_with_identical_sets=f"{same}/{T}", findings=len(bad), first=bad[:3], bound="0 findings")
 
 
+def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None:
+    """forward_core_compressor / forward_indexer_compressor on a C4 decode step (our fused
+    compressor on SGLang's state ring, DecodePlan and pools) against the fp32 reference chain,
+    and against SGLang's own forward_unified (JIT compress_forward + compress_norm_rope_store)
+    on the same inputs where its JIT kernels build."""
+    import sglang_cases as C
+    from bounds import assert_indexer_pools_close, assert_kv_pools_close
+    close = assert_indexer_pools_close if indexer else assert_kv_pools_close
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
+    seq_lens = (torch.randint(4, 2000, (bs,), generator=torch.Generator().manual_seed(seed)) // 4 * 4).tolist()
+    seq_lens[1::3] = [s + 1 for s in seq_lens[1::3]]  # a third of the requests close no block
+    seq_lens[0] = 4  # a first block: no previous one
+    what = "indexer" if indexer else "C4 attention"
+    case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV)
+    label = f"backend {what} compressor, decode ({name}, {bs} requests, {len(case['dest'])} closing)"
+    try:
+        assert torch.equal(case["state"], case["want_state"]), "state ring"
+        close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "rows")
+        record(f"{label} vs reference", "PASS", bound="pre-rounding bound + one format step")
+    except AssertionError as e:
+        record(f"{label} vs reference", "FAIL", error=str(e)[:300])
+    if DEV != "cuda":
+        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason="no GPU")
+        return
+    try:
+        theirs = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens,
+                                   device=DEV, sglang_kernels=True)
+    except Exception as e:
+        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+        return
+    try:
+        assert torch.equal(case["state"], theirs["state"]), "state ring"
+        close(case["pool"], theirs["pool"], case["dest"], 2 * case["bound"], "rows")
+        record(f"{label} vs SGLang's JIT compressor", "PASS", bound="2 x pre-rounding bound + one format step")
+    except AssertionError as e:
+        record(f"{label} vs SGLang's JIT compressor", "FAIL", error=str(e)[:300])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -315,13 +353,18 @@ def main() -> int:
         for ratio in (0, 4, 128):
             guarded(f"backend attention {ratio}", check_backend_attention, "tiny", dsv4, ratio, 2, 16, 64, g)
         guarded("backend indexer", check_backend_indexer, "tiny", dsv4, 4, 4, 64, 2, g)
+        for indexer in (False, True):
+            guarded(f"backend compressor {indexer}", check_backend_compressor, "tiny", dsv4, indexer, 4, g)
     else:
-        dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048)
+        dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024)
         for name, h, k in (("Flash h64 top-k 512", 64, 512), ("Pro h128 top-k 1024", 128, 1024)):
             for ratio, width in ((0, 0), (4, k), (128, 512)):
                 guarded(f"backend attention {ratio} {name}", check_backend_attention, name, dsv4, ratio,
                         32, h, width, g)
             guarded(f"backend indexer {name}", check_backend_indexer, name, dsv4, 32, 64, k, 64, g)
+        for indexer in (False, True):
+            guarded(f"backend compressor {indexer}", check_backend_compressor, "Flash / Pro d", dsv4,
+                    indexer, 64, g)
     failed = [c["name"] for c in CHECKS if c["status"] == "FAIL"]
     passed = sum(c["status"] == "PASS" for c in CHECKS)
     skipped = sum(c["status"] == "SKIP" for c in CHECKS)

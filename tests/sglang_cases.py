@@ -22,14 +22,15 @@ SCALE = 512 ** -0.5
 LAYER_OF_RATIO = {0: 0, 4: 1, 128: 2}
 
 
-def dsv4_pool(device: str = "cpu", swa_tokens: int = 512, full_tokens: int = 1024, c128_pages: int = 8):
+def dsv4_pool(device: str = "cpu", swa_tokens: int = 512, full_tokens: int = 1024, c128_pages: int = 8,
+              state_slots: int = 64):
     """SGLang's DeepSeekV4TokenToKVPool: layer 0 SWA only, layer 1 C4 (+ indexer), layer 2 C128."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.runtime_context import get_context
     with get_context().override_server_args(page_size=256):
         return DeepSeekV4TokenToKVPool(
             max_num_reqs=2, swa_size=swa_tokens, c4_size=full_tokens // 4, c128_size=c128_pages,
-            c4_state_pool_size=64, c128_state_pool_size=16, page_size=256, swa_page_size=256,
+            c4_state_pool_size=state_slots, c128_state_pool_size=16, page_size=256, swa_page_size=256,
             dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
             qk_nope_head_dim=448, qk_rope_head_dim=64, indexer_head_dim=128, layer_num=3,
             device=device, enable_memory_saver=False, compression_ratios=[0, 4, 128],
@@ -259,14 +260,17 @@ def _ring_plan(seq_lens: list[int], base_page: int, device: str):
     return plan, pages
 
 
-def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "cpu") -> dict:
+def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "cpu",
+                    sglang_kernels: bool = False) -> dict:
     """``backend.forward_core_compressor`` / ``forward_indexer_compressor`` for one C4 decode step
     on SGLang's state ring (``get_*_compress_states``) and C4 / indexer pool, with a DecodePlan
     built as SGLang's planner lays it out (``_ring_plan``) and SGLang's permuted ``ape``.
 
     Returns our pool and the reference pool (``reference.compress_ref`` on the same state, with
     the candidates listed from the ring pages, not from the plan), the destination rows, the
-    bound on each row before storage, and the state row our method wrote for each request."""
+    bound on each row before storage, and the state row our method wrote for each request.
+    ``sglang_kernels``: run SGLang's own ``forward_unified`` (its JIT compress + store) instead
+    of ours on the same inputs (GPU only)."""
     from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
     d = 128 if indexer else 512
     states = pool.get_indexer_compress_states(1) if indexer else pool.get_attention_compress_states(1)
@@ -279,7 +283,7 @@ def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "
     dest = torch.full((bs,), -1, dtype=torch.int64)
     closing = [r for r, s in enumerate(seq_lens) if s % 4 == 0]
     dest[closing] = torch.randperm(rows_total, generator=g)[:len(closing)]
-    out_loc = torch.where(dest >= 0, dest, torch.randint(0, rows_total, (bs,), generator=g))  # ignored when open
+    out_loc = dest  # SGLang's c4_out_loc: the row of a token that closes a block, else -1
     ape = torch.randn(4, 2 * d, generator=g)
     stored_ape = torch.cat([ape[:, :d], ape[:, d:]], 0).reshape(4, 2 * d)  # SGLang's _apply_ape_hotfix
     w = torch.rand(d, generator=g) + 0.5
@@ -287,7 +291,7 @@ def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "
     freqs = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
     kv_score = torch.randn(bs, 4 * d, generator=g) * 2
     as_bytes(target).zero_()
-    compressor = NS(ratio=4, head_dim=d, is_in_indexer=indexer, ape=stored_ape.to(device),
+    compressor = NS(ratio=4, head_dim=d, is_in_indexer=indexer, rotate=indexer, ape=stored_ape.to(device),
                     ape_converted=True, norm=NS(weight=w.to(device), variance_epsilon=1e-6),
                     freqs_cis=freqs.to(device), compute_kv_score=lambda x, fb: kv_score.to(device),
                     get_state_pool=lambda backend: states)
@@ -295,8 +299,8 @@ def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "
                   core_metadata=NS(c4_out_loc=out_loc.to(device)))
     backend = make_backend(pool, enable_deepseek_v4_fp4_indexer=False, forward_metadata=metadata)
     before = state.cpu().clone()
-    backend.forward_unified(torch.zeros(bs, 8, device=device), NS(forward_mode=NS(is_idle=lambda: False)),
-                            1, compressor)
+    method = super(A.TritonDSV4AttnBackend, backend).forward_unified if sglang_kernels else backend.forward_unified
+    method(torch.zeros(bs, 8, device=device), NS(forward_mode=NS(is_idle=lambda: False)), 1, compressor)
 
     ring = before.clone()
     slots = []

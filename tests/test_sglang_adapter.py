@@ -375,6 +375,18 @@ def test_backend_falls_back_to_sglang_outside_our_modes():
     assert not backend.serves_attention(0, None)
     assert backend.serves_indexer(NS(use_fp4_indexer=False))
     assert not backend.serves_indexer(NS(use_fp4_indexer=True))
+    from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan, CompressorPrefillPlan
+    c4 = NS(ratio=4, ape_converted=True, is_in_indexer=False)
+    plan = torch.zeros(1, 16, dtype=torch.uint8)
+    backend.enable_deepseek_v4_fp4_indexer = False
+    backend.forward_metadata = NS(c4_compress_metadata=CompressorDecodePlan(4, plan),
+                                  c128_compress_metadata=CompressorDecodePlan(128, plan))
+    assert backend.serves_compressor(1, c4)
+    assert backend.serves_compressor(1, NS(ratio=4, ape_converted=True, is_in_indexer=True))
+    assert not backend.serves_compressor(2, NS(ratio=128, ape_converted=True, is_in_indexer=False))
+    assert not backend.serves_compressor(1, NS(ratio=4, ape_converted=False, is_in_indexer=False))
+    backend.forward_metadata = NS(c4_compress_metadata=CompressorPrefillPlan(4, plan, plan[:, :8]))
+    assert not backend.serves_compressor(1, c4)  # prefill plans stay SGLang's
 
 
 def test_backend_c4_indexer_top_k_on_sglang_pool():

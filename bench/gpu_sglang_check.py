@@ -20,7 +20,12 @@ ignored .whl/site stays on a warm machine), then the rest and the check in a sec
    ``TritonDSV4AttnBackend.store_cache`` on a full SGLang SWA pool;
 4. sparse decode (window in SGLang SWA pages, top-k in SGLang C4 pages; Flash h64 top-k 512,
    Pro h128 top-k 1024) and the indexer scores on SGLang's indexer pages, against the fp64
-   references within the bounds of tests/bounds.py.
+   references within the bounds of tests/bounds.py;
+5. TritonDSV4AttnBackend's methods on SGLang's CUDA DeepSeekV4TokenToKVPool and DSV4AttnMetadata
+   (the cases of tests/sglang_cases.py): ``forward`` for ratios 0 / 4 / 128 (Flash h64 top-k 512,
+   Pro h128 top-k 1024) against float64 and, where they run, SGLang's Triton sparse decode and
+   FlashMLA; ``forward_c4_indexer`` against float64 and SGLang's torch indexer; the C4 decode
+   compressors (attention and indexer) against the reference chain and SGLang's JIT compressor.
 
 Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound) and writes
 ``gpu_sglang_check.json`` under ``--out``. Exit status 1 if any check fails.

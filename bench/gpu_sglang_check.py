@@ -20,7 +20,12 @@ ignored .whl/site stays on a warm machine), then the rest and the check in a sec
    ``TritonDSV4AttnBackend.store_cache`` on a full SGLang SWA pool;
 4. sparse decode (window in SGLang SWA pages, top-k in SGLang C4 pages; Flash h64 top-k 512,
    Pro h128 top-k 1024) and the indexer scores on SGLang's indexer pages, against the fp64
-   references within the bounds of tests/bounds.py.
+   references within the bounds of tests/bounds.py;
+5. TritonDSV4AttnBackend's methods on SGLang's CUDA DeepSeekV4TokenToKVPool and DSV4AttnMetadata
+   (the cases of tests/sglang_cases.py): ``forward`` for ratios 0 / 4 / 128 (Flash h64 top-k 512,
+   Pro h128 top-k 1024) against float64 and, where they run, SGLang's Triton sparse decode and
+   FlashMLA; ``forward_c4_indexer`` against float64 and SGLang's torch indexer; the C4 decode
+   compressors (attention and indexer) against the reference chain and SGLang's JIT compressor.
 
 Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound) and writes
 ``gpu_sglang_check.json`` under ``--out``. Exit status 1 if any check fails.
@@ -207,6 +212,119 @@ def check_indexer(pools, g) -> None:
            worst_err_over_bound=f"{worst:.3g}", bound="<= 1")
 
 
+def _worst(got, want, bound) -> float:
+    return float(((got.double() - want.double()).abs() / bound.clamp_min(1e-300)).max())
+
+
+def _flashmla_form(inp):
+    """SGLang's FlashMLA call form of an attention case: q [T, 1, h, 512], caches viewed
+    [pages, P, 1, 584] (the kernel reads the format from the 584), lists [T, 1, n]."""
+    def view(buf, P):
+        return buf[:, :P * 584].view(buf.shape[0], P, 1, 584)
+    kw = dict(q=inp["q"].unsqueeze(1), k_cache=view(inp["swa"], 256), head_dim_v=512,
+              softmax_scale=512 ** -0.5, indices=inp["swa_idx"].unsqueeze(1),
+              topk_length=inp["swa_len"], attn_sink=inp["sink"])
+    if inp["extra"] is not None:
+        P = inp["extra"].shape[1] // 584
+        kw.update(extra_k_cache=view(inp["extra"], P), extra_indices_in_kvcache=inp["ext_idx"].unsqueeze(1),
+                  extra_topk_length=inp["ext_len"])
+    return kw
+
+
+def _sglang_triton_decode(inp):
+    from sglang.kernels.ops.attention.dsv4.triton_sparse_decode import triton_fp8_attention_fwd
+    return triton_fp8_attention_fwd(**_flashmla_form(inp))[0]
+
+
+def _sglang_flashmla_decode(inp):
+    from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
+    return flash_mla_with_kvcache(block_table=None, cache_seqlens=None,
+                                  tile_scheduler_metadata=get_mla_metadata()[0], is_fp8_kvcache=True,
+                                  use_legacy=True, **_flashmla_form(inp))[0]
+
+
+SGLANG_DECODES = (("SGLang's Triton sparse decode (triton_fp8_attention_fwd)", _sglang_triton_decode),
+                  ("SGLang's FlashMLA (flash_mla_with_kvcache)", _sglang_flashmla_decode))
+
+
+def check_backend_attention(name: str, pool, ratio: int, T: int, h: int, width: int, g) -> None:
+    """TritonDSV4AttnBackend.forward on SGLang's pool + DSV4AttnMetadata (tests/sglang_cases.py)."""
+    import sglang_cases as C
+    lens = lambda hi: torch.randint(1, hi + 1, (T + 1,), generator=g).tolist()  # noqa: E731
+    case = C.attention_case(pool, ratio, g, T=T, H=h, heads=h, swa_lengths=lens(128), extra_width=width,
+                            extra_lengths=lens(width) if ratio else None, device=DEV,
+                            gpu_arithmetic=DEV == "cuda")
+    worst = _worst(case["got"], case["want"], case["bound"])
+    label = f"backend attention, ratio {ratio} ({name})"
+    record(f"{label} vs fp64", "PASS" if worst <= 1 else "FAIL", T=T, h=h, extra=width,
+           worst_err_over_bound=f"{worst:.3g}", bound="<= 1")
+    for kernel, fn in SGLANG_DECODES:
+        if DEV != "cuda":
+            record(f"{label} vs {kernel}", "SKIP", reason="no GPU")
+            continue
+        try:
+            theirs = fn(case["sglang_inputs"]).squeeze(1).float().cpu()
+        except Exception as e:
+            record(f"{label} vs {kernel}", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+            continue
+        # both are within their own bf16-P bound of the fp64 result (assumed of theirs)
+        w = _worst(case["got"], theirs, 2 * case["bound"])
+        w_ref = _worst(theirs, case["want"], case["bound"])
+        record(f"{label} vs {kernel}", "PASS" if w <= 1 else "FAIL", worst_diff_over_2bounds=f"{w:.3g}",
+               theirs_vs_fp64_over_bound=f"{w_ref:.3g}", bound="<= 1")
+
+
+def check_backend_indexer(name: str, pool, T: int, h: int, k: int, pages: int, g) -> None:
+    """TritonDSV4AttnBackend.forward_c4_indexer vs fp64 and SGLang's own torch indexer."""
+    import sglang_cases as C
+    visible = torch.randint(1, pages * 64 + 1, (T,), generator=g)
+    visible[: T // 4] = torch.randint(1, k + 1, (T // 4,), generator=g)  # fewer than top-k
+    case = C.indexer_case(pool, g, T=T, H=h, k=k, visible=visible.tolist(), pages=pages, device=DEV)
+    bad = C.indexer_findings(case)
+    same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(case["ours"], case["theirs"]))
+    record(f"backend C4 indexer top-k ({name}) vs fp64 and SGLang's torch indexer",
+           "PASS" if not bad else "FAIL", T=T, h=h, topk=k, rows=pages * 64,
+           queries_with_identical_sets=f"{same}/{T}", findings=len(bad), first=bad[:3], bound="0 findings")
+
+
+def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None:
+    """forward_core_compressor / forward_indexer_compressor on a C4 decode step (our fused
+    compressor on SGLang's state ring, DecodePlan and pools) against the fp32 reference chain,
+    and against SGLang's own forward_unified (JIT compress_forward + compress_norm_rope_store)
+    on the same inputs where its JIT kernels build."""
+    import sglang_cases as C
+    from bounds import assert_indexer_pools_close, assert_kv_pools_close
+    close = assert_indexer_pools_close if indexer else assert_kv_pools_close
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
+    seq_lens = (torch.randint(4, 2000, (bs,), generator=torch.Generator().manual_seed(seed)) // 4 * 4).tolist()
+    seq_lens[1::3] = [s + 1 for s in seq_lens[1::3]]  # a third of the requests close no block
+    seq_lens[0] = 4  # a first block: no previous one
+    what = "indexer" if indexer else "C4 attention"
+    case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV)
+    label = f"backend {what} compressor, decode ({name}, {bs} requests, {len(case['dest'])} closing)"
+    try:
+        assert torch.equal(case["state"], case["want_state"]), "state ring"
+        close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "rows")
+        record(f"{label} vs reference", "PASS", bound="pre-rounding bound + one format step")
+    except AssertionError as e:
+        record(f"{label} vs reference", "FAIL", error=str(e)[:300])
+    if DEV != "cuda":
+        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason="no GPU")
+        return
+    try:
+        theirs = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens,
+                                   device=DEV, sglang_kernels=True)
+    except Exception as e:
+        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+        return
+    try:
+        assert torch.equal(case["state"], theirs["state"]), "state ring"
+        close(case["pool"], theirs["pool"], case["dest"], 2 * case["bound"], "rows")
+        record(f"{label} vs SGLang's JIT compressor", "PASS", bound="2 x pre-rounding bound + one format step")
+    except AssertionError as e:
+        record(f"{label} vs SGLang's JIT compressor", "FAIL", error=str(e)[:300])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -234,6 +352,24 @@ def main() -> int:
         guarded("decode flash", check_decode, "Flash h64 top-k 512", pools, 64, 512, 32, g)
         guarded("decode pro", check_decode, "Pro h128 top-k 1024", pools, 128, 1024, 16, g)
     guarded("indexer", check_indexer, pools, g)
+    import sglang_cases as C
+    if TINY:
+        dsv4 = C.dsv4_pool(DEV)
+        for ratio in (0, 4, 128):
+            guarded(f"backend attention {ratio}", check_backend_attention, "tiny", dsv4, ratio, 2, 16, 64, g)
+        guarded("backend indexer", check_backend_indexer, "tiny", dsv4, 4, 4, 64, 2, g)
+        for indexer in (False, True):
+            guarded(f"backend compressor {indexer}", check_backend_compressor, "tiny", dsv4, indexer, 4, g)
+    else:
+        dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024)
+        for name, h, k in (("Flash h64 top-k 512", 64, 512), ("Pro h128 top-k 1024", 128, 1024)):
+            for ratio, width in ((0, 0), (4, k), (128, 512)):
+                guarded(f"backend attention {ratio} {name}", check_backend_attention, name, dsv4, ratio,
+                        32, h, width, g)
+            guarded(f"backend indexer {name}", check_backend_indexer, name, dsv4, 32, 64, k, 64, g)
+        for indexer in (False, True):
+            guarded(f"backend compressor {indexer}", check_backend_compressor, "Flash / Pro d", dsv4,
+                    indexer, 64, g)
     failed = [c["name"] for c in CHECKS if c["status"] == "FAIL"]
     passed = sum(c["status"] == "PASS" for c in CHECKS)
     skipped = sum(c["status"] == "SKIP" for c in CHECKS)

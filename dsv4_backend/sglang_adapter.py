@@ -14,11 +14,19 @@ argument parsing, in ``Engine.__init__`` and in every scheduler process. It:
 3. wraps ``create_memory_pool_configurator`` (``HookRegistry``, AROUND): when ``dsv4_triton``
    is the backend of a DeepSeek-V4 model, SGLang's ``DSV4PoolConfigurator`` is replaced by
    ``TritonDSV4PoolConfigurator``, which prices the pools with ``memory.sglang_sizing`` and
-   returns SGLang's ``MemoryPoolConfig``. The pool classes stay SGLang's.
+   returns SGLang's ``MemoryPoolConfig``. The pool classes stay SGLang's;
+4. wraps SGLang's ``_create_flashmla_metadata`` (AROUND) so that, under ``dsv4_triton``, its
+   metadata builds where ``flash_mla`` is not installed (the FlashMLA tile schedules are None).
 
-What stays SGLang's: scheduler, radix cache, model code, weights, MoE, the DSV4 pools and
-their page layout, the backend's metadata and CUDA-graph machinery (inherited). What is ours:
-the KV store (``store_cache``) on SGLang's SWA pool pages, and the configurator.
+What is ours inside SGLang: the KV store (``store_cache``), the sparse attention of every query
+(``_forward_attention``: SWA window + C4 top-k / all visible C128 rows, with the sink) and the
+C4 indexer's scores and top-k (``forward_c4_indexer``), the C4 compressors of decode steps
+(``forward_core_compressor`` / ``forward_indexer_compressor`` on a DecodePlan), all on SGLang's
+pools, state rings and per-query lists; and the configurator. What stays SGLang's: scheduler,
+radix cache, model code, weights, MoE, the DSV4 pools and their page layout, the backend's
+metadata and CUDA-graph machinery (inherited), the C128 compressor and every prefill-plan
+compression, the indexer's query projection, and every mode ``serves_attention`` /
+``serves_indexer`` / ``serves_compressor`` leaves to SGLang's kernels.
 
 ``torchvision``: SGLang imports it at module level in one multimodal helper only. When it is
 not installed (a ``--no-deps`` install, as in our tests), ``_stub_torchvision()`` puts a module
@@ -40,6 +48,7 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "dsv4_triton"
 DSV4_ARCH = "DeepseekV4ForCausalLM"
 _CONFIGURATOR_TARGET = "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator"
+_FLASHMLA_SCHEDULE_TARGET = "sglang.srt.layers.attention.deepseek_v4_backend._create_flashmla_metadata"
 
 
 class _MissingTorchvision:
@@ -87,32 +96,262 @@ import torch  # noqa: E402
 from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices  # noqa: E402
 from sglang.srt.arg_groups.model_override_base import register_model_override_predicate  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import register_attention_backend  # noqa: E402
-from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend  # noqa: E402
+from sglang.srt.layers.attention.deepseek_v4_backend import (  # noqa: E402
+    DeepseekV4AttnBackend, DSV4AttnMetadata,
+)
 from sglang.srt.model_executor.pool_configurator import (  # noqa: E402
     MemoryPoolConfig, MemoryPoolConfigurator,
 )
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
+from memory.layout import KV_ROW_BYTES  # noqa: E402
+from dsv4_backend.kernels.compressor import CompressEvents, compress  # noqa: E402
+from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store_rows  # noqa: E402
+from dsv4_backend.kernels.sparse_attention import sparse_decode  # noqa: E402
+from dsv4_backend.model import hadamard_matrix  # noqa: E402
 from memory.sglang_sizing import SGLangPoolInputs, SGLangPoolSizes, SGLangPoolSizing  # noqa: E402
 
 
 # ---- the backend ----------------------------------------------------------------------------
 
-class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
-    """SGLang's DSV4 backend with our Triton KV store on SGLang's SWA pool.
+# Scores of one indexer call are fp32 [rows, visible C4 rows]; longer prefills are scored in
+# row chunks of at most this many bytes (decode batches are one chunk).
+INDEXER_SCORE_BYTES = 1 << 30
 
-    Everything else (metadata, ``init_forward_metadata``, CUDA-graph state, compression
-    slots, the indexer and attention calls) is inherited. The SWA pool is SGLang's uint8
-    ``[pages, 149,760]``: 256 rows of ``[576-byte nope|rope parts | 8-byte scale groups]``
-    padded to 576-byte blocks, which our kernels address as P = page_bytes // 584 rows at a
-    page stride of the tensor's row stride.
+
+def _fit_rows(x: torch.Tensor, rows: int, fill: int) -> torch.Tensor:
+    """``x`` cut or padded (with ``fill``) to ``rows`` rows: SGLang's metadata may have more rows
+    (CUDA-graph padding) or fewer (MLP-sync padding of q) than the layer's queries."""
+    if x.shape[0] >= rows:
+        return x[:rows]
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), fill)])
+
+
+def _as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """SGLang hands its page buffers out typed as its KV dtype (e4m3); our kernels take bytes."""
+    return pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)
+
+
+def live_indices(indices: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
+    """SGLang's (indices, topk_lengths) pair as our -1-masked slot list, int32 [rows, n].
+
+    FlashMLA reads entry j of a query's list only when j < topk_length and the entry is not -1;
+    SGLang clamps some lengths to 1 (``*_clamp1``) over a -1 entry, so both conditions count.
+    Padded query rows get an empty list."""
+    indices = _fit_rows(indices, rows, -1)
+    lengths = _fit_rows(lengths, rows, 0)
+    j = torch.arange(indices.shape[1], device=indices.device)
+    return torch.where(j[None, :] < lengths[:, None], indices, -1).to(torch.int32)
+
+
+def decode_plan_fields(plan_d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """SGLang's compressor DecodePlan rows, uint8 [bs, 16] = {u32 seq_len, i32 write_loc,
+    i32 read_page_0, i32 read_page_1} (``compress_v2.cuh``), as four int64 [bs] columns."""
+    f = plan_d.contiguous().view(torch.int32).long()
+    return f[:, 0], f[:, 1], f[:, 2], f[:, 3]
+
+
+def c4_decode_events(plan_d: torch.Tensor, out_loc: torch.Tensor, freqs_cis: torch.Tensor) -> CompressEvents:
+    """Our compression events of one C4 decode step, read from SGLang's DecodePlan.
+
+    SGLang's C4 state is ``[slots, 4 * d]`` in pages of 4 slots. A request whose ``seq_len`` is
+    a multiple of 4 closes a block: its candidates are the previous block's page
+    (``read_page_0``, masked for the first block, seq_len <= 4) then its own
+    (``read_page_1``); the row goes to ``out_loc`` (C4 / indexer row) with RoPE at the block's
+    first position seq_len - 4. Other requests get destination -1 (skipped)."""
+    seq_len, _, page0, page1 = decode_plan_fields(plan_d)
+    n = seq_len.shape[0]
+    j = torch.arange(4, device=plan_d.device)
+    prev = torch.where(seq_len[:, None] > 4, page0[:, None] * 4 + j, -1)
+    sources = torch.cat([prev, page1[:, None] * 4 + j], 1)
+    dest = torch.where(seq_len % 4 == 0, _fit_rows(out_loc.long(), n, -1), -1)
+    rot = freqs_cis[(seq_len - 4).clamp_min(0)]
+    return CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
+
+
+class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
+    """SGLang's DSV4 backend running our Triton kernels on SGLang's pools.
+
+    Ours: the KV store (``store_cache``), the sparse attention of every query token
+    (``_forward_attention``: SWA window plus the C4 top-k or all visible C128 rows, with the
+    sink), the C4 indexer's scores and top-k (``forward_c4_indexer``) and the C4 compressors of
+    decode steps (``forward_unified``). Inherited: metadata, ``init_forward_metadata``, CUDA-graph
+    state, compression slots and plans, the C128 and prefill compressions, the indexer's query
+    projection (RoPE, Hadamard, FP8). SGLang's pools are uint8
+    ``[pages, page_bytes]`` whose pages hold P rows in our order (all 576-byte nope|rope parts,
+    then all 8-byte scale groups) padded to 576-byte blocks; our kernels read P and the page
+    stride from the tensor, so slot ``page * P + row`` is the same slot SGLang's kernels use.
+
+    Modes our kernels do not serve fall through to SGLang's methods (``serves_attention``,
+    ``serves_indexer``, ``serves_compressor``): TRT-LLM attention, the fused-RoPE "mega"
+    attention, the DSV4.1 request window and layouts, the FP4 indexer, HiSparse, the top-k
+    capturer, uniform-FP8 / unified KV pools, C128 and prefill compression plans.
     """
 
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch) -> None:
         # swa_k: [N, 512] finished rows (kv_norm + RoPE applied); swa_loc: [N] SWA slots
         swa_loc = self.get_swa_out_cache_loc(forward_batch)
         kv_store_rows(self.token_to_kv_pool.get_swa_raw_buffer(layer_id), swa_loc, swa_k)
+
+    # -- sparse attention --
+
+    def serves_attention(self, compress_ratio: int, cos_sin_cache) -> bool:
+        core = getattr(self.forward_metadata, "core_attn_metadata", None)
+        pool = self.token_to_kv_pool
+        return (isinstance(core, DSV4AttnMetadata) and compress_ratio in (0, 4, 128)
+                and not self.trtllm_attn and not self.is_dsv41 and cos_sin_cache is None
+                and pool.request_window is None
+                and pool.get_swa_key_bytes_per_token() == KV_ROW_BYTES)
+
+    def _forward_attention(self, q, k, v, layer, forward_batch, compress_ratio,
+                           save_kv_cache: bool = True, attn_sink=None, cos_sin_cache=None, **kw):
+        if not self.serves_attention(compress_ratio, cos_sin_cache):
+            return super()._forward_attention(q, k, v, layer, forward_batch, compress_ratio,
+                                              save_kv_cache, attn_sink, cos_sin_cache, **kw)
+        if self.mtp_enabled and forward_batch.forward_mode.is_idle():
+            return q.new_empty((q.shape[0], q.shape[1], layer.v_head_dim))
+        if k is not v:
+            raise ValueError("DeepSeek-V4 attention shares k and v (one latent row)")
+        if attn_sink is None:
+            raise ValueError(f"{BACKEND_NAME}: attn_sink is required")
+        if save_kv_cache:
+            self.store_cache(layer.layer_id, k, forward_batch)
+        return self.sparse_attention(q, layer.layer_id, compress_ratio, attn_sink)
+
+    def sparse_attention(self, q: torch.Tensor, layer_id: int, compress_ratio: int,
+                         attn_sink: torch.Tensor) -> torch.Tensor:
+        """``sparse_decode`` over SGLang's per-query lists: q [T, H, 512] (or [T, 1, H, 512]) ->
+        [T, H, 512]. Heads past ``attn_sink``'s (FlashMLA's head padding) come back 0."""
+        core = self.forward_metadata.core_attn_metadata
+        pool = self.token_to_kv_pool
+        q = q.squeeze(1) if q.dim() == 4 else q
+        T, H, _ = q.shape
+        heads = attn_sink.shape[0]
+        if heads > H:
+            raise ValueError(f"attn_sink has {heads} heads, q {H}")
+        window = live_indices(core.swa_page_indices, core.swa_topk_lengths, T)
+        extra_pool = extra = None
+        if compress_ratio != 0:
+            extra_pool = _as_bytes(pool.get_extra_key_buffer(layer_id))
+            extra = live_indices(core.sparse_page_indices(compress_ratio),
+                                 core.sparse_topk_lengths(compress_ratio), T)
+        out = (torch.zeros if heads < H else torch.empty)(T, H, 512, dtype=q.dtype, device=q.device)
+        sparse_decode(q[:, :heads], _as_bytes(pool.get_swa_key_buffer_radix(layer_id)), window, extra_pool,
+                      extra, attn_sink, self.softmax_scale, out=out[:, :heads])
+        return out
+
+    # -- the C4 compressors (attention and indexer rows) --
+
+    def serves_compressor(self, layer_id: int, compressor) -> bool:
+        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
+        from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+        from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
+        pool = self.token_to_kv_pool
+        plan = getattr(self.forward_metadata, f"c{compressor.ratio}_compress_metadata", None)
+        if compressor.ratio != 4 or not isinstance(plan, CompressorDecodePlan):
+            return False
+        if not compressor.ape_converted or pool.uniform_fp8 or is_unified_kv_triton():
+            return False
+        if compressor.is_in_indexer:
+            return not self.enable_deepseek_v4_fp4_indexer
+        kv_pool = pool.layer_mapping[layer_id].compress_kv_pool
+        return (pool.get_extra_key_layout(layer_id) is KVLayout.V4
+                and not hasattr(kv_pool, "translate_loc_to_hisparse_device"))
+
+    def forward_unified(self, x, forward_batch, layer_id: int, compressor) -> None:
+        """C4 decode steps: our fused compressor on SGLang's state ring and pools; every other
+        step (prefill plans, C128, online, HiSparse, FP4 / unified layouts) is SGLang's."""
+        if forward_batch.forward_mode.is_idle():
+            return
+        if not self.serves_compressor(layer_id, compressor):
+            return super().forward_unified(x, forward_batch, layer_id, compressor)
+        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [bs, 4d] = [C | Z]
+        self.compress_c4_decode(layer_id, compressor, kv_score)
+
+    forward_core_compressor = forward_unified
+    forward_indexer_compressor = forward_unified
+
+    def compress_c4_decode(self, layer_id: int, compressor, kv_score: torch.Tensor) -> None:
+        """Write each request's new [C | Z] at its plan's ``write_loc`` (as SGLang's kernel does,
+        every row), then pool, normalise, rotate (Hadamard for the indexer), quantise and store
+        the rows of the blocks this step closes."""
+        pool = self.token_to_kv_pool
+        plan_d = self.forward_metadata.c4_compress_metadata.plan_d
+        state = compressor.get_state_pool(self).kv_score_buffer.kv_score  # [slots, 4d]
+        _, write_loc, _, _ = decode_plan_fields(plan_d)
+        state[write_loc] = kv_score.to(state.dtype)
+        events = c4_decode_events(plan_d, self.forward_metadata.core_metadata.c4_out_loc,
+                                  compressor.freqs_cis)
+        d = compressor.head_dim
+        halves = compressor.ape.view(8, d)  # SGLang's loader stored ape as [ape[:, :d]; ape[:, d:]]
+        ape = torch.cat([halves[:4], halves[4:]], 1)
+        if compressor.is_in_indexer:
+            target = pool.get_index_k_with_scale_buffer(layer_id)
+            hadamard = hadamard_matrix(128, torch.float32, state.device)
+        else:
+            target, hadamard = pool.get_extra_key_buffer(layer_id), None
+        compress(_as_bytes(target), events, state, ape, compressor.norm.weight, 4,
+                 eps=compressor.norm.variance_epsilon, hadamard=hadamard)
+
+    # -- the C4 indexer --
+
+    def serves_indexer(self, c4_indexer) -> bool:
+        from sglang.srt.state_capturer.indexer_topk import get_global_indexer_capturer
+        return (not c4_indexer.use_fp4_indexer and self.hisparse_coordinator is None
+                and get_global_indexer_capturer() is None
+                and not self.debug_use_external_c4_sparse_indices)
+
+    def forward_c4_indexer(self, x, q_lora, c4_indexer, forward_batch, alt_streams=None,
+                           enable_multi_stream: bool = False, q_lora_ready=None,
+                           skip_compressor: bool = False, q_lora_quant=None) -> None:
+        if not self.serves_indexer(c4_indexer):
+            return super().forward_c4_indexer(x, q_lora, c4_indexer, forward_batch, alt_streams,
+                                              enable_multi_stream, q_lora_ready, skip_compressor,
+                                              q_lora_quant)
+        if forward_batch.forward_mode.is_idle():
+            return
+        positions = self.forward_metadata.core_metadata.positions
+        n = min(x.shape[0], q_lora.shape[0], positions.shape[0])
+        if q_lora.shape[0] != n:
+            q_lora, q_lora_quant = q_lora[:n], None
+        x, positions = x[:n], positions[:n]
+        if enable_multi_stream:
+            q, weights = self._forward_prepare_multi_stream(
+                x=x, q_lora=q_lora, c4_indexer=c4_indexer, positions=positions,
+                forward_batch=forward_batch, alt_streams=alt_streams, q_lora_ready=q_lora_ready)
+        else:
+            if q_lora_ready is not None:
+                raise ValueError("q_lora_ready is only used with enable_multi_stream")
+            q, weights = self._forward_prepare_normal(
+                x=x, q_lora=q_lora, c4_indexer=c4_indexer, positions=positions,
+                forward_batch=forward_batch, skip_compressor=skip_compressor,
+                q_lora_quant=q_lora_quant)
+        self.select_c4_rows(q, weights.squeeze(2), c4_indexer.layer_id)
+
+    def select_c4_rows(self, q: torch.Tensor, weights: torch.Tensor, layer_id: int) -> None:
+        """Our indexer scores and top-k into SGLang's ``c4_sparse_page_indices`` (in place).
+
+        q: FP8 [T, H, 128] RoPE'd, Hadamard-rotated queries; weights: fp32 [T, H] with the
+        queries' scales folded in (SGLang's ``compute_q``). Rows of query t: list position j <
+        ``compressed_seq_lens[t]`` is C4 row ``page_table[t, j // 64] * 64 + j % 64``. The
+        ``index_topk`` best (all of them when fewer are visible) are written best first, -1
+        after; SGLang's kernels list the same set (in position order when all fit)."""
+        metadata = self.forward_metadata
+        im, core = metadata.indexer_metadata, metadata.core_metadata
+        out = core.c4_sparse_page_indices  # int32 [T', index_topk padded to 64]
+        pool = _as_bytes(self.token_to_kv_pool.get_index_k_with_scale_buffer(layer_id))
+        rows = min(q.shape[0], out.shape[0])
+        table = _fit_rows(im.page_table, rows, 0)
+        visible = _fit_rows(im.compressed_seq_lens.reshape(-1), rows, 0)
+        k = self.index_topk
+        step = max(1, INDEXER_SCORE_BYTES // (4 * max(1, table.shape[1] * im.compressed_page_size)))
+        for s in range(0, rows, step):
+            e = min(rows, s + step)
+            top = indexer_topk(q[s:e], weights[s:e], pool, k, page_table=table[s:e],
+                               num_visible=visible[s:e]).rows
+            out[s:e, :k].copy_(top)
+        out[:rows, k:].fill_(-1)
 
 
 def create_backend(runner) -> TritonDSV4AttnBackend:
@@ -259,6 +498,19 @@ def create_configurator(original, kvc):
     return original(kvc)
 
 
+def flashmla_schedule(original):
+    """AROUND hook on SGLang's ``_create_flashmla_metadata``: SGLang's metadata builds a FlashMLA
+    tile schedule per ratio (``init_flashmla_related``), which imports ``flash_mla``. Under
+    ``dsv4_triton`` only the modes that fall through to SGLang's kernels read it, so where
+    ``flash_mla`` is not installed the schedule is None instead of an ImportError."""
+    try:
+        return original()
+    except ImportError:
+        if not _uses_our_backend():
+            raise
+        return None
+
+
 # ---- the entry point ------------------------------------------------------------------------
 
 _registered = False
@@ -275,6 +527,7 @@ def register() -> None:
         add_attention_backend_choices([BACKEND_NAME])
     register_model_override_predicate(lambda arch: arch == DSV4_ARCH)(keep_backend_for_dsv4)
     HookRegistry.register(_CONFIGURATOR_TARGET, create_configurator, HookType.AROUND)
+    HookRegistry.register(_FLASHMLA_SCHEDULE_TARGET, flashmla_schedule, HookType.AROUND)
     logger.info("registered attention backend %s and its DSV4 pool configurator", BACKEND_NAME)
 
 

@@ -244,3 +244,12 @@ def indexer_score_bound(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) ->
     terms = (w.abs()[:, :, None] * dots.clamp_min(0)).sum(1)
     err = (w.abs()[:, :, None] * (gamma(q.shape[-1]) * dots_abs + U32 * dots.abs())).sum(1)
     return err * (1 + gamma(q.shape[1])) + (gamma(q.shape[1]) + U32) * terms
+
+
+def compress_bounds(state, sources, ape, w, ratio, d, indexer, round_bf16=True):
+    """Bound on each compression event's row before storage (the pooling of
+    ``reference.compress_candidates_ref`` in float32, then :func:`compressed_row_bound`)."""
+    from dsv4_backend.kernels import reference as R
+    c, z = R.compress_candidates_ref(state.cpu(), sources.cpu(), ape.cpu(), ratio, d)
+    pooled = (torch.softmax(z.double(), dim=1) * c.double()).sum(1)
+    return compressed_row_bound(pooled, softmax_pool_bound(c, z), w, indexer, round_bf16)

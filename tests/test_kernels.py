@@ -21,7 +21,7 @@ import triton.language as tl  # noqa: E402
 
 from bounds import (  # noqa: E402
     U32, assert_indexer_pools_close, assert_kv_pools_close, assert_within, attention_bound,
-    compressed_row_bound, gamma, indexer_score_bound, norm_rope_bound, softmax_pool_bound,
+    compress_bounds, gamma, indexer_score_bound, norm_rope_bound, softmax_pool_bound,
 )
 from dsv4_backend.kernels import reference as R  # noqa: E402
 from dsv4_backend.kernels._common import (  # noqa: E402
@@ -58,13 +58,6 @@ def assert_rows_are_stored(out, pool, slots, what, indexer=False):
     read = read_indexer_rows if indexer else read_kv_rows
     stored = read(pool.cpu(), slots[keep].long().cpu())
     assert torch.equal(out[keep].cpu(), stored), f"{what}: returned rows differ from the stored rows"
-
-
-def compress_bounds(state, sources, ape, w, ratio, d, indexer, round_bf16=True):
-    """(pooled values float64, bound on a row before storage) for each compression event."""
-    c, z = R.compress_candidates_ref(state.cpu(), sources.cpu(), ape.cpu(), ratio, d)
-    pooled = (torch.softmax(z.double(), dim=1) * c.double()).sum(1)
-    return compressed_row_bound(pooled, softmax_pool_bound(c, z), w, indexer, round_bf16)
 
 
 # ---- number-format helpers ------------------------------------------------------------------

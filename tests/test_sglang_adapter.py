@@ -25,13 +25,16 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (  # noqa: E402
 from sglang.srt.model_executor import pool_configurator as sgl_cfg  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 
+import sglang_cases as C  # noqa: E402
 from bounds import assert_within, attention_bound, indexer_score_bound  # noqa: E402
 from conftest import ROOT, TESTDATA  # noqa: E402
 from dsv4_backend.kernels import reference as R  # noqa: E402
 from dsv4_backend.kernels.indexer import indexer_scores  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store_rows  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
-from memory.layout import pack_kv_page, read_kv_rows, write_indexer_rows, write_kv_rows  # noqa: E402
+from memory.layout import (  # noqa: E402
+    pack_kv_page, read_indexer_rows, read_kv_rows, write_indexer_rows, write_kv_rows,
+)  # noqa: E402
 from memory.quant import indexer_fake_quant  # noqa: E402
 from memory.sglang_sizing import SGLangPoolInputs, SGLangPoolSizing, attention_page_bytes  # noqa: E402
 
@@ -331,7 +334,7 @@ def test_indexer_scores_on_sglang_indexer_pages():
     row_ids[1, 50:] = -1
     got = indexer_scores(q, w, idx, row_ids=row_ids)
     ref = R.indexer_scores_ref(q, w, idx, row_ids)
-    keys = sys.modules["memory.layout"].read_indexer_rows(idx, row_ids.clamp_min(0).long())
+    keys = read_indexer_rows(idx, row_ids.clamp_min(0).long())
     assert_within(got, ref, indexer_score_bound(q, w, keys), "scores")
 
 
@@ -342,3 +345,90 @@ def test_torchvision_stub_only_when_absent():
         pytest.skip("a real torchvision is installed; the stub is not used")
     with pytest.raises(ImportError, match="torchvision"):
         tv.transforms.Compose([])
+
+
+# ---- the backend's methods on SGLang's token-to-KV pool ---------------------------------------
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_backend_attention_on_sglang_pool(ratio):
+    """TritonDSV4AttnBackend.forward on SGLang's DeepSeekV4TokenToKVPool and DSV4AttnMetadata:
+    per-query SWA and C4 / C128 lists cut at their topk_lengths, -1 skipped, a length-1 clamp
+    over a -1 entry, metadata one row past the queries; out against float64 within the bound;
+    FlashMLA's head padding past the sink comes back 0."""
+    case = C.attention_case(C.dsv4_pool(), ratio, torch.Generator().manual_seed(41 + ratio), T=3, H=16,
+                            heads=12, swa_lengths=[40, 64, 7, 64], extra_width=64,
+                            extra_lengths=[64, 1, 30, 64])
+    got, heads = case["got"], case["heads"]
+    assert got.shape == (3, 16, 512)
+    assert_within(got[:, :heads], case["want"], case["bound"], "out")
+    assert torch.equal(got[:, heads:], torch.zeros(3, 16 - heads, 512)), "padded heads"
+
+
+def test_backend_falls_back_to_sglang_outside_our_modes():
+    pool = C.dsv4_pool()
+    core = C.core_metadata(torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    backend = C.make_backend(pool, forward_metadata=NS(core_attn_metadata=core))
+    assert backend.serves_attention(4, None) and backend.serves_attention(0, None)
+    assert not backend.serves_attention(4, torch.zeros(1))  # fused-RoPE "mega" attention
+    assert not backend.serves_attention(2, None)  # DSV4.1 ratio
+    backend.trtllm_attn = True
+    assert not backend.serves_attention(0, None)
+    assert backend.serves_indexer(NS(use_fp4_indexer=False))
+    assert not backend.serves_indexer(NS(use_fp4_indexer=True))
+    from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan, CompressorPrefillPlan
+    c4 = NS(ratio=4, ape_converted=True, is_in_indexer=False)
+    plan = torch.zeros(1, 16, dtype=torch.uint8)
+    backend.enable_deepseek_v4_fp4_indexer = False
+    backend.forward_metadata = NS(c4_compress_metadata=CompressorDecodePlan(4, plan),
+                                  c128_compress_metadata=CompressorDecodePlan(128, plan))
+    assert backend.serves_compressor(1, c4)
+    assert backend.serves_compressor(1, NS(ratio=4, ape_converted=True, is_in_indexer=True))
+    assert not backend.serves_compressor(2, NS(ratio=128, ape_converted=True, is_in_indexer=False))
+    assert not backend.serves_compressor(1, NS(ratio=4, ape_converted=False, is_in_indexer=False))
+    backend.forward_metadata = NS(c4_compress_metadata=CompressorPrefillPlan(4, plan, plan[:, :8]))
+    assert not backend.serves_compressor(1, c4)  # prefill plans stay SGLang's
+
+
+def test_backend_c4_indexer_top_k_on_sglang_pool():
+    """forward_c4_indexer (SGLang's query preparation, with the model's projections given) on
+    SGLang's indexer pool, page table and compressed lengths, writing the metadata's
+    c4_sparse_page_indices in place: a best-index_topk set by the float64 scores within our
+    kernel's bound (all visible rows when fewer), -1 after, a padded metadata row left alone;
+    and the same set as SGLang's own torch indexer except for near-ties within both bounds."""
+    case = C.indexer_case(C.dsv4_pool(), torch.Generator().manual_seed(51), T=3, H=4, k=64,
+                          visible=[70, 5, 128], pages=2)
+    assert C.indexer_findings(case) == []
+
+
+def test_metadata_builds_without_flash_mla_under_our_backend():
+    """SGLang's init_flashmla_related (run by every metadata build) imports flash_mla for its
+    tile schedules; under dsv4_triton a missing flash_mla leaves them None (our kernels do not
+    read them), under SGLang's own backend the ImportError stands."""
+    import importlib.util
+    if importlib.util.find_spec("flash_mla") is not None:
+        pytest.skip("flash_mla is installed: the schedule is built")
+    core = C.core_metadata(torch.zeros(2, 64, dtype=torch.int32), torch.ones(2, dtype=torch.int32))
+    core.c4_topk_lengths_clamp1 = torch.tensor([3, 1], dtype=torch.int32)
+    with get_context().override_server_args(attention_backend="dsv4_triton"):
+        core.init_flashmla_related()
+    assert core.c4_flashmla_metadata is None and core.c0_flashmla_metadata is None
+    assert core.c4_sparse_page_indices.shape == (2, 512) and bool((core.c4_sparse_page_indices == -1).all())
+    with get_context().override_server_args(attention_backend="dsv4"):
+        with pytest.raises(ImportError):
+            core.init_flashmla_related()
+
+
+@pytest.mark.parametrize("indexer", [False, True], ids=["c4", "indexer"])
+def test_backend_c4_decode_compressor_on_sglang_pool(indexer):
+    """forward_core_compressor / forward_indexer_compressor on a C4 decode step: SGLang's
+    DecodePlan (seq_len, write_loc, read_page_0 / 1), its state ring, its permuted ape and its
+    c4_out_loc. Each request's new [C | Z] lands at write_loc (state otherwise untouched); the
+    blocks closed this step (seq_len % 4 == 0; the first block without a previous one) are
+    pooled, normed, rotated and stored at their rows within the bounds of the float64 chain;
+    nothing else in the pool is written."""
+    from bounds import assert_indexer_pools_close, assert_kv_pools_close
+    case = C.compressor_case(C.dsv4_pool(), torch.Generator().manual_seed(61 + indexer), indexer,
+                             seq_lens=[4, 8, 13, 16, 6])
+    assert torch.equal(case["state"], case["want_state"])
+    close = assert_indexer_pools_close if indexer else assert_kv_pools_close
+    close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "compressed rows")

@@ -69,8 +69,6 @@ def graphs_supported(runner: Any) -> Optional[str]:
         return f"the {runner.backend_name!r} backend is not capturable (only 'triton' is)"
     if runner.dtype != torch.bfloat16:
         return f"{runner.dtype} model (the sync-free grouped MoE needs bfloat16)"
-    if getattr(runner.pools, "hisparse", None) is not None:
-        return "HiSparse decides each CSA layer's host -> device copies on the host"
     online = getattr(runner.pools, "c128_online", None)
     if online and any(t.dtype != torch.float32 for t in online.values()):
         return "bf16 online-C128 state (the capturable kernel keeps an fp32 state)"

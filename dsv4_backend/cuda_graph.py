@@ -22,7 +22,8 @@ captures; captures share one memory pool, and past ``max_graphs`` the cache is e
 
 Only the Triton backend can be captured (the torch backend loops over requests on the host),
 with a bf16 model (the grouped MoE is sync-free only there) and, for online C128, an fp32
-state. ``DSV4_CUDA_GRAPH=0`` or ``--disable-cuda-graph`` turns graphs off.
+state. HiSparse steps are captured too: their swap-in is decided on the device
+(memory/hisparse.py). ``DSV4_CUDA_GRAPH=0`` or ``--disable-cuda-graph`` turns graphs off.
 """
 
 from __future__ import annotations

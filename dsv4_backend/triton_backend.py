@@ -290,8 +290,10 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                              f"{4 * COMPRESSED_PAGE} tokens, the plan has {plan.full_page}")
         self.round_bf16 = dtype == torch.bfloat16
         self.indexer_fp8 = _indexer_fp8_wanted()
-        if self.hisparse is not None:   # rows move by kernel (pinned host memory read in place on CUDA)
-            self.hisparse.copy_rows = _kernels().copy_rows
+        if self.hisparse is not None:   # rows move by kernel: on CUDA it reads pinned host memory in place
+            from .kernels.row_copy import host_copy_works
+            if self.device.type != "cuda" or host_copy_works(self.device):
+                self.hisparse.copy_rows = _kernels().copy_rows
         self._plan_meta: Optional[ForwardMetadata] = None
         self._plan: Optional[_StepPlan] = None
 

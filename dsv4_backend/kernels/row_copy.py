@@ -14,11 +14,15 @@ a program moves its row in two masked 4-byte-word loads, under the interpreter t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import KV_ROW_BYTES, page_geometry
+
+logger = logging.getLogger(__name__)
 
 HEAD_WORDS = 576 // 4
 TAIL_WORDS = (KV_ROW_BYTES - 576) // 4
@@ -61,3 +65,27 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     d, dp, ds = _words(dst, "destination")
     _copy_rows_kernel[(n,)](s, src_rows.reshape(-1), d, dst_rows.reshape(-1), sp, ss, dp, ds,
                             HEAD=HEAD_WORDS, TAIL=TAIL_WORDS, BLOCK=256, num_warps=2)
+
+
+def host_copy_works(device: torch.device) -> bool:
+    """Whether the kernel can read pinned host memory on ``device`` (UVA): one row copied from
+    a pinned page to a device page and compared. False (with the reason) when it cannot."""
+    page = 64 * KV_ROW_BYTES
+    src = torch.arange(page, dtype=torch.int64).remainder(251).to(torch.uint8).view(1, page).pin_memory()
+    dst = torch.zeros(1, page, dtype=torch.uint8, device=device)
+    rows = torch.tensor([3], device=device)
+    try:
+        copy_rows(src, rows, dst, rows)
+        got = dst.cpu()
+    except Exception as e:  # noqa: BLE001 (the launcher refuses a host pointer: report, fall back)
+        return _refused(f"{type(e).__name__}: {e}")
+    want = torch.zeros_like(got)
+    want[0, 3 * 576:4 * 576] = src[0, 3 * 576:4 * 576]
+    want[0, 64 * 576 + 3 * 8:64 * 576 + 4 * 8] = src[0, 64 * 576 + 3 * 8:64 * 576 + 4 * 8]
+    return torch.equal(got, want) or _refused("the copied bytes differ")
+
+
+def _refused(why: str) -> bool:
+    logger.warning("row copy from pinned host memory does not work here (%s); HiSparse "
+                                        "copies through the host instead (one sync per CSA layer, no graphs)", why)
+    return False

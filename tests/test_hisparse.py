@@ -1,19 +1,20 @@
-"""HiSparse (memory/hisparse.py): the hot pool's placement policy against a plain-Python model of
-it, and the model's logits with HiSparse on against HiSparse off.
+"""HiSparse (memory/hisparse.py): the request buffers against a plain-Python model of them, the
+row-copy kernel against the torch copy, and the model's logits with HiSparse on against off.
 
 - config: SGLang's names and defaults, and each refusal names its field;
-- pool: random swap-ins, new-row writes and releases (hypothesis) on a hot pool of 8 rows; after
-  every operation the mapping equals a list-based re-implementation of the policy (per-request
-  LRU within ``device_buffer_size``, then free rows, then the least recently used row of any
-  request), the integrity check passes, and every device row handed out holds its host row's bytes;
-- model (float64, torch backend, 3 layers: CSA, HCA, CSA): logits with a hot pool of exactly
-  top-k rows (every step evicts) equal HiSparse off to 1e-12 over hypothesis schedules of chunked
-  prefill and batched decode, with the online C128 and the bf16 state flags, and through the
-  Engine across retraction and aborts;
+- pool: random decode swap-ins (distinct owners, padded rows), prefill staging, new-row writes
+  and releases (hypothesis) with buffers of 3 rows; after every operation the buffers equal a
+  list-based re-implementation (hits kept, then empty rows, then the request's least recently
+  used unpinned row), the integrity check passes, and every device row handed out holds its
+  host row's bytes;
+- model (float64, torch backend, 3 layers: CSA, HCA, CSA): logits with buffers of exactly top-k
+  rows and one query block of staging equal HiSparse off to 1e-12 over hypothesis schedules of
+  chunked prefill and batched decode, with the online C128 and the bf16 state flags, and through
+  the Engine across retraction and aborts;
 - SGLang's failures: a prompt longer than the SWA pool is admitted (sglang#30401), and several
-  concurrent requests whose C4 rows each exceed the hot pool finish (sglang#26427);
+  concurrent requests whose C4 rows each exceed their buffers finish (sglang#26427);
 - the Triton backend under the interpreter: HiSparse on gives the same logits bit for bit
-  (the kernel reads the same bytes at other row indices; query groups are independent rows).
+  (the kernel reads the same bytes at other row indices; staging blocks are independent rows).
 """
 
 from __future__ import annotations
@@ -140,9 +141,8 @@ ROWS_PER_OWNER = 20
 
 
 def _pool(D: int, B: int, S: int, K: int) -> HiSparsePool:
-    hs = HiSparsePool([0], host_rows=S * ROWS_PER_OWNER, device_rows=D, num_req_slots=S,
-                      config=HiSparseConfig(K, B, 8), top_k=K, page_bytes=64 * 584)
-    return hs
+    return HiSparsePool([0], host_rows=S * ROWS_PER_OWNER, device_rows=D, num_req_slots=S,
+                        config=HiSparseConfig(K, B, 8), top_k=K, page_bytes=64 * 584)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

@@ -533,8 +533,7 @@ class TorchDSV4Backend(AttentionBackend):
         pools, hs = self.pools, self.hisparse
         if hs is None:
             return lambda rows, vals: write_kv_rows(pools.c4_kv[layer_id], rows, vals)
-        owners = meta.req_slots[meta.compressed[4].events.req]
-        return lambda rows, vals: hs.write_rows(layer_id, rows, owners,
+        return lambda rows, vals: hs.write_rows(layer_id, rows,
                                                 lambda pool, dev, part: write_kv_rows(pool, dev, vals[part]))
 
     def _state(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ captures; captures share one memory pool, and past ``max_graphs`` the cache is e
 
 Only the Triton backend can be captured (the torch backend loops over requests on the host),
 with a bf16 model (the grouped MoE is sync-free only there) and, for online C128, an fp32
-state. ``DSV4_CUDA_GRAPH=0`` or ``--disable-cuda-graph`` turns graphs off.
+state. HiSparse steps are captured too: their swap-in is decided on the device
+(memory/hisparse.py). ``DSV4_CUDA_GRAPH=0`` or ``--disable-cuda-graph`` turns graphs off.
 """
 
 from __future__ import annotations
@@ -70,8 +71,6 @@ def graphs_supported(runner: Any) -> Optional[str]:
         return f"the {runner.backend_name!r} backend is not capturable (only 'triton' is)"
     if runner.dtype != torch.bfloat16:
         return f"{runner.dtype} model (the sync-free grouped MoE needs bfloat16)"
-    if getattr(runner.pools, "hisparse", None) is not None:
-        return "HiSparse decides each CSA layer's host -> device copies on the host"
     online = getattr(runner.pools, "c128_online", None)
     if online and any(t.dtype != torch.float32 for t in online.values()):
         return "bf16 online-C128 state (the capturable kernel keeps an fp32 state)"

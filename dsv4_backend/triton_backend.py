@@ -96,6 +96,10 @@ class _StepPlan:
     c4_visible: Optional[torch.Tensor] = None  # int32 [T]
     c4_len: int = 0                            # longest request's C4 row count this step
     c128_rows: Optional[torch.Tensor] = None   # int32 [T, nb] visible C128 rows, -1 padded
+    # HiSparse: each query row's request slot (-1: a padded static row), and whether every
+    # request has one query row (decode: the rows go through request buffers, else staging)
+    hs_owners: Optional[torch.Tensor] = None   # int64 [T]
+    hs_decode: bool = False
     # fp32 RoPE (cos, sin) of the rows finished this step, per (ratio, rope frequencies)
     cos_sin: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -188,6 +192,8 @@ class _StaticDecodeMixin:
                 plan.c4_visible = zeros(bs, dtype=i32)
             else:
                 plan.c128_rows = zeros(bs, ctx // 128, dtype=i32)
+        if self.hisparse is not None:
+            plan.hs_owners, plan.hs_decode = zeros(bs), True
         return StaticDecode(bs, ctx, zeros(bs), meta, plan)
 
     def use_static_decode(self, st: StaticDecode) -> None:
@@ -218,6 +224,8 @@ class _StaticDecodeMixin:
         sm.positions.copy_(pos)
         sm.req_slots.copy_(slot)
         sm.swa_slots.copy_(torch.where(real, meta.swa_slots[g], -1))
+        if st.plan.hs_owners is not None:
+            st.plan.hs_owners.copy_(torch.where(real, slot, -1))
         if self.dense:
             window = _dense_window(meta, g, pos)
             st.plan.window_slots.fill_(-1)
@@ -282,6 +290,10 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                              f"{4 * COMPRESSED_PAGE} tokens, the plan has {plan.full_page}")
         self.round_bf16 = dtype == torch.bfloat16
         self.indexer_fp8 = _indexer_fp8_wanted()
+        if self.hisparse is not None:   # rows move by kernel: on CUDA it reads pinned host memory in place
+            from .kernels.row_copy import host_copy_works
+            if self.device.type != "cuda" or host_copy_works(self.device):
+                self.hisparse.copy_rows = _kernels().copy_rows
         self._plan_meta: Optional[ForwardMetadata] = None
         self._plan: Optional[_StepPlan] = None
 
@@ -314,6 +326,9 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                 plan.c4_visible = visible.to(i32).contiguous()
             else:
                 plan.c128_rows = _visible_rows(cm.rows[treq], visible).to(i32).contiguous()
+        if self.hisparse is not None:
+            plan.hs_owners = meta.req_slots[treq]
+            plan.hs_decode = len(meta.token_offsets) - 1 == pos.shape[0]
         self._plan_meta, self._plan = meta, plan
         return plan
 
@@ -365,9 +380,8 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         extra_pool = extra_rows = None
         if ratio == 4:
             ring = plan.rings[4]
-            hs_rows = None if self.hisparse is None else (layer_id, meta.req_slots[meta.compressed[4].events.req])
             self._compress(plan, 4, layer, layer.compressor, inputs.compressor, ring, pools.c4_ring[layer_id],
-                           pools.c4_kv[layer_id], None, hisparse_rows=hs_rows)
+                           pools.c4_kv[layer_id], None, hisparse_layer=None if self.hisparse is None else layer_id)
             self._compress(plan, 4, layer, layer.indexer.compressor, inputs.indexer.compressor, ring,
                            pools.c4_indexer_ring[layer_id], pools.c4_indexer[layer_id],
                            hadamard_matrix(128, torch.float32, inputs.q.device))
@@ -396,21 +410,21 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
 
     def _hisparse_attention(self, layer_id: int, layer: Any, inputs: AttentionInputs, meta: ForwardMetadata,
                             plan: _StepPlan, sel: torch.Tensor) -> torch.Tensor:
-        """CSA attention under HiSparse: the selected full rows ``sel [T, k]`` swapped into the
-        hot pool, the kernel handed device rows; query groups whose rows do not fit the hot pool
-        together run one after another (each query row is independent, so results are the same)."""
+        """CSA attention under HiSparse: the selected full rows ``sel [T, k]`` made resident, the
+        kernel handed device rows. Decode swaps into the request buffers; other steps stage the
+        rows in query blocks that run one after another (query rows are independent, so the
+        results are those of one pass)."""
         hs = self.hisparse
         q = inputs.q.to(torch.bfloat16) if inputs.q.is_cuda else inputs.q
         q, sink, swa = q.contiguous(), layer.attn_sink.float(), self.pools.swa_kv[layer_id]
-        owners = meta.req_slots[meta.token_req]
-        groups = hs.groups(sel)
-        if len(groups) == 1:
-            rows = hs.swap_in(layer_id, sel, owners)
+        blocks = hs.blocks(sel.shape[0], sel.shape[1])
+        if plan.hs_decode or len(blocks) == 1:
+            rows = hs.swap_in(layer_id, sel, plan.hs_owners) if plan.hs_decode else hs.stage(layer_id, sel)
             out = self._sparse_attention(4, q, swa, plan, hs.device_kv[layer_id], rows, sink)
         else:
             parts = []
-            for lo, hi in groups:
-                rows = hs.swap_in(layer_id, sel[lo:hi], owners[lo:hi])
+            for lo, hi in blocks:
+                rows = hs.stage(layer_id, sel[lo:hi])
                 part = dataclasses.replace(plan, window_slots=plan.window_slots[lo:hi])
                 # the Triton kernel itself: a subclass's per-step caches are sized for the whole step
                 parts.append(TritonDSV4Backend._sparse_attention(self, 4, q[lo:hi], swa, part,
@@ -420,9 +434,9 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
 
     def _compress(self, plan: _StepPlan, m: int, layer: Any, compressor: Any, raw: CompressorInput,
                   ring_plan: _RingPlan, ring: torch.Tensor, pool: torch.Tensor,
-                  hadamard: Optional[torch.Tensor], hisparse_rows: Optional[tuple] = None) -> None:
+                  hadamard: Optional[torch.Tensor], hisparse_layer: Optional[int] = None) -> None:
         """Ring path: pool the completed blocks, write the ring tail, finish the rows.
-        ``hisparse_rows = (layer_id, owners)``: the rows go through the HiSparse hot pool."""
+        ``hisparse_layer``: the rows go through the HiSparse hot pool to the host pool."""
         K = _kernels()
         rp = ring_plan
         cz = torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)                # [T, 2 * coff * d]
@@ -451,10 +465,10 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                            compressor.ape, compressor.norm.weight, compressor.ratio, eps=compressor.norm.eps,
                            round_bf16=self.round_bf16, hadamard=hadamard)
 
-            if hisparse_rows is None:
+            if hisparse_layer is None:
                 run(pool, rp.dest_rows)
             else:
-                self.hisparse.write_rows(hisparse_rows[0], rp.dest_rows, hisparse_rows[1], run)
+                self.hisparse.write_rows(hisparse_layer, rp.dest_rows, run)
 
     def _compress_online_kernel(self, plan: _StepPlan, layer: Any, layer_id: int, raw: CompressorInput,
                                 meta: ForwardMetadata, op: _OnlinePlan) -> None:

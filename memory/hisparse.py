@@ -3,52 +3,63 @@
 A CSA layer attends only the ``index_topk`` C4 rows its indexer selects per query, yet the C4
 pool is the largest pool that grows with context. As in SGLang's HiSparse, the rows of every
 request live in a host pool (pinned memory on CUDA) addressed by the usual *full row*
-``full_slot // 4``; the device keeps a hot pool of ``c4_rows = full / (4 * host_to_device_ratio)``
-rows per CSA layer with its own row allocator, and before each CSA attention the selected rows
-that are not resident are copied host -> device in one batched transfer. The attention kernel
-is then handed *device* rows. The indexer pool (which scores every row) stays on the device.
+``full_slot // 4``; the device keeps a hot pool of ``D = c4_rows = full / (4 * host_to_device_ratio)``
+rows per CSA layer, and before each CSA attention the selected rows that are not resident are
+copied host -> device. The attention kernel is then handed *device* rows. The indexer pool
+(which scores every row) stays on the device.
 
-Per CSA layer the bookkeeping is four device tensors::
+The hot pool of a layer is split in two::
 
-    full_to_dev  int32 [host rows]   device row holding full row f, -1 when not resident
-    dev_to_full  int32 [D]           full row held by device row d, -1 when free
-    owner        int32 [D]           request slot owning device row d, -1 when free
-    last_used    int32 [D]           tick of d's last use (one tick per placement call)
+    rows [0, S * B)        request buffers: request slot s owns rows s * B .. s * B + B - 1
+                           (B = device_buffer_size, S = request slots), a per-request LRU cache
+    rows [S * B, D)        staging: this step's new rows on their way to the host, and the
+                           rows of a prefill block (read once, not cached)
 
-(12 B per device row and 4 B per host row and layer: about 21 B per full token of Flash at
-ratio 4, outside the plan's budget like its dummy pages.)
+with two device tensors per layer for the buffers, ``table`` (int64 [S * B + 1], the full row
+held by each buffer row, -1 empty; the last entry is a write sink) and ``last_used`` (int64, the
+tick of the row's last use), and one device tick counter.
 
-Placement (:meth:`HiSparsePool.swap_in` before attention, :meth:`HiSparsePool.write_rows` on
-compression) takes the rows a call needs, keeps the resident ones (pinned for the call), and
-finds device rows for the others in this order: rows its own request must give up to stay
-within ``device_buffer_size`` (per-request LRU, oldest first), free rows, then the least
-recently used unpinned rows of any request. A request holds at most
-``max(device_buffer_size, rows its last call needed)`` rows per layer. New rows from
-compression are written into the hot pool and copied to the host at once (offload), so the
-host pool is always complete and eviction never loses a row. A call may need at most ``D``
-rows; :meth:`HiSparsePool.groups` splits a query set (a long prefill chunk) into groups that
-fit. ``release(slot)`` drops a request's rows when the allocator frees it.
+Everything is decided on the device, with fixed shapes (the step's ``[T, k]`` selection), so a
+decode step is captured by a CUDA graph:
+
+- decode (:meth:`HiSparsePool.swap_in`, every query row its own request): each request's
+  buffer row list is sorted and the selected rows looked up in it (``searchsorted``); the hits
+  are pinned for the step, and the misses take, in order, the request's empty buffer rows and
+  then its least recently used unpinned ones (ranks from a ``cumsum`` over the misses, victims
+  from an ``argsort`` of the buffer's keys). ``B >= k`` guarantees enough unpinned rows, so a
+  row selected in this step is never evicted by it. The misses are copied from the host pool by
+  a gather kernel that reads pinned memory through its mapped address
+  (``dsv4_backend/kernels/row_copy.py``);
+- prefill and mixed steps (:meth:`HiSparsePool.stage`, in blocks of queries whose ``n * k``
+  selections fit the staging rows, :meth:`HiSparsePool.blocks`): the block's selections are
+  sorted, each distinct row copied once into staging, and every query handed its row's staged
+  index;
+- new rows (:meth:`HiSparsePool.write_rows`): written into staging (by the caller's writer:
+  ``write_kv_rows`` or the compress kernel) and copied to the host pool at once (offload), so
+  the host pool is always complete and eviction is only an overwrite;
+- ``release(slot)`` empties a request's buffer when the allocator frees it.
 
 On the CPU (the exact tests) host and device pools are both CPU tensors and run the same
-mapping, eviction and copy logic. Config names and defaults are SGLang's ``--hisparse-config``:
-``top_k`` 2048, ``device_buffer_size`` 2 x top_k, ``host_to_device_ratio`` 2.
+lookup, eviction and copy logic (the copy is a torch gather / scatter there, the kernel on
+the Triton backend). Config names and defaults are SGLang's ``--hisparse-config``: ``top_k``
+2048, ``device_buffer_size`` 2 x top_k, ``host_to_device_ratio`` 2.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from memory.configurator import COMPRESSED_PAGE
-from memory.layout import KV_ROW_BYTES, read_row_bytes, write_row_bytes
+from memory.layout import read_row_bytes, write_row_bytes
 
 DEFAULT_TOP_K = 2048
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
 _NEVER = torch.iinfo(torch.int64).max
+_SWAPPED, _HITS, _EVICTED, _STAGED, _OFFLOADED = range(5)   # HiSparsePool.counts
 
 
 class HiSparseConfigError(ValueError):
@@ -116,12 +127,28 @@ def _pages(rows: int) -> int:
     return -(-rows // COMPRESSED_PAGE) + 1
 
 
+
+CopyRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def copy_rows_torch(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Row ``src_rows[i]`` of attention pool ``src`` -> row ``dst_rows[i]`` of ``dst`` where
+    ``dst_rows[i] >= 0``: the torch form of ``dsv4_backend.kernels.copy_rows`` (same bytes)."""
+    keep = dst_rows >= 0
+    if src.device != dst.device:      # the torch backend on a GPU: host-side indices (syncs)
+        keep = keep.cpu()
+    data = read_row_bytes(src, src_rows.reshape(-1).to(src.device, torch.int64)[keep.to(src.device)])
+    write_row_bytes(dst, dst_rows.reshape(-1).to(dst.device, torch.int64)[keep.to(dst.device)], data.to(dst.device))
+
+
 class HiSparsePool:
-    """The host C4 pool, the device hot pool and the mapping between them, per CSA layer.
+    """The host C4 pool, the device hot pool (request buffers and staging) and the buffer
+    tables, per CSA layer.
 
     ``host_rows``: full C4 rows (``max_full_tokens // 4``); ``device_rows``: D, the hot pool's
-    allocatable rows; ``num_req_slots``: request slots (owners); ``top_k``: the rows one query
-    selects (the model's ``index_topk``). ``page_bytes``: bytes per 64-row page (aligned).
+    rows; ``num_req_slots``: S, request slots; ``top_k``: the rows one query selects (the
+    model's ``index_topk``). ``page_bytes``: bytes per 64-row page (aligned). ``copy_rows`` moves
+    rows between pools (:func:`copy_rows_torch`; the Triton backend installs its kernel).
     """
 
     def __init__(self, layers: Iterable[int], host_rows: int, device_rows: int, num_req_slots: int,
@@ -131,248 +158,191 @@ class HiSparsePool:
         self.device = torch.device(device)
         self.layers = list(layers)
         self.rows = int(device_rows)
-        self.buffer_size = int(config.device_buffer_size)
+        self.buffer_size = B = int(config.device_buffer_size)
         self.top_k = int(top_k)
-        self.num_req_slots = int(num_req_slots)
-        if self.top_k > self.buffer_size:
-            raise HiSparseConfigError(f"hisparse_config.device_buffer_size ({self.buffer_size}) must be no smaller "
+        self.num_req_slots = S = int(num_req_slots)
+        if self.top_k > B:
+            raise HiSparseConfigError(f"hisparse_config.device_buffer_size ({B}) must be no smaller "
                                       f"than the model's index_topk ({self.top_k})")
-        if self.rows < self.top_k:
+        self.staging_base = S * B
+        self.staging_rows = self.rows - S * B
+        if self.staging_rows < self.top_k:
             raise HiSparseConfigError(
-                f"the HiSparse device pool holds {self.rows} C4 rows per layer, fewer than the {self.top_k} one "
-                f"query selects; lower hisparse_config.host_to_device_ratio "
-                f"({config.host_to_device_ratio:g}) or raise the token budget")
+                f"the HiSparse device pool holds {self.rows} C4 rows per layer, fewer than the {S * B + self.top_k} "
+                f"its {S} request buffers of hisparse_config.device_buffer_size {B} and {self.top_k} staging rows "
+                f"(index_topk) need; lower hisparse_config.host_to_device_ratio ({config.host_to_device_ratio:g}) "
+                f"or device_buffer_size, or raise the token budget")
         pin = self.device.type == "cuda"
-        dev, D = self.device, self.rows
+        dev = self.device
         self.host: dict[int, torch.Tensor] = {
             i: torch.zeros(_pages(host_rows), page_bytes, dtype=torch.uint8, pin_memory=pin) for i in self.layers}
         self.device_kv: dict[int, torch.Tensor] = {
-            i: torch.zeros(_pages(D), page_bytes, dtype=torch.uint8, device=dev) for i in self.layers}
-        host_cap = _pages(host_rows) * COMPRESSED_PAGE
-        self.full_to_dev = {i: torch.full((host_cap,), -1, dtype=torch.int32, device=dev) for i in self.layers}
-        self.dev_to_full = {i: torch.full((D,), -1, dtype=torch.int32, device=dev) for i in self.layers}
-        self.owner = {i: torch.full((D,), -1, dtype=torch.int32, device=dev) for i in self.layers}
-        self.last_used = {i: torch.zeros(D, dtype=torch.int32, device=dev) for i in self.layers}
-        # per owner the most rows it may hold: max(device_buffer_size, its last call's need)
-        self.cap = {i: torch.full((self.num_req_slots,), self.buffer_size, dtype=torch.int64, device=dev)
-                    for i in self.layers}
-        self._arange = torch.arange(D, device=dev)
-        self.tick = 0
-        self.swapped_rows = 0      # host -> device row copies
-        self.hit_rows = 0          # selected rows found resident
-        self.offloaded_rows = 0    # device -> host row copies of new rows
-        self.time_fetch = False    # benchmarks: synchronise around each swap-in copy and add it up
-        self.fetch_seconds = 0.0
-        self._copy_stream = torch.cuda.Stream(dev) if pin else None
-        self._staging: Optional[torch.Tensor] = None
-        self._staging_done = torch.cuda.Event() if pin else None
+            i: torch.zeros(_pages(self.rows), page_bytes, dtype=torch.uint8, device=dev) for i in self.layers}
+        self.table = {i: torch.full((S * B + 1,), -1, dtype=torch.int64, device=dev) for i in self.layers}
+        self.last_used = {i: torch.zeros(S * B + 1, dtype=torch.int64, device=dev) for i in self.layers}
+        self.tick = torch.zeros((), dtype=torch.int64, device=dev)
+        self.counts = torch.zeros(5, dtype=torch.int64, device=dev)   # swapped, hits, evicted, staged, offloaded
+        self._cols = torch.arange(B, device=dev)
+        self.copy_rows: CopyRows = copy_rows_torch
 
-    # ---- sizes -----------------------------------------------------------------------
+    # ---- sizes and counters -------------------------------------------------------------
 
     def host_bytes(self) -> int:
         return sum(t.numel() for t in self.host.values())
 
     def device_bytes(self) -> int:
-        """Hot pools plus the mapping tensors."""
-        return sum(t.numel() * t.element_size() for d in (self.device_kv, self.full_to_dev, self.dev_to_full,
-                                                            self.owner, self.last_used, self.cap) for t in d.values())
+        """Hot pools plus the buffer tables."""
+        return sum(t.numel() * t.element_size() for d in (self.device_kv, self.table, self.last_used)
+                   for t in d.values())
+
+    @property
+    def swapped_rows(self) -> int:
+        """Rows copied host -> device into request buffers (decode misses)."""
+        return int(self.counts[_SWAPPED])
+
+    @property
+    def staged_rows(self) -> int:
+        """Rows copied host -> device into staging (prefill blocks)."""
+        return int(self.counts[_STAGED])
+
+    @property
+    def hit_rows(self) -> int:
+        return int(self.counts[_HITS])
+
+    @property
+    def evicted_rows(self) -> int:
+        return int(self.counts[_EVICTED])
+
+    @property
+    def offloaded_rows(self) -> int:
+        return int(self.counts[_OFFLOADED])
 
     # ---- the swap-in -----------------------------------------------------------------
 
-    def groups(self, sel: torch.Tensor) -> list[tuple[int, int]]:
-        """Consecutive query ranges of ``sel [N, k]`` (full rows, -1 none) whose distinct rows
-        each fit the hot pool (a range of one query always does: k <= D)."""
-        def fits(lo: int, hi: int) -> bool:
-            part = sel[lo:hi]
-            return torch.unique(part[part >= 0]).numel() <= self.rows
-
-        out, stack = [], [(0, int(sel.shape[0]))]
-        while stack:
-            lo, hi = stack.pop()
-            if hi - lo <= 1 or (hi - lo) * sel.shape[1] <= self.rows or fits(lo, hi):
-                out.append((lo, hi))
-            else:
-                mid = (lo + hi) // 2
-                stack += [(mid, hi), (lo, mid)]
-        return [g for g in out if g[1] > g[0]] or [(0, 0)]
-
     def swap_in(self, layer: int, sel: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
-        """Make the rows of ``sel [N, k]`` (full C4 rows, -1 none) resident; ``owners [N]`` is
-        each query's request slot. Returns the device rows, same shape and dtype (-1 kept).
-        The distinct rows must fit the hot pool (see :meth:`groups`)."""
+        """Decode: make the rows of ``sel [T, k]`` (full C4 rows, -1 none; a query's rows distinct)
+        resident in the buffers of ``owners [T]`` (request slots, each at most once; -1: a
+        padded row, skipped). Returns the device rows, same shape and dtype (-1 kept)."""
+        B, cols = self.buffer_size, self._cols
+        table, used = self.table[layer], self.last_used[layer]
+        rows = sel.to(torch.int64)
+        owners = owners.to(torch.int64)
+        base = owners.clamp_min(0)[:, None] * B                              # [T, 1]
+        valid = (rows >= 0) & (owners >= 0)[:, None]                         # [T, k]
+        held = table[base + cols]                                            # [T, B]
+        ordered, order = torch.where(held >= 0, held, _NEVER).sort(dim=1)
+        at = torch.searchsorted(ordered, rows).clamp_max(B - 1)
+        hit = valid & (ordered.gather(1, at) == rows)
+        slot = order.gather(1, at)
+        miss = valid & ~hit
+        pinned = torch.zeros(rows.shape[0], B + 1, dtype=torch.bool, device=rows.device)
+        pinned.scatter_(1, torch.where(hit, slot, B), True)
+        # victims: empty rows first (in order), then the least recently used; never a pinned one
+        key = torch.where(held < 0, cols - B, used[base + cols] * B + cols)
+        key = torch.where(pinned[:, :B], _NEVER, key)
+        victims = key.argsort(dim=1)
+        victim = victims.gather(1, (miss.cumsum(1) - 1).clamp(0, B - 1))
+        dest = base + torch.where(hit, slot, victim)                         # [T, k] device rows
+        sink = table.numel() - 1
+        taken = torch.where(miss, dest, sink).reshape(-1)        # the sink takes every non-miss write
+        self.counts[_EVICTED] += (table[taken] >= 0).sum()        # the sink is empty between calls
+        self.tick += 1
+        table.scatter_(0, taken, rows.reshape(-1))
+        used.scatter_(0, torch.where(valid, dest, sink).reshape(-1), self.tick.expand(rows.numel()))
+        table[sink] = -1
+        self.copy_rows(self.host[layer], rows.clamp_min(0).reshape(-1), self.device_kv[layer],
+                       torch.where(miss, dest, -1).reshape(-1))
+        self.counts[_SWAPPED] += miss.sum()
+        self.counts[_HITS] += hit.sum()
+        return torch.where(valid, dest, -1).to(sel.dtype)
+
+    def blocks(self, n: int, k: int) -> list[tuple[int, int]]:
+        """Consecutive query ranges of ``n`` queries of ``k`` rows whose selections fit staging."""
+        step = max(1, self.staging_rows // max(k, 1))
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)] or [(0, 0)]
+
+    def stage(self, layer: int, sel: torch.Tensor) -> torch.Tensor:
+        """Prefill: copy each distinct row of ``sel [n, k]`` (full C4 rows, -1 none; ``n * k`` at
+        most the staging rows, see :meth:`blocks`) into staging once. Returns the device rows."""
         flat = sel.reshape(-1).to(torch.int64)
+        if flat.numel() > self.staging_rows:
+            raise ValueError(f"a HiSparse staging block of {flat.numel()} rows exceeds the {self.staging_rows} "
+                             "staging rows; split it with blocks()")
         valid = flat >= 0
-        own = owners.to(torch.int64)[:, None].expand(sel.shape).reshape(-1)
-        rows, inv = torch.unique(flat[valid], return_inverse=True)
-        row_owner = torch.empty_like(rows).scatter_(0, inv, own[valid])
-        self._place(layer, rows, row_owner, fetch=True)
-        dev = self.full_to_dev[layer][flat.clamp_min(0)].to(torch.int64)
-        return torch.where(valid, dev, -1).view(sel.shape).to(sel.dtype)
+        ordered, order = torch.where(valid, flat, _NEVER).sort()
+        prev = torch.cat([ordered.new_full((1,), -2), ordered[:-1]])
+        first = (ordered != prev) & (ordered != _NEVER)
+        dest = self.staging_base + (first.cumsum(0) - 1).clamp_min(0)
+        self.copy_rows(self.host[layer], torch.where(first, ordered, 0), self.device_kv[layer],
+                       torch.where(first, dest, -1))
+        self.counts[_STAGED] += first.sum()
+        out = torch.empty_like(flat).scatter_(0, order, dest)
+        return torch.where(valid, out, -1).view(sel.shape).to(sel.dtype)
 
     def read(self, layer: int, sel: torch.Tensor, owner: int,
              reader: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``reader(pool, rows)`` of the selected rows ``sel [N, k]`` of one request, read from
-        the hot pool group by group (each group swapped in before it is read)."""
-        owners = torch.full((sel.shape[0],), owner, dtype=torch.int64, device=sel.device)
-        parts = [reader(self.device_kv[layer], self.swap_in(layer, sel[lo:hi], owners[lo:hi]))
-                 for lo, hi in self.groups(sel)]
+        """``reader(pool, rows)`` of the selected rows ``sel [N, k]`` of one request (the torch
+        backend): one query through its request buffer, several block by block through staging."""
+        if sel.shape[0] == 1:
+            owners = torch.full((1,), owner, dtype=torch.int64, device=sel.device)
+            return reader(self.device_kv[layer], self.swap_in(layer, sel, owners))
+        parts = [reader(self.device_kv[layer], self.stage(layer, sel[lo:hi]))
+                 for lo, hi in self.blocks(sel.shape[0], sel.shape[1])]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def write_rows(self, layer: int, rows: torch.Tensor, owners: torch.Tensor,
+    def write_rows(self, layer: int, rows: torch.Tensor,
                    writer: Callable[[torch.Tensor, torch.Tensor, slice], None]) -> None:
-        """New rows of this step: ``rows [E]`` (distinct full rows), ``owners [E]`` their request
-        slots; ``writer(pool, device_rows, part)`` stores the rows ``part`` of the batch at
-        ``device_rows`` of ``pool``. They go to the hot pool (at most D per placement) and are
-        copied to the host pool at once."""
-        rows, owners = rows.to(torch.int64), owners.to(torch.int64)
-        for e0 in range(0, rows.numel(), self.rows):
-            part = slice(e0, min(rows.numel(), e0 + self.rows))
-            dev = self._place(layer, rows[part], owners[part], fetch=False)
+        """New rows of this step: ``rows [E]`` (distinct full rows; < 0: a masked event);
+        ``writer(pool, device_rows, part)`` stores the rows ``part`` of the batch at
+        ``device_rows`` of ``pool``. They go to staging and are copied to the host pool at once."""
+        rows = rows.to(torch.int64)
+        n, step = rows.numel(), self.staging_rows
+        for e0 in range(0, n, step):
+            part = slice(e0, min(n, e0 + step))
+            full = rows[part]
+            dev = torch.where(full >= 0, self.staging_base + torch.arange(full.numel(), device=full.device), -1)
             writer(self.device_kv[layer], dev, part)
-            self._offload(layer, rows[part], dev)
-
-    # ---- placement -------------------------------------------------------------------
-
-    def _place(self, layer: int, rows: torch.Tensor, owners: torch.Tensor, fetch: bool) -> torch.Tensor:
-        """Device rows for the distinct full ``rows`` (owners given); see the module docstring."""
-        n = rows.numel()
-        if n > self.rows:
-            raise ValueError(f"a HiSparse placement of {n} rows does not fit the {self.rows}-row hot pool; "
-                             "split it with groups()")
-        if n == 0:
-            return rows
-        f2d, d2f, own, used = self.full_to_dev[layer], self.dev_to_full[layer], self.owner[layer], self.last_used[layer]
-        D, S = self.rows, self.num_req_slots
-        self.tick += 1
-        dev = f2d[rows].to(torch.int64)
-        hit = dev >= 0
-        miss = ~hit
-        miss_rows, miss_owner = rows[miss], owners[miss]
-        m = miss_rows.numel()
-        need = torch.bincount(owners, minlength=S)
-        cap = torch.where(need > 0, need.clamp_min(self.buffer_size), self.cap[layer])
-        held = torch.bincount(own[own >= 0], minlength=S)
-        excess = (held + torch.bincount(miss_owner, minlength=S) - cap).clamp_min(0)
-        forced = None
-        if bool((excess > 0).any()):
-            pinned = torch.zeros(D, dtype=torch.bool, device=rows.device)
-            pinned[dev[hit]] = True
-            c = torch.nonzero((own >= 0) & ~pinned & (excess[own.clamp_min(0)] > 0)).flatten()
-            c = c[torch.argsort(used[c].to(torch.int64) * D + c)]       # oldest first
-            c = c[torch.argsort(own[c], stable=True)]                   # grouped by owner, oldest first in each
-            o = own[c]
-            rank = torch.arange(c.numel(), device=c.device) - torch.searchsorted(o, o)
-            forced = c[rank < excess[o]]
-        if m:
-            key = torch.where(own < 0, self._arange - 2 * D, used.to(torch.int64) * D + self._arange)
-            if forced is not None:
-                key[forced] = forced - 3 * D
-            key[dev[hit]] = _NEVER
-            victims = torch.topk(key, m, largest=False).indices
-            self._unmap(layer, victims if forced is None else torch.unique(torch.cat([victims, forced])))
-            d2f[victims] = miss_rows.to(d2f.dtype)
-            own[victims] = miss_owner.to(own.dtype)
-            f2d[miss_rows] = victims.to(f2d.dtype)
-            dev[miss] = victims
-            if fetch:
-                self._fetch(layer, miss_rows, victims)
-                self.swapped_rows += m
-        elif forced is not None:
-            self._unmap(layer, forced)
-        if fetch:
-            self.hit_rows += n - m
-        used[dev] = self.tick
-        self.cap[layer].copy_(cap)     # in place: release() may run outside the forward's inference mode
-        return dev
-
-    def _unmap(self, layer: int, dev_rows: torch.Tensor) -> None:
-        d2f = self.dev_to_full[layer]
-        old = d2f[dev_rows]
-        self.full_to_dev[layer][old[old >= 0]] = -1
-        d2f[dev_rows] = -1
-        self.owner[layer][dev_rows] = -1
+            self.copy_rows(self.device_kv[layer], dev, self.host[layer], full)
+            self.counts[_OFFLOADED] += (full >= 0).sum()
 
     def release(self, req_slot: int) -> None:
-        """Drop every device row of request slot ``req_slot`` (the allocator freed it)."""
+        """Empty the buffer of request slot ``req_slot`` (the allocator freed it)."""
+        B = self.buffer_size
         for layer in self.layers:
-            mine = torch.nonzero(self.owner[layer] == req_slot).flatten()
-            if mine.numel():
-                self._unmap(layer, mine)
-            self.cap[layer][req_slot] = self.buffer_size
-
-    # ---- copies ----------------------------------------------------------------------
-
-    def _fetch(self, layer: int, rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
-        """Host rows ``rows`` -> device rows ``dev_rows``: one gather, one transfer, one scatter."""
-        if not self.time_fetch:
-            return self._copy_in(layer, rows, dev_rows)
-        if self._copy_stream is not None:
-            torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
-        self._copy_in(layer, rows, dev_rows)
-        if self._copy_stream is not None:
-            torch.cuda.synchronize(self.device)
-        self.fetch_seconds += time.perf_counter() - t0
-
-    def _copy_in(self, layer: int, rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
-        data = read_row_bytes(self.host[layer], rows.cpu())
-        if self._copy_stream is None:
-            write_row_bytes(self.device_kv[layer], dev_rows, data)
-            return
-        n = data.shape[0]
-        if self._staging is None or self._staging.shape[0] < n:
-            self._staging_done.synchronize()
-            size = max(n, self.top_k)
-            self._staging = torch.empty(size, KV_ROW_BYTES, dtype=torch.uint8, pin_memory=True)
-        self._staging_done.synchronize()          # the previous transfer has left the buffer
-        self._staging[:n].copy_(data)
-        main = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(main)       # dev_rows were computed on the main stream
-        with torch.cuda.stream(self._copy_stream):
-            buf = self._staging[:n].to(self.device, non_blocking=True)
-            write_row_bytes(self.device_kv[layer], dev_rows, buf)
-            self._staging_done.record(self._copy_stream)
-        dev_rows.record_stream(self._copy_stream)
-        main.wait_stream(self._copy_stream)
-
-    def _offload(self, layer: int, rows: torch.Tensor, dev_rows: torch.Tensor) -> None:
-        data = read_row_bytes(self.device_kv[layer], dev_rows)
-        write_row_bytes(self.host[layer], rows.cpu(), data.cpu())
-        self.offloaded_rows += rows.numel()
+            self.table[layer][req_slot * B:(req_slot + 1) * B] = -1
+            self.last_used[layer][req_slot * B:(req_slot + 1) * B] = 0
 
     # ---- invariants and accounting ---------------------------------------------------
 
     def check_integrity(self, live_slots: Optional[Iterable[int]] = None) -> None:
-        """AssertionError unless, in every layer, ``full_to_dev`` and ``dev_to_full`` are inverse,
-        a device row is owned iff it is used, no request holds more than its cap, owners are live
-        (when ``live_slots`` is given), and every resident row's bytes equal its host copy."""
+        """AssertionError unless, in every layer, no request buffer holds a full row twice, the
+        buffers of request slots not in ``live_slots`` (when given) are empty, and every buffered
+        row's bytes equal its host copy."""
         live = None if live_slots is None else set(int(s) for s in live_slots)
+        S, B = self.num_req_slots, self.buffer_size
         for layer in self.layers:
-            f2d, d2f, own = self.full_to_dev[layer], self.dev_to_full[layer], self.owner[layer]
-            used = d2f >= 0
-            assert torch.equal(used, own >= 0), f"layer {layer}: device rows used and owned disagree"
-            dev_used = torch.nonzero(used).flatten()
-            mapped = torch.nonzero(f2d >= 0).flatten()
-            assert mapped.numel() == dev_used.numel(), (
-                f"layer {layer}: {mapped.numel()} full rows mapped, {dev_used.numel()} device rows used")
-            assert torch.equal(d2f[f2d[mapped]].to(torch.int64), mapped), f"layer {layer}: full_to_dev is not inverse"
-            assert torch.equal(f2d[d2f[dev_used]].to(torch.int64), dev_used), f"layer {layer}: dev_to_full is not inverse"
-            held = torch.bincount(own[dev_used], minlength=self.num_req_slots)
-            over = torch.nonzero(held > self.cap[layer]).flatten().tolist()
-            assert not over, f"layer {layer}: request slots {over[:8]} hold more device rows than their cap"
+            table = self.table[layer][:S * B].view(S, B)
+            assert int(self.table[layer][-1]) == -1, f"layer {layer}: the write sink holds a row"
+            ordered = table.sort(dim=1).values
+            dup = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(dim=1)
+            assert not bool(dup.any()), (f"layer {layer}: request slots {torch.nonzero(dup).flatten().tolist()[:8]} "
+                                         "hold a full row twice")
             if live is not None:
-                stray = set(own[dev_used].tolist()) - live
-                assert not stray, f"layer {layer}: device rows owned by request slots no longer live: {sorted(stray)[:8]}"
-            if dev_used.numel():
-                on_dev = read_row_bytes(self.device_kv[layer], dev_used).cpu()
-                on_host = read_row_bytes(self.host[layer], d2f[dev_used].to(torch.int64).cpu())
+                stray = sorted(set(torch.nonzero((table >= 0).any(dim=1)).flatten().tolist()) - live)
+                assert not stray, f"layer {layer}: device rows owned by request slots no longer live: {stray[:8]}"
+            dev = torch.nonzero(table.reshape(-1) >= 0).flatten()
+            if dev.numel():
+                on_dev = read_row_bytes(self.device_kv[layer], dev).cpu()
+                on_host = read_row_bytes(self.host[layer], table.reshape(-1)[dev].cpu())
                 bad = torch.nonzero((on_dev != on_host).any(dim=1)).flatten()
-                assert bad.numel() == 0, (f"layer {layer}: device rows {dev_used[bad[:8]].tolist()} differ from "
+                assert bad.numel() == 0, (f"layer {layer}: device rows {dev[bad[:8]].tolist()} differ from "
                                           "their host copies")
 
     def stats(self) -> dict[str, int]:
-        """Hot-pool occupancy (rows, summed over layers) and the copy counters."""
-        resident = sum(int((d >= 0).sum()) for d in self.dev_to_full.values())
-        return {"device_rows": self.rows * len(self.layers), "resident_rows": resident,
-                "swapped_rows": self.swapped_rows, "hit_rows": self.hit_rows,
-                "offloaded_rows": self.offloaded_rows}
+        """Buffer occupancy (rows, summed over layers) and the copy counters."""
+        S, B = self.num_req_slots, self.buffer_size
+        resident = sum(int((t[:S * B] >= 0).sum()) for t in self.table.values())
+        c = self.counts.tolist()
+        return {"device_rows": self.rows * len(self.layers), "buffer_rows": S * B * len(self.layers),
+                "resident_rows": resident, "swapped_rows": c[_SWAPPED], "hit_rows": c[_HITS],
+                "evicted_rows": c[_EVICTED], "staged_rows": c[_STAGED], "offloaded_rows": c[_OFFLOADED]}

@@ -47,12 +47,12 @@ def _prompt(n, seed):
     return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(weights, static: bool, dense=False, online=False, max_bs=4, capture=False, twin=False):
+def _run(weights, static: bool, dense=False, online=False, max_bs=4, capture=False, twin=False, hisparse=None):
     """One schedule of three requests; ``twin`` adds a fourth, "a2", a copy of "a" (same prompt,
     same steps): an ordinary batch with the rows a padded static batch has."""
     runner = ModelRunner.build(CFG, dtype=torch.float32, weights=weights, backend="triton", dense=dense,
                                max_total_tokens=2048, max_running_requests=4, online_compress=online,
-                               cuda_graph=False)
+                               cuda_graph=False, hisparse_config=hisparse)
     if static:
         runner.cuda_graphs = DecodeGraphs(runner, max_bs=max_bs, capture=capture, min_context=512)
     alloc = runner.allocator
@@ -84,6 +84,16 @@ def _run(weights, static: bool, dense=False, online=False, max_bs=4, capture=Fal
     if static and not capture:
         assert runner.cuda_graphs.replays == 5
     return runner, {rid: torch.cat(v) for rid, v in out.items()}
+
+
+_EAGER: dict = {}
+
+
+def _eager(weights, dense=False, online=False):
+    """The ordinary run (no HiSparse), once per module and flag setting."""
+    if (dense, online) not in _EAGER:
+        _EAGER[dense, online] = _run(weights, static=False, dense=dense, online=online)
+    return _EAGER[dense, online]
 
 
 def _pool_bytes(runner):
@@ -119,7 +129,7 @@ def test_static_decode_equals_ordinary_steps(weights, dense, online, monkeypatch
         # float32 sum as it was, so padded and unpadded lists agree bit for bit
         from dsv4_backend.kernels import sparse_attention
         monkeypatch.setattr(sparse_attention, "default_num_splits", lambda *a: 1)
-    eager, ref = _run(weights, static=False, dense=dense, online=online)
+    eager, ref = _eager(weights, dense, online)
     # captured batch sizes 1, 2, 3: no padding, so the same arithmetic: bit-identical
     static, got = _run(weights, static=True, dense=dense, online=online, max_bs=3)
     for rid in ref:
@@ -138,7 +148,7 @@ def test_static_decode_equals_ordinary_steps(weights, dense, online, monkeypatch
 def test_failed_capture_falls_back_to_eager_steps(weights, caplog):
     """A capture that fails (here: no CUDA at all) turns graphs off with a warning and the step
     runs eagerly: the same logits as a runner that never had graphs."""
-    eager, ref = _run(weights, static=False)
+    eager, ref = _eager(weights)
     with caplog.at_level("WARNING", logger="dsv4_backend.cuda_graph"):
         runner, got = _run(weights, static=True, capture=True)
     assert not runner.cuda_graphs.enabled and runner.cuda_graphs.replays == 0
@@ -146,3 +156,40 @@ def test_failed_capture_falls_back_to_eager_steps(weights, caplog):
     for rid in ref:
         assert torch.equal(got[rid], ref[rid])
 
+
+
+# HiSparse: buffers of top-k (4) rows for 4 request slots and 16 staging rows, 32 of 512 C4 rows
+HISPARSE = {"top_k": 4, "device_buffer_size": 4, "host_to_device_ratio": 16}
+
+
+def _buffers(runner):
+    """Per CSA layer, each request buffer's full rows and their bytes in the hot pool."""
+    from memory.layout import read_row_bytes
+    hs = runner.pools.hisparse
+    n = hs.num_req_slots * hs.buffer_size
+    return {layer: (hs.table[layer][:n].clone(), read_row_bytes(hs.device_kv[layer], torch.arange(n)))
+            for layer in hs.layers}
+
+
+def test_static_decode_with_hisparse(weights):
+    """HiSparse's decode swap-in on the static path (what a graph captures: no host decision)
+    gives the ordinary HiSparse steps' logits, pools and request buffers bit for bit, and those
+    equal HiSparse off. Padded to 4 rows, the padded row leaves every buffer as it was."""
+    _, off = _eager(weights)
+    eager, ref = _run(weights, static=False, hisparse=HISPARSE)
+    hs = eager.pools.hisparse
+    assert hs.rows == 32 and hs.swapped_rows > 0 and hs.evicted_rows > 0
+    static, got = _run(weights, static=True, max_bs=3, hisparse=HISPARSE)
+    assert static.cuda_graphs.replays == 5 and static.pools.hisparse.swapped_rows == hs.swapped_rows
+    for rid in ref:
+        assert torch.equal(ref[rid], off[rid]), f"request {rid}: HiSparse changed the logits"
+        assert torch.equal(got[rid], ref[rid]), f"request {rid}: logits differ"
+    _compare_pools(eager, static)
+    want = _buffers(eager)
+    for layer, (table, data) in _buffers(static).items():
+        assert torch.equal(table, want[layer][0]) and torch.equal(data, want[layer][1])
+    static.pools.hisparse.check_integrity([0, 1, 2])
+    padded, _ = _run(weights, static=True, max_bs=4, hisparse=HISPARSE)
+    assert padded.pools.hisparse.swapped_rows == hs.swapped_rows
+    for layer, (table, _) in _buffers(padded).items():
+        assert torch.equal(table, want[layer][0])

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# H200 calls of session 6 (carry the wheels: sgl-flash-mla, pytest + pluggy + iniconfig, .whl/serve,
-# and for the SGLang check .whl/sglang-cp312-extra in call a, .whl/sglang-cp312 in call b: the two
-# folders together are over one call's 64 MiB, so call a unpacks the first into /tmp/sgl and call b,
-# on the same warm machine, the second):
+# H200 calls of session 6 (carry the wheels: sgl-flash-mla, pytest + pluggy + iniconfig, .whl/serve;
+# for the SGLang check also .whl/sglang-cp312-extra in call b and .whl/sglang-cp312 in call c: the two
+# folders together are over one call's 64 MiB, so call b unpacks the first into /tmp/sgl and call c,
+# right after on the same warm machine, the second):
 #   bash bench/gpu_session_s6.sh $OUT a    issue 14: host syncs of a decode step on CUDA, the batch-1
 #                                          step at 4K and 1M with its floor, kernels and syncs, decodes
 #                                          beside a 128K prefill under the old policy (mixed_chunk_tokens
 #                                          0) and the capped one (512); the serving run at 8 x 1K against
 #                                          the offline step of the same batch
-#   bash bench/gpu_session_s6.sh $OUT b    issue 22: our methods inside SGLang on its CUDA pools; issue 21:
-#                                          HiSparse with the device-side swap-in; issue 18: speculative
-#                                          decoding with verify graphs
+#   bash bench/gpu_session_s6.sh $OUT b    issue 21: HiSparse with the device-side swap-in; issue 18:
+#                                          speculative decoding with verify graphs
+#   bash bench/gpu_session_s6.sh $OUT c    issue 22: our methods inside SGLang on its CUDA pools
 #   bash bench/gpu_session_s6.sh $OUT cpu  part a's long-context rows at tiny sizes on the CPU (the code path)
 set -uo pipefail
 OUT=${1:?output directory}
@@ -32,7 +32,6 @@ STEP=(python3 bench/bench_long_context.py --modes compressed --batches 1 "${SIZE
       --breakdown-max-batch 1 --breakdown-steps 1 --kernel-count --prefill-contexts "" --prefill-long 0
       --mixed-max-seconds 50 --no-progress --time-budget 225 --out "$OUT/step.json")
 if [ "$WHICH" = a ] || [ "$WHICH" = cpu ]; then
-  [ -d .whl/sglang-cp312-extra ] && sgl_unpack .whl/sglang-cp312-extra
   part 70 syncs python3 -m pytest -q -rs -p no:cacheprovider tests/test_host_syncs.py
   part 240 step "${STEP[@]}"
   tail -n 4 "$OUT/syncs.log"
@@ -51,6 +50,10 @@ if [ "$WHICH" = a ] || [ "$WHICH" = cpu ]; then
     --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --no-progress --time-budget 80 \
     --out "$OUT/offline8.json"
   tail -n 20 "$OUT/serve.log"; grep -E "^\| compressed" "$OUT/offline8.log"
+elif [ "$WHICH" = b ]; then
+  [ -d .whl/sglang-cp312-extra ] && sgl_unpack .whl/sglang-cp312-extra
+  HISPARSE_CMD
+  SPEC_CMD
 else
   if [ -d .whl/sglang-cp312 ] && [ -d /tmp/sgl ]; then
     sgl_unpack .whl/sglang-cp312
@@ -58,8 +61,6 @@ else
       part 120 sglang python3 bench/gpu_sglang_check.py --out "$OUT" )
     tail -n 40 "$OUT/sglang.log"
   else
-    echo "SGLang check not run: /tmp/sgl (call a's unpack) is missing, the machine was not the same"
+    echo "SGLang check not run: /tmp/sgl (call b's unpack) is missing, the machine was not the same"
   fi
-  HISPARSE_CMD
-  SPEC_CMD
 fi

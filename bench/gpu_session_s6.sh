@@ -52,8 +52,11 @@ if [ "$WHICH" = a ] || [ "$WHICH" = cpu ]; then
   tail -n 20 "$OUT/serve.log"; grep -E "^\| compressed" "$OUT/offline8.log"
 elif [ "$WHICH" = b ]; then
   [ -d .whl/sglang-cp312-extra ] && sgl_unpack .whl/sglang-cp312-extra
-  HISPARSE_CMD
-  SPEC_CMD
+  part 40 syncs python3 -m pytest -q -rs -p no:cacheprovider tests/test_host_syncs.py
+  part 240 hisparse python3 bench/bench_hisparse.py --time-budget 220 --steps 3 --out "$OUT/hisparse.json"
+  part 290 spec python3 bench/bench_speculative.py --out "$OUT/spec.json"
+  grep -E "AssertionError:|passed|failed" "$OUT/syncs.log" | tail -3
+  tail -n 45 "$OUT/hisparse.log"; tail -n 60 "$OUT/spec.log"
 else
   if [ -d .whl/sglang-cp312 ] && [ -d /tmp/sgl ]; then
     sgl_unpack .whl/sglang-cp312

@@ -153,21 +153,34 @@ def count_syncs(engine: Any, steps: int) -> dict[str, int]:
     """Host synchronisations in ``steps`` engine steps, by the source line that asked for them
     (``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing CUDA call warns). A decode
     step should have one: reading the sampled ids. Empty off CUDA."""
+    import traceback
     import warnings
     if engine.device.type != "cuda":
         return {}
     where: Counter = Counter()
-    with warnings.catch_warnings(record=True) as caught:
+    root = Path(__file__).resolve().parents[1]
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        """Name the innermost line of this repository below the warning (a torch helper's own
+        line, e.g. inside torch/cuda/__init__.py, says nothing about who asked)."""
+        if "synchroniz" not in str(message):
+            return
+        for frame in reversed(traceback.extract_stack()[:-1]):
+            path = Path(frame.filename).resolve()
+            if root in path.parents and "site-packages" not in path.parts and path.name != "kernel_count.py":
+                where[f"{path.name}:{frame.lineno}"] += 1
+                return
+        where[f"{Path(filename).name}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(steps):
                 engine.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            where[f"{Path(w.filename).name}:{w.lineno}"] += 1
     return dict(where)
 
 

@@ -23,9 +23,9 @@ One decode step of a request with ``n = kv_len`` ids in the pools and its last t
    KV rows; its last row gives draft 1 of the next step. Only then are SWA pages evicted (the
    MTP's positions lag the target's by the step's length).
 
-Speculation is greedy-only: a request that samples (temperature > 0 and top_k != 1) is
-decoded with no drafts, one row per step, exactly as without speculation (it still gets its
-MTP rows, so nothing depends on the mix). A seeded greedy request does not consume its
+A request that samples (temperature > 0 and top_k != 1) verifies its drafts by rejection
+sampling (``scheduler_hooks/rejection.py``): its tokens are distributed as without speculation,
+though a seed's stream is consumed differently. A seeded greedy request does not consume its
 generator, so step boundaries do not matter. Greedy outputs are therefore the plain ones token
 for token; float64 logits of accepted rows equal plain decoding's to rounding (the verify is
 an extend, which equals decoding position by position: docs/engine.md "Correctness").
@@ -48,6 +48,7 @@ from dsv4_backend.backend import ForwardBatch
 from dsv4_backend.mtp import MTPDraftLayer
 from dsv4_backend.rollback import MAX_DRAFT_TOKENS, VerifySnapshot, snapshot_for_verify
 
+from .rejection import accept_sampled
 from .sampling import SampleInput, sample
 
 ALGORITHMS = ("EAGLE", "NEXTN")
@@ -114,14 +115,12 @@ class SpeculativeDecoder:
         self.accept_hist = [0] * (cfg.num_steps + 2)
         self.num_verify = 0
         self.num_draft_tokens = 0
-        self.num_plain_decodes = 0      # decode rows with no drafts (sampling requests, limits)
+        self.num_plain_decodes = 0      # decode rows with no drafts (the limits, no draft state yet)
 
     # ---- scheduling ----------------------------------------------------------------
 
     def num_drafts(self, r: Any, context_length: int) -> int:
-        """Drafts for request ``r``'s next decode: K, fewer near its limits, 0 when it samples."""
-        if not r.params.greedy:
-            return 0
+        """Drafts for request ``r``'s next decode: K, fewer near its limits."""
         if r.rid not in self.states:
             if not r.synthetic:
                 return 0
@@ -164,15 +163,20 @@ class SpeculativeDecoder:
 
     def accept(self, r: Any, drafts: list[int], logits: torch.Tensor) -> tuple[list[int], Any]:
         """Tokens to emit from verify rows ``logits [k + 1, V]``: the accepted drafts and the
-        bonus token, plus the ``SampleOutput`` of the rows (logprobs, errors)."""
+        bonus token, plus the ``SampleOutput`` of the rows (logprobs, errors). Greedy requests
+        accept a draft iff it is row i's argmax; sampling ones by rejection sampling
+        (``scheduler_hooks/rejection.py``)."""
         k = len(drafts)
         inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids + drafts[:i], r.generator,
                               r.greq.top_logprobs_num, r.greq.return_logprob) for i in range(k + 1)]
-        res = sample(logits, inputs)
         if self.accept_override is not None:
+            res = sample(logits, inputs)
             a = max(0, min(k, int(self.accept_override(r.rid, k))))
             toks = drafts[:a] + [res.token_ids[a]]
+        elif not r.params.greedy:
+            toks, res = accept_sampled(logits, drafts, inputs)
         else:
+            res = sample(logits, inputs)
             toks = []
             for i in range(k + 1):
                 toks.append(res.token_ids[i])

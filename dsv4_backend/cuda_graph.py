@@ -181,7 +181,7 @@ class DecodeGraphs:
                 logger.warning("decode CUDA graphs disabled: capturing batch %d x %d rows, contexts <= %d failed "
                                "(%s: %s); every step now runs eagerly", bs, q, ctx, type(e).__name__, e)
                 raise GraphUnavailable(str(e)) from e
-        backend.fill_static_decode(meta, ids, entry.static)
+        self._fill(meta, ids, entry.static)
         if entry.graph is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self._prep_s += time.perf_counter() - t0
@@ -196,6 +196,9 @@ class DecodeGraphs:
         self.replays += 1
         T = len(reqs) * q
         return meta, logits[:T], hidden[:T]
+
+    def _fill(self, meta: Any, ids: torch.Tensor, st: Any, count_tokens: bool = True) -> None:
+        self.runner.backend.fill_static_decode(meta, ids, st, count_tokens=count_tokens)
 
     def _body(self, st: Any) -> tuple[torch.Tensor, torch.Tensor]:
         model, backend = self.runner.model, self.runner.backend
@@ -217,7 +220,7 @@ class DecodeGraphs:
         # Warm-up on a side stream (compiles the kernels, sets up cuBLAS), with this step's own
         # values: every write it makes is the one the replay makes, except the online C128
         # fold, which a token count of 0 switches off.
-        backend.fill_static_decode(meta, ids, st, count_tokens=False)
+        self._fill(meta, ids, st, count_tokens=False)
         stream = torch.cuda.Stream(device=self.runner.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

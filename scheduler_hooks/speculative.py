@@ -45,7 +45,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from dsv4_backend.backend import ForwardBatch
+from dsv4_backend.cuda_graph import GraphUnavailable
 from dsv4_backend.mtp import MTPDraftLayer
+from dsv4_backend.mtp_graph import MTPDraftGraphs
 from dsv4_backend.rollback import MAX_DRAFT_TOKENS, VerifySnapshot, snapshot_for_verify
 
 from .rejection import accept_sampled
@@ -108,6 +110,11 @@ class SpeculativeDecoder:
     def __init__(self, cfg: SpeculativeConfig, runner: Any, allocator: Any):
         self.cfg, self.runner, self.allocator = cfg, runner, allocator
         self.mtp = MTPDraftLayer(runner.model, runner.backend)
+        # the draft passes replay CUDA graphs where the target's steps do
+        graphs = getattr(runner, "cuda_graphs", None)
+        self.mtp_graphs: Optional[MTPDraftGraphs] = (
+            None if graphs is None else MTPDraftGraphs(runner, self.mtp, graphs.max_bs, capture=graphs.capture,
+                                                       min_context=graphs.min_context))
         self.states: dict[str, _DraftState] = {}
         self.draft_override: Optional[Callable[[str, int, list[int]], list[int]]] = None
         self.accept_override: Optional[Callable[[str, int], int]] = None
@@ -142,9 +149,9 @@ class SpeculativeDecoder:
         for j in range(2, max((k for _, _, k in verifies), default=0) + 1):
             step = [(r, slot) for r, slot, k in verifies if k >= j]
             batch = ForwardBatch([slot for _, slot in step], [r.kv_len + j - 2 for r, _ in step], [1] * len(step))
-            ids = torch.tensor([drafts[r.rid][-1] for r, _ in step], dtype=torch.int64, device=self.runner.device)
-            Y = self.mtp.forward(torch.stack([hidden[r.rid] for r, _ in step]), ids, batch)
-            toks = self.mtp.logits(Y).argmax(dim=-1).tolist()
+            last = [drafts[r.rid][-1] for r, _ in step]
+            Y, lg = self._draft_pass(torch.stack([hidden[r.rid] for r, _ in step]), last, batch)
+            toks = lg.argmax(dim=-1).tolist()
             for i, (r, _) in enumerate(step):
                 drafts[r.rid].append(int(toks[i]))
                 hidden[r.rid] = Y[i]
@@ -154,6 +161,17 @@ class SpeculativeDecoder:
                 if len(drafts[r.rid]) != k:
                     raise ValueError(f"draft_override gave {len(drafts[r.rid])} drafts for {r.rid}, expected {k}")
         return drafts
+
+    def _draft_pass(self, hidden: torch.Tensor, ids: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained MTP pass, one row per request: (streams, logits); a graph replay where it can."""
+        graphs = self.mtp_graphs
+        if graphs is not None and graphs.enabled and len(ids) <= graphs.max_bs:
+            try:
+                return graphs.draft(hidden, ids, batch)
+            except GraphUnavailable:
+                pass     # logged; eager from now on
+        Y = self.mtp.forward(hidden, torch.tensor(ids, dtype=torch.int64, device=self.runner.device), batch)
+        return Y, self.mtp.logits(Y)
 
     def snapshot(self, verifies: list[tuple[Any, int, int]]) -> VerifySnapshot:
         return snapshot_for_verify(self.runner.backend, self.allocator,

@@ -9,7 +9,9 @@ ordinarily and once through the static path: verifies of 4 rows for three reques
 lengths between them, and plain decode steps in between (a speculative engine keeps their
 graphs too). Both runs do the same operations on the same values in the same order (the static
 ring write precedes the in-place read only where no candidate is overwritten:
-``static_max_rows``), so logits, final streams and every pool must be bit-identical.
+``static_max_rows``), so logits, final streams and every pool must be bit-identical. The MTP
+draft passes' graphs (``MTPDraftGraphs``) are checked the same way. ~45 s CPU time (the
+interpreter).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_backend.backend import TorchDSV4Backend
+from dsv4_backend.backend import ForwardBatch, TorchDSV4Backend
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.cuda_graph import DecodeGraphs
 from dsv4_backend.model_runner import ForwardRequest, ModelRunner
+from dsv4_backend.mtp import MTPDraftLayer
+from dsv4_backend.mtp_graph import MTPDraftGraphs
 from dsv4_backend.weights import random_weights
 from memory.allocator import KVAllocator
 from memory.configurator import DSV4PoolConfigurator
@@ -107,3 +111,46 @@ def test_static_rows_limit(weights):
     assert not graphs.can_run([ForwardRequest(0, 10, [1] * Q, "all", None)])       # a prefill chunk
     assert not graphs.can_run(verify + [ForwardRequest(1, 10, [1] * 3, "all", 11)])  # mixed lengths
     assert not graphs.can_run([ForwardRequest(0, 10, [1] * 10, "all", 11)])          # past the rings
+
+
+def test_static_mtp_draft_passes_equal_eager_ones():
+    """Two chained MTP draft passes of three requests through the static path vs eagerly:
+    streams, logits and the MTP layer's SWA pool bit-identical. Padded to a batch of 4 (row 0
+    repeated, its writes masked; its GEMMs have a row more, so values are not compared) it
+    writes the same SWA rows as the eager passes and no other."""
+    weights = random_weights(CFG, seed=9, dtype=torch.float32, include_mtp=True)
+    g = torch.Generator().manual_seed(4)
+    lens = [40, 9, 130]
+    H0 = torch.randn(len(lens), CFG.hc_mult, CFG.hidden_size, generator=g)
+    first = torch.randint(0, CFG.vocab_size, (len(lens),), generator=g).tolist()
+
+    def passes(max_bs):
+        runner = _runner(weights, static=False)
+        mtp = MTPDraftLayer(runner.model, runner.backend)
+        graphs = None if max_bs is None else MTPDraftGraphs(runner, mtp, max_bs, capture=False, min_context=512)
+        slots = []
+        for i, n in enumerate(lens):
+            slots.append(runner.allocator.admit(str(i)))
+            runner.allocator.extend(str(i), n + 2)
+        H, ids, out = H0, first, []
+        for j in range(2):
+            batch = ForwardBatch(slots, [n + j for n in lens], [1] * len(lens))
+            if graphs is None:
+                Y = mtp.forward(H, torch.tensor(ids), batch)
+                lg = mtp.logits(Y)
+            else:
+                Y, lg = graphs.draft(H, ids, batch)
+            out.append((Y, lg))
+            H, ids = Y, lg.argmax(-1).tolist()
+        if graphs is not None:
+            assert graphs.replays == 2
+        return out, runner.pools.swa_kv[mtp.layer_id]
+
+    ref, pool_ref = passes(None)
+    got, pool = passes(3)
+    assert torch.equal(pool, pool_ref), "the MTP's SWA pool differs"
+    for (Y, lg), (Y_ref, lg_ref) in zip(got, ref):
+        assert torch.equal(Y, Y_ref) and torch.equal(lg, lg_ref)
+    _, pool = passes(4)
+    written = lambda p: (p.view(p.shape[0] * 128, -1) != 0).any(-1)     # noqa: E731 (rows written to)
+    assert written(pool_ref).any() and torch.equal(written(pool), written(pool_ref))

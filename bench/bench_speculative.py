@@ -11,12 +11,13 @@ reports ms per step and the tokens/s that acceptance length gives (batch x L per
 plain decoding; both with CUDA graphs on (the engine's default: plain decode steps and verify
 steps replay graphs, the MTP passes, snapshot and rollback run eagerly), and the speculative
 engine once more with graphs off at L = 1 and K + 1 (what the graphs save). Each row says how
-many graph replays a step made (1: the step's target forward was a replay). Per context and
+many target-forward graph replays a step made (1.00: every step's verify or decode replayed) and
+how many MTP draft-pass replays. Per context and
 batch it also prints the break-even acceptance length (the smallest L whose tokens/s beats
 plain decoding with graphs).
 
     # one H200, <= 5 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3; a time guard
-    # skips what would start after --time-budget seconds, default 330, and lists it)
+    # skips what would start after --time-budget seconds, default 260, and lists it)
     PYTHONUNBUFFERED=1 python3 bench/bench_speculative.py --out $OUT/spec.json
     # the code path on the CPU, tiny stand-in
     python bench/bench_speculative.py --preset tiny --device cpu --contexts 512 --batches 1,2 --steps 2
@@ -91,10 +92,14 @@ def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace, lengths
                 spec.accept_override = None if L is None else (lambda rid, n, a=L - 1: a)
             timed(eng, args.warmup)
             replays = graphs.replays if graphs is not None else 0
+            mtp_graphs = spec.mtp_graphs if spec is not None else None
+            mtp_replays = mtp_graphs.replays if mtp_graphs is not None else 0
             ms, tokens = timed(eng, args.steps)
             rows.append({"context": ctx, "batch": batch, "accept_length": L, "ms_per_step": ms,
                          "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / (ms * args.steps) * 1e3,
                          "graph_replays_per_step": ((graphs.replays if graphs is not None else 0) - replays)
+                         / args.steps,
+                         "mtp_replays_per_step": ((mtp_graphs.replays if mtp_graphs is not None else 0) - mtp_replays)
                          / args.steps})
     finally:
         finish_all(eng, rids)
@@ -114,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--mem-fraction", type=float, default=0.92)
     ap.add_argument("--reserve-gb", type=float, default=14.0)
-    ap.add_argument("--time-budget", type=float, default=330.0,
+    ap.add_argument("--time-budget", type=float, default=260.0,
                     help="seconds for the whole run; configurations that would start later are skipped (and listed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -151,6 +156,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print(f"[{time.time() - START:6.1f}s] built {built_for} engine in {time.time() - t:.1f}s", flush=True)
         if not graphs:
             eng.runner.cuda_graphs = None
+            if eng.scheduler.spec is not None:
+                eng.scheduler.spec.mtp_graphs = None
         for ctx in args.contexts:
             for b in args.batches:
                 if b > eng.scheduler.cfg.max_running_requests:
@@ -167,7 +174,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     what = "plain" if k is None else ("MTP drafts" if L is None else f"L={L}")
                     print(f"[{time.time() - START:6.1f}s] {name:<20} ctx {fmt_tokens(ctx):>5} b {b:>3} {what:<10} "
                           f"{row['ms_per_step']:8.2f} ms/step  {row['tokens_per_s']:9.1f} tok/s  "
-                          f"{row['graph_replays_per_step']:.2f} replays/step", flush=True)
+                          f"replays/step {row['graph_replays_per_step']:.2f} target, {row['mtp_replays_per_step']:.2f} MTP",
+                          flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1))
         if k is not None and graphs:

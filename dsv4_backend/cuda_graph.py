@@ -114,7 +114,9 @@ class DecodeGraphs:
         self.max_bs, self.max_graphs, self.min_context = max_bs, max_graphs, min_context
         self.buckets = batch_buckets(max_bs)
         self.enabled = True
-        self.max_rows = runner.backend.static_max_rows()
+        # rows per request a static step takes (a backend with no static path replays nothing:
+        # its first capture fails and turns graphs off)
+        self.max_rows = getattr(runner.backend, "static_max_rows", lambda: 1)()
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._pool = None
         self.replays = 0

@@ -17,7 +17,15 @@ graph captured for its bucket:
 What runs outside the graph: the step's metadata (the torch backend's
 ``init_forward_metadata``, built from the scheduler's ints and the page tables), ~30 small
 copies into the static buffers, the replay, and sampling. Mixed steps (any prefill chunk)
-run eagerly. The first step of a new bucket warms up (compiles the Triton kernels) and
+run eagerly.
+
+Speculative verify steps (every request runs its last token and k drafts, k + 1 rows, as in
+``scheduler_hooks/speculative.py``) replay graphs of their own, keyed by (batch, context,
+k + 1): the static tables then hold k + 1 rows per request, each row one decode row of its
+request (its own window, ring write, compression event and top-k), which is how the eager
+extend computes them too. A step whose requests verify different numbers of drafts runs
+eagerly. Each replay also leaves the final streams ``[T, hc, D]`` (the MTP layer's input).
+The first step of a new bucket warms up (compiles the Triton kernels) and
 captures; captures share one memory pool, and past ``max_graphs`` the cache is emptied.
 
 Only the Triton backend can be captured (the torch backend loops over requests on the host),
@@ -90,7 +98,8 @@ class GraphUnavailable(RuntimeError):
 class _Captured:
     static: Any                          # StaticDecode
     graph: Optional[torch.cuda.CUDAGraph]
-    logits: Optional[torch.Tensor]       # [bs, vocab], written by each replay
+    logits: Optional[torch.Tensor]       # [bs * q, vocab], written by each replay
+    hidden: Optional[torch.Tensor]       # [bs * q, hc, D], the final streams
 
 
 class DecodeGraphs:
@@ -105,15 +114,25 @@ class DecodeGraphs:
         self.max_bs, self.max_graphs, self.min_context = max_bs, max_graphs, min_context
         self.buckets = batch_buckets(max_bs)
         self.enabled = True
-        self._graphs: dict[tuple[int, int], _Captured] = {}
+        # rows per request a static step takes (a backend with no static path replays nothing:
+        # its first capture fails and turns graphs off)
+        self.max_rows = getattr(runner.backend, "static_max_rows", lambda: 1)()
+        self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._pool = None
         self.replays = 0
         self.captures = 0
         self.reset_stats()
 
     def can_run(self, reqs: list) -> bool:
-        return (self.enabled and 0 < len(reqs) <= self.max_bs
-                and all(len(r.input_ids) == 1 for r in reqs))
+        """A pure-decode step, or a step of speculative verifies all of one length (each request's
+        rows are its last token and its drafts: ``rollback_len = prefix_len + 1``, every row's logits)."""
+        if not (self.enabled and 0 < len(reqs) <= self.max_bs):
+            return False
+        q = len(reqs[0].input_ids)
+        if q == 1:
+            return all(len(r.input_ids) == 1 for r in reqs)
+        return q <= self.max_rows and all(len(r.input_ids) == q and r.rollback_len == r.prefix_len + 1
+                                          and r.logits == "all" for r in reqs)
 
     def reset_stats(self) -> None:
         self._prep_s, self._gpu_ms, self._timed = 0.0, 0.0, 0
@@ -139,30 +158,32 @@ class DecodeGraphs:
         n = max(self._timed, 1)
         return {"replays": self._timed, "host_prep_ms": 1e3 * self._prep_s / n, "replay_gpu_ms": self._gpu_ms / n}
 
-    def run(self, reqs: list) -> tuple[Any, torch.Tensor]:
-        """One decode step: (the step's metadata, logits [B, vocab])."""
+    def run(self, reqs: list) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One step of :meth:`can_run`'s kind: (the step's metadata, logits [T, vocab], the final
+        streams [T, hc, D]), T = B * q rows in request order; both buffers are the graph's own."""
         t0 = time.perf_counter()
         self._collect()
         runner = self.runner
         backend = runner.backend
-        batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [1] * len(reqs))
+        q = len(reqs[0].input_ids)
+        batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [q] * len(reqs))
         # the ordinary layout, without the events (the static tables derive their own) and
         # without the per-layer Triton tables (the static ones replace them)
         meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False)
-        ids = upload(torch.tensor([r.input_ids[0] for r in reqs], dtype=torch.int64), runner.device)
+        ids = upload(torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64), runner.device)
         bs = next(b for b in self.buckets if b >= len(reqs))
         ctx = context_bucket(max(meta.host.seq_lens), self.min_context)
-        entry = self._graphs.get((bs, ctx))
+        entry = self._graphs.get((bs, ctx, q))
         if entry is None:
             try:
-                entry = self._build(bs, ctx, meta, ids)
+                entry = self._build(bs, ctx, q, meta, ids)
             except Exception as e:  # noqa: BLE001 (an op that cannot be captured: fall back, loudly)
                 self.enabled = False
                 self._graphs.clear()
-                logger.warning("decode CUDA graphs disabled: capturing batch %d, contexts <= %d failed "
-                               "(%s: %s); every step now runs eagerly", bs, ctx, type(e).__name__, e)
+                logger.warning("decode CUDA graphs disabled: capturing batch %d x %d rows, contexts <= %d failed "
+                               "(%s: %s); every step now runs eagerly", bs, q, ctx, type(e).__name__, e)
                 raise GraphUnavailable(str(e)) from e
-        backend.fill_static_decode(meta, ids, entry.static)
+        self._fill(meta, ids, entry.static)
         if entry.graph is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self._prep_s += time.perf_counter() - t0
@@ -171,24 +192,28 @@ class DecodeGraphs:
             entry.graph.replay()
             end.record()
             self._pending.append((start, end))
-            logits = entry.logits
+            logits, hidden = entry.logits, entry.hidden
         else:
-            logits = self._body(entry.static)
+            logits, hidden = self._body(entry.static)
         self.replays += 1
-        return meta, logits[: len(reqs)]
+        T = len(reqs) * q
+        return meta, logits[:T], hidden[:T]
 
-    def _body(self, st: Any) -> torch.Tensor:
+    def _fill(self, meta: Any, ids: torch.Tensor, st: Any, count_tokens: bool = True) -> None:
+        self.runner.backend.fill_static_decode(meta, ids, st, count_tokens=count_tokens)
+
+    def _body(self, st: Any) -> tuple[torch.Tensor, torch.Tensor]:
         model, backend = self.runner.model, self.runner.backend
         backend.use_static_decode(st)
         X = model(st.input_ids, st.meta.positions, backend, st.meta)
-        return model.logits(X)
+        return model.logits(X), X
 
-    def _build(self, bs: int, ctx: int, meta: Any, ids: torch.Tensor) -> _Captured:
+    def _build(self, bs: int, ctx: int, q: int, meta: Any, ids: torch.Tensor) -> _Captured:
         backend = self.runner.backend
-        st = backend.static_decode(bs, ctx)
+        st = backend.static_decode(bs, ctx, q)
         if not self.capture:
-            entry = _Captured(st, None, None)
-            self._graphs[bs, ctx] = entry
+            entry = _Captured(st, None, None, None)
+            self._graphs[bs, ctx, q] = entry
             return entry
         if len(self._graphs) >= self.max_graphs:
             logger.info("decode graphs: %d cached, dropping them", len(self._graphs))
@@ -197,7 +222,7 @@ class DecodeGraphs:
         # Warm-up on a side stream (compiles the kernels, sets up cuBLAS), with this step's own
         # values: every write it makes is the one the replay makes, except the online C128
         # fold, which a token count of 0 switches off.
-        backend.fill_static_decode(meta, ids, st, count_tokens=False)
+        self._fill(meta, ids, st, count_tokens=False)
         stream = torch.cuda.Stream(device=self.runner.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -208,9 +233,10 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._body(st)
+            logits, hidden = self._body(st)
         self.captures += 1
-        logger.info("decode graph captured: batch %d, contexts <= %d (%d cached)", bs, ctx, len(self._graphs) + 1)
-        entry = _Captured(st, graph, logits)
-        self._graphs[bs, ctx] = entry
+        logger.info("decode graph captured: batch %d x %d rows, contexts <= %d (%d cached)", bs, q, ctx,
+                    len(self._graphs) + 1)
+        entry = _Captured(st, graph, logits, hidden)
+        self._graphs[bs, ctx, q] = entry
         return entry

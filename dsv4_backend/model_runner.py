@@ -127,8 +127,7 @@ class ModelRunner:
         self.attention_kernel, self.attention_kernel_reason = backend, why
         self.backend = get_attention_backend(self.backend_name)(config, pools, allocator, dtype=dtype, dense=dense)
         self.last_metadata: Optional[ForwardMetadata] = None
-        # the last eager forward's final streams [T, hc, D] (the MTP draft layer's input);
-        # None after a graph replay
+        # the last forward's final streams [T, hc, D] (the MTP draft layer's input)
         self.last_hidden: Optional[torch.Tensor] = None
         self.cuda_graphs: Optional[DecodeGraphs] = None
         if cuda_graph is None:
@@ -157,14 +156,15 @@ class ModelRunner:
                                  f"got {r.logits!r}")
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
             try:
-                meta, logits = self.cuda_graphs.run(reqs)
+                meta, logits, hidden = self.cuda_graphs.run(reqs)
             except GraphUnavailable:
                 pass     # logged; this step and the next run eagerly
             else:
-                self.last_metadata, self.last_hidden = meta, None
-                # the graph's output buffer is rewritten by the next replay: hand out a copy
-                logits = logits.clone()
-                return [logits[i:i + (r.logits != "none")] for i, r in enumerate(reqs)]
+                # the graph's output buffers are rewritten by the next replay: hand out copies
+                self.last_metadata, self.last_hidden = meta, hidden.clone()
+                logits, q = logits.clone(), len(reqs[0].input_ids)
+                rows = {"last": slice(q - 1, q), "all": slice(0, q), "none": slice(0, 0)}
+                return [logits[i * q:(i + 1) * q][rows[r.logits]] for i, r in enumerate(reqs)]
         rollback = None
         if any(r.rollback_len is not None for r in reqs):
             rollback = [r.prefix_len + len(r.input_ids) if r.rollback_len is None else r.rollback_len

@@ -53,8 +53,11 @@ class MTPDraftLayer:
         next_ids ``[T]`` (token t+1 of each position t) -> output streams ``[T, hc, D]``.
 
         The batch's positions must be mapped by the allocator (``req_to_token``, ``full_to_swa``)."""
+        return self.forward_meta(hidden, next_ids, self.backend.init_forward_metadata(batch, events=False))
+
+    def forward_meta(self, hidden: torch.Tensor, next_ids: torch.Tensor, meta: Any) -> torch.Tensor:
+        """:meth:`forward` over a step's metadata (a static decode step's, under CUDA graphs)."""
         blk, dtype = self.block, self.model.dtype
-        meta = self.backend.init_forward_metadata(batch, events=False)
         T, hc, D = hidden.shape
         e = blk.e_proj(blk.enorm(self.model.embed(next_ids).to(dtype)))                    # [T, D]
         h = blk.h_proj(blk.hnorm(hidden.to(dtype)).reshape(T * hc, D)).view(T, hc, D)

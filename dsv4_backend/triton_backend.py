@@ -146,55 +146,73 @@ def _visible_rows(rows: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StaticDecode:
-    """Fixed-address buffers of a pure-decode step of ``bs`` rows over contexts up to ``ctx``.
+    """Fixed-address buffers of a step of ``bs`` requests with ``q`` rows each (q = 1: a decode;
+    q = k + 1: a speculative verify of k drafts) over contexts up to ``ctx``.
 
     A captured CUDA graph reads only these, so a replay is: :meth:`TritonDSV4Backend.fill_static_decode`
-    copies the step's values in, then the graph runs. Rows past the step's batch repeat row 0
+    copies the step's values in, then the graph runs. Rows past the step's tokens repeat token 0
     with every write masked (SWA slot -1, compressed destination -1, online token count 0)
-    except the ring write, which stores row 0's own value at row 0's slot again."""
+    except the ring write, which stores token 0's own value at token 0's slot again."""
 
     bs: int
     ctx: int
-    input_ids: torch.Tensor     # int64 [bs]
+    input_ids: torch.Tensor     # int64 [bs * q]
     meta: ForwardMetadata       # positions, req_slots, swa_slots: static tensors
     plan: _StepPlan             # the per-layer tables, static tensors
+    q: int = 1
 
 
 class _StaticDecodeMixin:
     """StaticDecode construction and filling for :class:`TritonDSV4Backend`."""
 
-    def static_decode(self, bs: int, ctx: int) -> StaticDecode:
-        """Allocate the buffers of a decode step of ``bs`` rows, contexts <= ``ctx`` (a multiple
-        of 256): C4 page tables of ctx / 256 pages, C128 row lists of ctx / 128 rows, and in
-        dense mode a window of ctx slots."""
+    def static_max_rows(self) -> int:
+        """The most rows per request a static step takes. Its ring write comes before the
+        compression reads the ring in place, so a row at position w (overwriting position
+        w - R's slot) must not clobber a candidate p - 7 .. p (C4) or p - 127 .. p (C128) of an
+        event at p >= n: n + q - 1 - R < n - span, i.e. q <= R - span (R the ring per request /
+        SWA page; 1 without speculation's doubled rings, 9 with them). The online C128 fold and
+        dense mode take one row."""
+        if self.dense or self.online_compress:
+            return 1
+        spans = {4: (self.c4_ring, 7), 128: (self.c128_ring, 127)}
+        return min([ring - span for m, (ring, span) in spans.items() if m in self.ratios] or [1 << 10])
+
+    def static_decode(self, bs: int, ctx: int, q: int = 1) -> StaticDecode:
+        """Allocate the buffers of a step of ``bs`` requests of ``q`` rows, contexts <= ``ctx``
+        (a multiple of 256): C4 page tables of ctx / 256 pages, C128 row lists of ctx / 128
+        rows, and in dense mode a window of ctx slots."""
         if ctx % FULL_PAGE:
             raise ValueError(f"ctx must be a multiple of {FULL_PAGE}, got {ctx}")
+        if not 1 <= q <= self.static_max_rows():
+            raise ValueError(f"a static step takes 1..{self.static_max_rows()} rows per request here, got q={q}")
         dev, i32, i64 = self.device, torch.int32, torch.int64
         zeros = lambda *shape, dtype=i64: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+        T = bs * q
         rows = torch.arange(bs, device=dev)
         width = ctx if self.dense else self.window
-        plan = _StepPlan(zeros(bs, width, dtype=i32))
+        plan = _StepPlan(zeros(T, width, dtype=i32))
         meta = ForwardMetadata(
-            req_slots=zeros(bs), prefix_lens=zeros(bs), extend_lens=torch.ones(bs, dtype=i64, device=dev),
-            seq_lens=zeros(bs), token_offsets=list(range(bs + 1)), token_req=rows, positions=zeros(bs),
-            full_slots=zeros(bs), swa_slots=zeros(bs), window=width,
+            req_slots=zeros(bs), prefix_lens=zeros(bs), extend_lens=torch.full((bs,), q, dtype=i64, device=dev),
+            seq_lens=zeros(bs), token_offsets=list(range(0, T + 1, q)),
+            token_req=rows.repeat_interleave(q), positions=zeros(T),
+            full_slots=zeros(T), swa_slots=zeros(T), window=width,
             window_slots=None if self.dense else plan.window_slots,   # one buffer: the plan's
             kv_start=zeros(bs), kv_slots=zeros(bs, 0), dense=self.dense)
         for m in self.ratios:
-            if m == 128 and self.online_compress:
+            if m == 128 and self.online_compress:     # q == 1: a token per request
                 plan.online = _OnlinePlan(rows.to(i32), zeros(bs, dtype=i32), rows, zeros(bs), zeros(bs))
             else:
                 k = 2 * m if m == 4 else m
-                plan.rings[m] = _RingPlan(zeros(bs), zeros(bs), None, zeros(bs, k, dtype=i32), zeros(bs), zeros(bs))
+                plan.rings[m] = _RingPlan(zeros(T), zeros(T), None, zeros(T, k, dtype=i32), zeros(T), zeros(T))
             if m == 4:
                 plan.c4_len = ctx // 4
-                plan.c4_pages = zeros(bs, ctx // FULL_PAGE, dtype=i32)
-                plan.c4_visible = zeros(bs, dtype=i32)
+                plan.c4_pages = zeros(T, ctx // FULL_PAGE, dtype=i32)
+                plan.c4_visible = zeros(T, dtype=i32)
             else:
-                plan.c128_rows = zeros(bs, ctx // 128, dtype=i32)
+                plan.c128_rows = zeros(T, ctx // 128, dtype=i32)
         if self.hisparse is not None:
-            plan.hs_owners, plan.hs_decode = zeros(bs), True
-        return StaticDecode(bs, ctx, zeros(bs), meta, plan)
+            plan.hs_owners, plan.hs_decode = zeros(T), True
+        return StaticDecode(bs, ctx, zeros(T), meta, plan, q)
 
     def use_static_decode(self, st: StaticDecode) -> None:
         """Make ``forward`` read ``st``'s tables (for the warm-up and the capture); clears the
@@ -205,24 +223,26 @@ class _StaticDecodeMixin:
     @torch.no_grad()
     def fill_static_decode(self, meta: ForwardMetadata, input_ids: torch.Tensor, st: StaticDecode,
                            count_tokens: bool = True) -> None:
-        """Copy a decode step (``meta`` from :meth:`TorchDSV4Backend.init_forward_metadata`, one
-        token per request) into ``st``. ``count_tokens=False`` gives every row an online-C128
-        token count of 0: the warm-up before a capture then leaves the online state untouched
-        (every other write of the step is idempotent)."""
-        B, bs, dev = meta.num_tokens, st.bs, self.device
-        if B > bs or len(meta.token_offsets) != B + 1 or max(meta.host.seq_lens) > st.ctx:
-            raise ValueError(f"a decode step of {B} rows, contexts <= {max(meta.host.seq_lens)}, does not fit "
-                             f"a static step of {bs} rows, contexts <= {st.ctx}")
+        """Copy a step of ``st.q`` tokens per request (``meta`` from
+        :meth:`TorchDSV4Backend.init_forward_metadata`) into ``st``. ``count_tokens=False`` gives
+        every row an online-C128 token count of 0: the warm-up before a capture then leaves the
+        online state untouched (every other write of the step is idempotent)."""
+        B, T, q, dev = len(meta.token_offsets) - 1, meta.num_tokens, st.q, self.device
+        if (B > st.bs or any(n != q for n in meta.host.extend_lens) or max(meta.host.seq_lens) > st.ctx):
+            raise ValueError(f"a step of {B} requests x {sorted(set(meta.host.extend_lens))} rows, contexts <= "
+                             f"{max(meta.host.seq_lens)}, does not fit a static step of {st.bs} requests x "
+                             f"{q} rows, contexts <= {st.ctx}")
         i32 = torch.int32
-        ar = torch.arange(bs, device=dev)
-        real = ar < B
-        g = torch.where(real, ar, 0)                    # row of the step each static row copies
+        ar = torch.arange(st.bs * q, device=dev)
+        real = ar < T
+        g = torch.where(real, ar, 0)                    # token of the step each static row copies
+        greq = meta.token_req[g]                        # and its request
         pos = meta.positions[g]
-        slot = meta.req_slots[g]
+        slot = meta.req_slots[greq]
         sm = st.meta
         st.input_ids.copy_(input_ids[g])
         sm.positions.copy_(pos)
-        sm.req_slots.copy_(slot)
+        sm.req_slots.copy_(slot[::q])
         sm.swa_slots.copy_(torch.where(real, meta.swa_slots[g], -1))
         if st.plan.hs_owners is not None:
             st.plan.hs_owners.copy_(torch.where(real, slot, -1))
@@ -235,7 +255,7 @@ class _StaticDecodeMixin:
             st.plan.window_slots.copy_(window)
         for m in self.ratios:
             cm = meta.compressed[m]
-            rows = cm.rows[g]                                        # [bs, blocks so far]
+            rows = cm.rows[greq]                                     # [bs * q, blocks so far]
             block = pos // m
             done = real & ((pos + 1) % m == 0)
             dest = rows[ar, block.clamp(max=rows.shape[1] - 1)] if rows.shape[1] else torch.zeros_like(pos)

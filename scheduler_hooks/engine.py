@@ -122,8 +122,8 @@ class Engine:
     The prefix cache (``memory/prefix_cache.py``) is on unless ``disable_radix_cache=True``
     (SGLang's name) or ``dense=True``: a request whose ids start with a cached restore point
     prefills only the rest (``meta_info["cached_tokens"]``); ``flush_cache()`` empties it.
-    On CUDA (bf16, the Triton backend) pure-decode steps replay CUDA graphs
-    (``dsv4_backend/cuda_graph.py``) up to ``cuda_graph_max_bs`` requests;
+    On CUDA (bf16, the Triton backend) pure-decode steps and speculative verify steps replay
+    CUDA graphs (``dsv4_backend/cuda_graph.py``) up to ``cuda_graph_max_bs`` requests;
     ``cuda_graph=False`` (or ``DSV4_CUDA_GRAPH=0``) runs every step eagerly.
     ``attention_kernel``: ``auto`` (FlashMLA on an sm90 / sm100 GPU where ``flash_mla`` imports,
     else Triton), ``flashmla`` or ``triton``; the one chosen is logged and in :meth:`stats`.
@@ -247,10 +247,8 @@ class Engine:
                                  page_align=pool_page_align(kernel), hisparse=self.hisparse_config)
         self.allocator = KVAllocator(self.plan, max_context=self.context_length,
                                      window=self.config.sliding_window, dense=dense, device=self.device)
-        if spec is not None and cuda_graph:
-            logger.warning("speculative decoding runs its verify steps eagerly: decode CUDA graphs are off")
         self.runner = ModelRunner(self.config, weights, self.pools, self.allocator, self.device, self.dtype,
-                                  dense=dense, cuda_graph=False if spec is not None else cuda_graph,
+                                  dense=dense, cuda_graph=cuda_graph,
                                   cuda_graph_max_bs=min(cuda_graph_max_bs or max_running_requests,
                                                         max_running_requests),
                                   attention_kernel=attention_kernel, shard=shard)

@@ -23,9 +23,9 @@ One decode step of a request with ``n = kv_len`` ids in the pools and its last t
    KV rows; its last row gives draft 1 of the next step. Only then are SWA pages evicted (the
    MTP's positions lag the target's by the step's length).
 
-Speculation is greedy-only: a request that samples (temperature > 0 and top_k != 1) is
-decoded with no drafts, one row per step, exactly as without speculation (it still gets its
-MTP rows, so nothing depends on the mix). A seeded greedy request does not consume its
+A request that samples (temperature > 0 and top_k != 1) verifies its drafts by rejection
+sampling (``scheduler_hooks/rejection.py``): its tokens are distributed as without speculation,
+though a seed's stream is consumed differently. A seeded greedy request does not consume its
 generator, so step boundaries do not matter. Greedy outputs are therefore the plain ones token
 for token; float64 logits of accepted rows equal plain decoding's to rounding (the verify is
 an extend, which equals decoding position by position: docs/engine.md "Correctness").
@@ -45,9 +45,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from dsv4_backend.backend import ForwardBatch
+from dsv4_backend.cuda_graph import GraphUnavailable
 from dsv4_backend.mtp import MTPDraftLayer
+from dsv4_backend.mtp_graph import MTPDraftGraphs
 from dsv4_backend.rollback import MAX_DRAFT_TOKENS, VerifySnapshot, snapshot_for_verify
 
+from .rejection import accept_sampled
 from .sampling import SampleInput, sample
 
 ALGORITHMS = ("EAGLE", "NEXTN")
@@ -107,6 +110,11 @@ class SpeculativeDecoder:
     def __init__(self, cfg: SpeculativeConfig, runner: Any, allocator: Any):
         self.cfg, self.runner, self.allocator = cfg, runner, allocator
         self.mtp = MTPDraftLayer(runner.model, runner.backend)
+        # the draft passes replay CUDA graphs where the target's steps do
+        graphs = getattr(runner, "cuda_graphs", None)
+        self.mtp_graphs: Optional[MTPDraftGraphs] = (
+            None if graphs is None else MTPDraftGraphs(runner, self.mtp, graphs.max_bs, capture=graphs.capture,
+                                                       min_context=graphs.min_context))
         self.states: dict[str, _DraftState] = {}
         self.draft_override: Optional[Callable[[str, int, list[int]], list[int]]] = None
         self.accept_override: Optional[Callable[[str, int], int]] = None
@@ -114,14 +122,12 @@ class SpeculativeDecoder:
         self.accept_hist = [0] * (cfg.num_steps + 2)
         self.num_verify = 0
         self.num_draft_tokens = 0
-        self.num_plain_decodes = 0      # decode rows with no drafts (sampling requests, limits)
+        self.num_plain_decodes = 0      # decode rows with no drafts (the limits, no draft state yet)
 
     # ---- scheduling ----------------------------------------------------------------
 
     def num_drafts(self, r: Any, context_length: int) -> int:
-        """Drafts for request ``r``'s next decode: K, fewer near its limits, 0 when it samples."""
-        if not r.params.greedy:
-            return 0
+        """Drafts for request ``r``'s next decode: K, fewer near its limits."""
         if r.rid not in self.states:
             if not r.synthetic:
                 return 0
@@ -143,9 +149,9 @@ class SpeculativeDecoder:
         for j in range(2, max((k for _, _, k in verifies), default=0) + 1):
             step = [(r, slot) for r, slot, k in verifies if k >= j]
             batch = ForwardBatch([slot for _, slot in step], [r.kv_len + j - 2 for r, _ in step], [1] * len(step))
-            ids = torch.tensor([drafts[r.rid][-1] for r, _ in step], dtype=torch.int64, device=self.runner.device)
-            Y = self.mtp.forward(torch.stack([hidden[r.rid] for r, _ in step]), ids, batch)
-            toks = self.mtp.logits(Y).argmax(dim=-1).tolist()
+            last = [drafts[r.rid][-1] for r, _ in step]
+            Y, lg = self._draft_pass(torch.stack([hidden[r.rid] for r, _ in step]), last, batch)
+            toks = lg.argmax(dim=-1).tolist()
             for i, (r, _) in enumerate(step):
                 drafts[r.rid].append(int(toks[i]))
                 hidden[r.rid] = Y[i]
@@ -156,6 +162,17 @@ class SpeculativeDecoder:
                     raise ValueError(f"draft_override gave {len(drafts[r.rid])} drafts for {r.rid}, expected {k}")
         return drafts
 
+    def _draft_pass(self, hidden: torch.Tensor, ids: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained MTP pass, one row per request: (streams, logits); a graph replay where it can."""
+        graphs = self.mtp_graphs
+        if graphs is not None and graphs.enabled and len(ids) <= graphs.max_bs:
+            try:
+                return graphs.draft(hidden, ids, batch)
+            except GraphUnavailable:
+                pass     # logged; eager from now on
+        Y = self.mtp.forward(hidden, torch.tensor(ids, dtype=torch.int64, device=self.runner.device), batch)
+        return Y, self.mtp.logits(Y)
+
     def snapshot(self, verifies: list[tuple[Any, int, int]]) -> VerifySnapshot:
         return snapshot_for_verify(self.runner.backend, self.allocator,
                                    [(r.rid, slot, r.kv_len, k) for r, slot, k in verifies])
@@ -164,15 +181,20 @@ class SpeculativeDecoder:
 
     def accept(self, r: Any, drafts: list[int], logits: torch.Tensor) -> tuple[list[int], Any]:
         """Tokens to emit from verify rows ``logits [k + 1, V]``: the accepted drafts and the
-        bonus token, plus the ``SampleOutput`` of the rows (logprobs, errors)."""
+        bonus token, plus the ``SampleOutput`` of the rows (logprobs, errors). Greedy requests
+        accept a draft iff it is row i's argmax; sampling ones by rejection sampling
+        (``scheduler_hooks/rejection.py``)."""
         k = len(drafts)
         inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids + drafts[:i], r.generator,
                               r.greq.top_logprobs_num, r.greq.return_logprob) for i in range(k + 1)]
-        res = sample(logits, inputs)
         if self.accept_override is not None:
+            res = sample(logits, inputs)
             a = max(0, min(k, int(self.accept_override(r.rid, k))))
             toks = drafts[:a] + [res.token_ids[a]]
+        elif not r.params.greedy:
+            toks, res = accept_sampled(logits, drafts, inputs)
         else:
+            res = sample(logits, inputs)
             toks = []
             for i in range(k + 1):
                 toks.append(res.token_ids[i])

@@ -5,7 +5,7 @@
   every position the engine kept equal plain decoding's within 1e-9, with the MTP's own drafts
   (random weights accept almost none) and with drafts forced to chosen acceptance lengths
   (``draft_override`` feeds the known greedy continuation, then wrong tokens), across C4 / C128
-  boundaries, chunked prefill, batches mixing acceptance lengths, sampled requests, retraction
+  boundaries, chunked prefill, batches mixing acceptance lengths, a sampled neighbour, retraction
   and aborts;
 - the compressed state after rejections (compressed rows, indexer rows, both rings of every
   held page) equals a plain decode's of the same tokens, also when a rejected token completed
@@ -135,7 +135,9 @@ def _prompts(lengths, seed=1):
 def test_greedy_equals_plain(forced):
     prompts = _prompts(BATCH_PROMPTS)
     params = [dict(GREEDY, max_new_tokens=n) for n in (20, 16, 9)]
-    # a seeded sampled request rides along: it is decoded without drafts, exactly as plainly
+    # a seeded sampled request rides along: it verifies drafts by rejection sampling
+    # (tests/test_rejection.py checks its distribution), so only its greedy neighbours' outputs
+    # are compared; it must not disturb them
     prompts.append(_prompts([40], seed=2)[0])
     params.append({"temperature": 0.8, "seed": 7, "max_new_tokens": 8, "ignore_eos": True})
     want, want_lg = run_plain(prompts, params, max_running_requests=3)
@@ -144,7 +146,8 @@ def test_greedy_equals_plain(forced):
             truth = {tuple(p): p + w for p, w in zip(prompts, want)}
             eng.scheduler.spec.draft_override = oracle(eng, truth, forced)
         outs = eng.generate(input_ids=prompts, sampling_params=params)
-        for o, w, wl in zip(outs, want, want_lg):
+        assert len(outs[-1]["output_ids"]) == 8
+        for o, w, wl in zip(outs[:-1], want, want_lg):
             assert o["output_ids"] == w
             got = eng.captured_logits(o["meta_info"]["id"])
             assert got.shape == wl.shape
@@ -152,7 +155,6 @@ def test_greedy_equals_plain(forced):
         st = eng.stats()["speculative"]
         hist = {int(k): v for k, v in st["accept_length_histogram"].items()}
         assert sum(hist.values()) == st["num_verify"] > 0
-        assert st["plain_decodes"] >= 7          # the sampled request's decodes
         if forced:
             assert all(hist[n] > 0 for n in range(1, K + 2)), hist
             assert st["accepted_drafts_total"] == sum((n - 1) * c for n, c in hist.items())

@@ -39,7 +39,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -87,6 +89,17 @@ def graphs_supported(runner: Any) -> Optional[str]:
 
 def cuda_graph_default() -> bool:
     return os.environ.get("DSV4_CUDA_GRAPH", "1") != "0"
+
+
+def _our_frame(e: BaseException) -> str:
+    """The innermost line of this repository in ``e``'s traceback (where the uncapturable op was asked for)."""
+    root = Path(__file__).resolve().parents[1]
+    where = "?"
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = Path(frame.filename).resolve()
+        if root in path.parents and "site-packages" not in path.parts:
+            where = f"{path.relative_to(root)}:{frame.lineno}"
+    return where
 
 
 class GraphUnavailable(RuntimeError):
@@ -181,7 +194,8 @@ class DecodeGraphs:
                 self.enabled = False
                 self._graphs.clear()
                 logger.warning("decode CUDA graphs disabled: capturing batch %d x %d rows, contexts <= %d failed "
-                               "(%s: %s); every step now runs eagerly", bs, q, ctx, type(e).__name__, e)
+                               "at %s (%s: %s); every step now runs eagerly", bs, q, ctx, _our_frame(e),
+                               type(e).__name__, e)
                 raise GraphUnavailable(str(e)) from e
         self._fill(meta, ids, entry.static)
         if entry.graph is not None:

@@ -249,7 +249,7 @@ class HiSparsePool:
         self.tick += 1
         table.scatter_(0, taken, rows.reshape(-1))
         used.scatter_(0, torch.where(valid, dest, sink).reshape(-1), self.tick.expand(rows.numel()))
-        table[sink] = -1
+        table.narrow(0, sink, 1).fill_(-1)    # a kernel: an indexed scalar store is a host copy, which no graph can hold
         self.copy_rows(self.host[layer], rows.clamp_min(0).reshape(-1), self.device_kv[layer],
                        torch.where(miss, dest, -1).reshape(-1))
         self.counts[_SWAPPED] += miss.sum()

@@ -1277,6 +1277,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     engine = build_engine(args)
+    if not engine.is_leader:   # a torchrun rank > 0: its Engine() followed rank 0 until that shut down
+        return
     logger.info("memory plan:\n%s", engine.memory_plan_table())
     # (the engine itself warns, once, when it serves a preset's seeded random weights)
     logger.info("tokenizer: %s", getattr(engine.tokenizer, "source", type(engine.tokenizer).__name__))

@@ -316,32 +316,44 @@ def free_port() -> int:
 @dataclass
 class RankGroup:
     """This process's membership: its shard (rules + collectives over the model's group) and a
-    gloo group for Python objects (the step broadcast; on the CPU, the same group)."""
+    gloo group for Python objects (the step broadcast; on the CPU, the same group). ``owned``:
+    this process made the default group (and so leaves it at the end), not its launcher."""
 
     shard: RankShard
     objects: Any
+    owned: bool = True
 
     @property
     def config(self) -> ParallelConfig:
         return self.shard.config
 
 
-def init_ranks(pc: ParallelConfig, port: int, device: torch.device, timeout_s: float = 600.0) -> RankGroup:
-    """Join the ``pc.world_size`` ranks at ``127.0.0.1:port``: NCCL when ``device`` is CUDA (with
-    a gloo group beside it for objects), gloo otherwise. On CUDA the rank's device is set first."""
+def init_ranks(pc: ParallelConfig, port: Optional[int], device: torch.device, timeout_s: float = 600.0) -> RankGroup:
+    """Join the ``pc.world_size`` ranks at ``127.0.0.1:port``, or, with ``port`` None, where
+    torchrun's MASTER_ADDR / MASTER_PORT say (``env://``); a default group its launcher already
+    made is used as it is. NCCL when ``device`` is CUDA (with a gloo group beside it for
+    objects), gloo otherwise. On CUDA the rank's device is set first."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device.index if device.index is not None else pc.rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=pc.rank, world_size=pc.world_size, timeout=timedelta(seconds=timeout_s))
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                init_method="env://" if port is None else f"tcp://127.0.0.1:{port}",
+                                rank=pc.rank, world_size=pc.world_size, timeout=timedelta(seconds=timeout_s))
+    elif (dist.get_rank(), dist.get_world_size()) != (pc.rank, pc.world_size):
+        raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+                         f"the engine wants rank {pc.rank} of {pc.world_size}")
     objects = dist.new_group(backend="gloo") if cuda else None
     if cuda:   # NCCL sets its communicator up on the first collective: eagerly, not inside a graph capture
         dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
-    return RankGroup(RankShard(pc, Comm(pc.world_size)), objects)
+    return RankGroup(RankShard(pc, Comm(pc.world_size)), objects, owned)
 
 
-def close_ranks() -> None:
-    if dist.is_initialized():
+def close_ranks(group: Optional[RankGroup] = None) -> None:
+    """Leave the default group, unless ``group`` joined one its launcher made (the launcher
+    owns it)."""
+    if dist.is_initialized() and (group is None or group.owned):
         dist.destroy_process_group()
 
 

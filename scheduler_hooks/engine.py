@@ -215,6 +215,18 @@ class Engine:
             raise
         if self.ranks is not None:
             self.ranks.ready()
+            if self.ranks.torchrun and not self.ranks.leader:
+                # torchrun started this rank: it follows rank 0 until that shuts down (docs/parallel.md)
+                try:
+                    self.ranks.follow(self)
+                finally:
+                    self.shutdown()
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process owns the scheduler: False only on a torchrun rank other than 0,
+        whose Engine() returns, shut down, once rank 0's has."""
+        return self.ranks is None or self.ranks.leader
 
     def _build(self, model_path, preset, weights, max_running_requests, max_total_tokens, mem_fraction_static,
                chunked_prefill_size, context_length, skip_tokenizer_init, random_seed, swa_ratio, dense,
@@ -651,7 +663,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
-        if self.ranks is not None:   # and every other rank's allocator is in rank 0's state
+        if self.ranks is not None and not self._closed:   # and every other rank's allocator is in rank 0's
             with self._lock:
                 self.ranks.check_allocators(self.allocator)
         if self.pools.hisparse is not None:

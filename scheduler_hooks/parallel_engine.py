@@ -17,13 +17,21 @@ rank 0 only: the followers replay its page operations (a hit's ``attach_prefix``
 ``retain``, an eviction's ``release``) among the scheduler's, so their holder counts match too.
 Only the step's Python objects cross (the log: about 60 pickled bytes per decoding request):
 over gloo, on a group beside NCCL on CUDA.
+
+Under ``torchrun --nproc-per-node N`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+set) the launcher has started the processes: every one builds ``Engine(tp_size=N)``, none spawns,
+they join at MASTER_ADDR:MASTER_PORT, rank RANK on ``cuda:LOCAL_RANK``; on ranks other than 0 the
+Engine's construction follows rank 0 until it shuts down and returns the engine closed
+(``Engine.is_leader`` is False there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import atexit
 import logging
 import multiprocessing
+import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -141,8 +149,9 @@ class BroadcastingRunner:
 class Ranks:
     """This process's place in the run; on rank 0 also the follower processes."""
 
-    def __init__(self, group: RankGroup, procs: list[Any]):
+    def __init__(self, group: RankGroup, procs: list[Any], torchrun: bool = False):
         self.group, self.procs = group, procs
+        self.torchrun = torchrun     # the processes are torchrun's: rank k > 0 follows inside its Engine()
         self._log: Optional[AllocatorLog] = None
         self._closed = False
 
@@ -214,7 +223,7 @@ class Ranks:
                 logger.warning("rank process %d did not stop; terminating it", p.pid)
                 p.terminate()
                 p.join(JOIN_TIMEOUT_S)
-        close_ranks()
+        close_ranks(self.group)
 
     # ---- other ranks ------------------------------------------------------------------
 
@@ -244,6 +253,10 @@ def launch_ranks(config: Any, tp_size: int, ep_size: int, device: torch.device,
     if _JOIN is not None:
         pc, port = _JOIN
         return Ranks(init_ranks(pc, port, _rank_device(device, pc.rank)), [])
+    launched = torchrun_rank(tp_size, ep_size)
+    if launched is not None:
+        return _join_torchrun(config, launched, local_rank=int(os.environ.get("LOCAL_RANK", launched.rank)),
+                              device=device)
     pc = ParallelConfig(tp_size, ep_size, 0)
     if pc.world_size == 1:
         return None
@@ -267,6 +280,38 @@ def launch_ranks(config: Any, tp_size: int, ep_size: int, device: torch.device,
             p.terminate()
         raise
     return Ranks(group, procs)
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_rank(tp_size: int, ep_size: int) -> Optional[ParallelConfig]:
+    """This process's rank when torchrun started it (its variables all set; a default group the
+    script made from them is joined as it is); None otherwise, and for a one-process launch of a
+    one-rank engine. ValueError, before any group is joined, when the launch's world size is not
+    the engine's ``max(tp_size, ep_size)``."""
+    if not all(v in os.environ for v in TORCHRUN_VARS):
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    want = ParallelConfig(tp_size, ep_size).world_size
+    if world != want:
+        raise ValueError(f"torchrun started WORLD_SIZE={world} processes, but tp_size={tp_size}, "
+                         f"ep_size={ep_size} run max(tp_size, ep_size) = {want} ranks: launch with "
+                         f"--nproc-per-node {want} or pass tp_size={world}")
+    return None if world == 1 else ParallelConfig(tp_size, ep_size, rank)
+
+
+def _join_torchrun(config: Any, pc: ParallelConfig, local_rank: int, device: torch.device) -> Ranks:
+    """Join the launcher's ranks (``env://``) on ``cuda:LOCAL_RANK`` (CUDA) or the CPU (gloo).
+    Rank 0 tells the others to stop at exit if its Engine was not shut down."""
+    check_shardable(config, pc)
+    if device.type == "cuda" and not local_rank < torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK={local_rank} needs cuda:{local_rank}, but "
+                         f"{torch.cuda.device_count()} GPUs are visible")
+    ranks = Ranks(init_ranks(pc, None, _rank_device(device, local_rank)), [], torchrun=True)
+    if ranks.leader:
+        atexit.register(ranks.close)
+    return ranks
 
 
 def _context() -> Any:

@@ -22,7 +22,11 @@ waits for all ranks to get a core, so the time grows with the machine's load.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,10 +36,10 @@ from dsv4_backend.checkpoint import save_checkpoint
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.layers.linear import Fp8Linear
 from dsv4_backend.model import DSV4Model
-from dsv4_backend.parallel import Comm, ParallelConfig, RankShard, VocabParallelEmbedding, split_of
+from dsv4_backend.parallel import Comm, ParallelConfig, RankShard, VocabParallelEmbedding, free_port, split_of
 from dsv4_backend.weights import model_tensors, random_weights
 from scheduler_hooks.io import GenerateRequest, SamplingParams
-from scheduler_hooks.parallel_engine import join_as
+from scheduler_hooks.parallel_engine import TORCHRUN_VARS, join_as
 
 V = 1024
 OVERRIDES = {"vocab_size": V, "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0], "o_groups": 4}
@@ -65,9 +69,12 @@ def generate_ids(eng: Engine, ids: list[list[int]], new: list[int]) -> Outputs:
     return [(o["meta_info"]["id"], o["output_ids"]) for o in outs]
 
 
+MIXED = dict(lengths=[100, 33, 7], new=[3, 5, 2], seed=1)
+
+
 def scenario_mixed(eng: Engine) -> Outputs:
     """Three prompts through chunks of 64 beside decodes of the others."""
-    return generate(eng, [100, 33, 7], [3, 5, 2], seed=1)
+    return generate(eng, **MIXED)
 
 
 def scenario_retraction(eng: Engine) -> Outputs:
@@ -148,6 +155,36 @@ def test_one_rank_with_a_process_group(single):
         assert eng.ranks is not None and isinstance(eng.runner.model.embed, VocabParallelEmbedding)
         got = run_all(eng)
     assert_same(single, got, "one rank + gloo")
+
+
+def test_torchrun_launch_equals_one_rank(single, tmp_path):
+    # torchrun starts both processes; each builds Engine(tp_size=2), rank 1's follows inside it
+    args, out = tmp_path / "args.json", tmp_path / "out.pt"
+    args.write_text(json.dumps({"engine": {**ENGINE_ARGS, "tp_size": 2},
+                                "input_ids": prompts(MIXED["lengths"], MIXED["seed"]),
+                                "max_new_tokens": MIXED["new"]}))
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS + ("LOCAL_RANK",)}
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(root / "tests" / "torchrun_generate.py"), str(args), str(out)]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = torch.load(out)
+    assert got["world_size"] == 2
+    assert_same([single[SCENARIOS.index(scenario_mixed)]], [got["outputs"]], "torchrun tp2")
+
+
+def test_torchrun_world_size_must_match(monkeypatch):
+    import torch.distributed as dist
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    for tp in (1, 4):
+        with pytest.raises(ValueError, match=rf"WORLD_SIZE=2 .* tp_size={tp}, ep_size=1 run .* = {tp} ranks"):
+            Engine(**ENGINE_ARGS, tp_size=tp)
+    assert not dist.is_initialized()
 
 
 def assert_same(single: list, got: list, label: str) -> None:

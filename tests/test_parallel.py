@@ -187,6 +187,28 @@ def test_torchrun_world_size_must_match(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_server_under_torchrun_serves_on_rank_zero():
+    # rank 0 serves HTTP (the official client), rank 1 follows; the greedy text is one rank's
+    import openai
+    from server import parse_args
+    from test_server import LiveServer
+
+    flags = ["--tp-size", "2", "--dtype", "float64", "--max-total-tokens", "1024", "--max-running-requests", "2",
+             "--context-length", "512", "--chunked-prefill-size", "64"]
+    ids = prompts([80], seed=21)[0]
+    with Engine(**{**parse_args(flags).engine_kwargs(), "tp_size": 1}) as one:
+        want = one.generate(input_ids=[ids], sampling_params=[greedy(4)])[0]
+    s = LiveServer(flags, launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model=client.models.list().data[0].id, prompt=ids, max_tokens=4,
+                                        temperature=0)
+    finally:
+        s.stop()
+    assert got.choices[0].text == want["text"] and got.usage.completion_tokens == len(want["output_ids"])
+
+
 def assert_same(single: list, got: list, label: str) -> None:
     for scenario, want, have in zip(SCENARIOS, single, got):
         name = scenario.__name__

@@ -40,13 +40,14 @@ def _free_port() -> int:
 
 
 class LiveServer:
-    """A server subprocess; ``url`` once /health answers."""
+    """A server subprocess; ``url`` once /health answers. ``launcher``: the command that runs
+    server.py (torchrun's, for one)."""
 
-    def __init__(self, flags: list[str]):
+    def __init__(self, flags: list[str], launcher: tuple[str, ...] = (sys.executable,)):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "server.py", "--port", str(self.port), "--log-level", "warning",
+        self.proc = subprocess.Popen([*launcher, "server.py", "--port", str(self.port), "--log-level", "warning",
                                       *flags], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 180
         while time.time() < deadline:

@@ -13,8 +13,9 @@ on both sides.
 One engine per parallel shape, shared by every scenario (process start-up is the cost):
 a 3-layer tiny model (window-only, CSA, HCA), 1024-token vocabulary, o_groups 4 so that 4 ranks
 split the output groups. Below, also a quantised FP8 / FP4 checkpoint under the split, the split
-rules, the plan's per-rank weights and the refusals. Whole file: 33 s measured on the two-core
-machine at load about 1 (77 s was measured for an earlier version at load 5-6);
+rules, the plan's per-rank weights and the refusals, and launches under torchrun (an engine
+script and the server, each a subprocess: about 7 s and 20 s of the file). Whole file: 67 s
+measured on the two-core machine at load about 3 (33 s at load about 1 before the torchrun tests);
 rank processes fork from a forkserver (a rank starts in about a second), and every collective
 waits for all ranks to get a core, so the time grows with the machine's load.
 """

@@ -27,8 +27,8 @@ Engine's construction follows rank 0 until it shuts down and returns the engine 
 
 from __future__ import annotations
 
-import contextlib
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os

@@ -53,8 +53,8 @@ if str(ROOT) not in sys.path:
 
 from bench._bench_common import fmt_bytes  # noqa: E402
 from bench._floor import decode_step_floor  # noqa: E402
-from bench.bench_quant_model import (DTYPE, Budget, copy_gbps, decode_rows, engine_kwargs, layer_config, log,  # noqa: E402
-                                    prefill_row, synth_tensors)
+from bench.bench_quant_model import (DTYPE, Budget, _ints, add_budget_args, add_run_args, copy_gbps,  # noqa: E402
+                                    decode_rows, engine_kwargs, layer_config, log, prefill_row, synth_tensors)
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.parallel import ParallelConfig, close_ranks, free_port, init_ranks, rank_weight_bytes  # noqa: E402
 from dsv4_backend.weights import model_tensors, weight_specs  # noqa: E402
@@ -239,14 +239,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return rep
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
-def _batches(s: str) -> list[Any]:
-    return [x if x == "max" else int(x) for x in s.split(",") if x]
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="flash", choices=("flash", "pro", "tiny"))
@@ -257,23 +249,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--nccl-one-rank", action="store_true",
                    help="with --tp-size 1: a one-rank process group, so every collective and the step broadcast run")
     p.add_argument("--layers", type=int, default=0, help="layers (0: all, or with one GPU as many as fit)")
-    p.add_argument("--kv-gb", type=float, default=24.0, help="KV pool budget per rank in GiB")
-    p.add_argument("--reserve-gb", type=float, default=12.0, help="activations, tables and workspace in GiB")
-    p.add_argument("--mem-fraction", type=float, default=0.95, help="of a GPU's memory, for weights + KV + reserve")
-    p.add_argument("--contexts", type=_ints, default=[4096, 131072, 1048576])
-    p.add_argument("--batches", type=_batches, default=[1, 32, "max"])
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--prefill-context", type=int, default=131072)
-    p.add_argument("--prefill-chunk", type=int, default=8192)
-    p.add_argument("--prefill-max-seconds", type=float, default=90.0)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    add_run_args(p, prefill_max_seconds=90.0)
     p.add_argument("--collective-tokens", type=_ints, default=[1, 32, 64, 8192])
     p.add_argument("--collective-iters", type=int, default=50)
     p.add_argument("--skip-collectives", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=570.0, help="seconds for the whole run")
-    p.add_argument("--guard-margin", type=float, default=20.0)
+    add_budget_args(p)
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.ep_size is None:

@@ -612,6 +612,29 @@ def _batches(s: str) -> list[Any]:
     return [x if x == "max" else int(x) for x in s.split(",") if x]
 
 
+def add_run_args(p: argparse.ArgumentParser, prefill_max_seconds: float) -> None:
+    """The memory plan and the decode / prefill rows' arguments (shared with bench_parallel,
+    where the KV budget and the memory fraction are per rank)."""
+    p.add_argument("--kv-gb", type=float, default=24.0, help="KV pool budget (per rank) in GiB")
+    p.add_argument("--reserve-gb", type=float, default=12.0, help="activations, tables and workspace in GiB")
+    p.add_argument("--mem-fraction", type=float, default=0.95, help="of a GPU's memory, for weights + KV + reserve")
+    p.add_argument("--contexts", type=_ints, default=[4096, 131072, 1048576])
+    p.add_argument("--batches", type=_batches, default=[1, 32, "max"])
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--prefill-context", type=int, default=131072)
+    p.add_argument("--prefill-chunk", type=int, default=8192)
+    p.add_argument("--prefill-max-seconds", type=float, default=prefill_max_seconds)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+
+
+def add_budget_args(p: argparse.ArgumentParser) -> None:
+    """Seed and the run's time budget."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=570.0, help="seconds for the whole run")
+    p.add_argument("--guard-margin", type=float, default=20.0)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="flash", choices=("flash", "pro", "tiny"))
@@ -620,24 +643,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--disk-layers", type=int, default=1, help="layers written to disk and loaded back")
     p.add_argument("--workdir", default="/tmp/dsv4_quant_bench_ckpt", help="where the checkpoint is written")
     p.add_argument("--keep-checkpoint", action="store_true")
-    p.add_argument("--kv-gb", type=float, default=24.0, help="KV pool budget in GiB")
-    p.add_argument("--reserve-gb", type=float, default=12.0, help="activations, tables and workspace in GiB")
-    p.add_argument("--mem-fraction", type=float, default=0.95, help="of the GPU's memory, for weights + KV + reserve")
-    p.add_argument("--contexts", type=_ints, default=[4096, 131072, 1048576])
-    p.add_argument("--batches", type=_batches, default=[1, 32, "max"])
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--prefill-context", type=int, default=131072)
-    p.add_argument("--prefill-chunk", type=int, default=8192)
-    p.add_argument("--prefill-max-seconds", type=float, default=150.0)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
+    add_run_args(p, prefill_max_seconds=150.0)
     p.add_argument("--gemm-m", type=_ints, default=[1, 32, 64, 128, 256, 8192])
     p.add_argument("--moe-tokens", type=_ints, default=[1, 8, 32, 64])
     p.add_argument("--kernel-iters", type=int, default=20)
     p.add_argument("--skip-kernels", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=570.0, help="seconds for the whole run")
-    p.add_argument("--guard-margin", type=float, default=20.0)
+    add_budget_args(p)
     p.add_argument("--progress", action="store_true", help="show the loader's progress bar")
     p.add_argument("--quick", action="store_true", help="4 layers, 4K and 128K, batch 1 and 32, a 16K prefill")
     p.add_argument("--out", help="write the results as JSON")

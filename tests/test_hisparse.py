@@ -225,9 +225,13 @@ def test_integrity_check_catches_corruption():
         hs.check_integrity()
 
 
-def test_copy_kernel_equals_torch_copy():
-    """The row-copy kernel (interpreter) writes the bytes the torch copy writes, skips rows whose
-    destination is < 0, and touches nothing else (pools of 64-row pages, an aligned page too)."""
+@pytest.mark.parametrize("rows_per_program", [0, 4])
+def test_copy_kernel_equals_torch_copy(rows_per_program):
+    """The row-copy kernel (interpreter; one row per program, and 4 rows per program with a
+    partial last program) writes the bytes the torch copy writes, skips rows whose destination
+    is < 0, and touches nothing else (pools of 64-row pages, an aligned page too)."""
+    from functools import partial
+
     from dsv4_backend.kernels import copy_rows
     from memory.hisparse import copy_rows_torch
     g = torch.Generator().manual_seed(3)
@@ -235,7 +239,7 @@ def test_copy_kernel_equals_torch_copy():
     src_rows = torch.tensor([5, 130, 64, 0, 77, 191])
     dst_rows = torch.tensor([1, -1, 70, 127, -1, 64])
     out = []
-    for fn in (copy_rows, copy_rows_torch):
+    for fn in (partial(copy_rows, rows_per_program=rows_per_program), copy_rows_torch):
         dst = torch.randint(0, 256, (3, 64 * 584), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
         fn(src, src_rows, dst, dst_rows)
         out.append(dst)

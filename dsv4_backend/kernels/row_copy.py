@@ -44,6 +44,31 @@ def _copy_rows_kernel(src, src_rows, dst, dst_rows, SRC_P, SRC_STRIDE, DST_P, DS
     tl.store(dst + d_off, tl.load(src + s_off, mask=live), mask=live)
 
 
+@triton.jit
+def _copy_rows_block_kernel(src, src_rows, dst, dst_rows, n, SRC_P, SRC_STRIDE, DST_P, DST_STRIDE,
+                            HEAD: tl.constexpr, TAIL: tl.constexpr, ROWS: tl.constexpr,
+                            HEAD_A: tl.constexpr, HEAD_B: tl.constexpr):
+    """``ROWS`` rows per program, each row's 576-byte part as 16-byte vectors (its words start
+    at a multiple of 4: pages and the 576-byte parts are whole 16-byte units), so a warp's
+    loads are whole 128-byte lines, many rows in flight per program."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    inside = r < n
+    d = tl.load(dst_rows + r, mask=inside, other=-1).to(tl.int64)
+    s = tl.maximum(tl.load(src_rows + r, mask=inside, other=0).to(tl.int64), 0)
+    live = (d >= 0)[:, None]
+    d = tl.maximum(d, 0)
+    s_head = tl.multiple_of((s // SRC_P) * SRC_STRIDE + (s % SRC_P) * HEAD, 4)
+    d_head = tl.multiple_of((d // DST_P) * DST_STRIDE + (d % DST_P) * HEAD, 4)
+    wa = tl.arange(0, HEAD_A)[None, :]
+    tl.store(dst + d_head[:, None] + wa, tl.load(src + s_head[:, None] + wa, mask=live), mask=live)
+    wb = HEAD_A + tl.arange(0, HEAD_B)[None, :]
+    tl.store(dst + d_head[:, None] + wb, tl.load(src + s_head[:, None] + wb, mask=live), mask=live)
+    s_tail = (s // SRC_P) * SRC_STRIDE + SRC_P * HEAD + (s % SRC_P) * TAIL
+    d_tail = (d // DST_P) * DST_STRIDE + DST_P * HEAD + (d % DST_P) * TAIL
+    wt = tl.arange(0, TAIL)[None, :]
+    tl.store(dst + d_tail[:, None] + wt, tl.load(src + s_tail[:, None] + wt, mask=live), mask=live)
+
+
 def _words(pool: torch.Tensor, what: str) -> tuple[torch.Tensor, int, int]:
     """The pool as int32 words, its rows per page and page stride in words."""
     P, stride = page_geometry(pool, KV_ROW_BYTES, what)
@@ -52,10 +77,13 @@ def _words(pool: torch.Tensor, what: str) -> tuple[torch.Tensor, int, int]:
     return pool.view(torch.int32), P, stride // 4
 
 
-def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor,
+              rows_per_program: int = 0) -> None:
     """Copy row ``src_rows[i]`` of attention pool ``src`` to row ``dst_rows[i]`` of ``dst`` for
     every i with ``dst_rows[i] >= 0`` (int32/int64 ``[N]``, on the kernel's device; distinct
-    destinations). Either pool may be pinned host memory; the launch is ``N`` programs."""
+    destinations). Either pool may be pinned host memory. ``rows_per_program`` 0: one program
+    per row; a power of two: that many rows per program, 16-byte loads (the pools' page strides
+    in whole 16-byte units)."""
     n = int(dst_rows.numel())
     if src_rows.shape != dst_rows.shape:
         raise ValueError(f"src_rows {tuple(src_rows.shape)} and dst_rows {tuple(dst_rows.shape)} differ")
@@ -63,6 +91,11 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
         return
     s, sp, ss = _words(src, "source")
     d, dp, ds = _words(dst, "destination")
+    if rows_per_program and ss % 4 == 0 and ds % 4 == 0 and s.data_ptr() % 16 == 0 and d.data_ptr() % 16 == 0:
+        _copy_rows_block_kernel[(triton.cdiv(n, rows_per_program),)](
+            s, src_rows.reshape(-1), d, dst_rows.reshape(-1), n, sp, ss, dp, ds, HEAD=HEAD_WORDS,
+            TAIL=TAIL_WORDS, ROWS=rows_per_program, HEAD_A=128, HEAD_B=HEAD_WORDS - 128, num_warps=4)
+        return
     _copy_rows_kernel[(n,)](s, src_rows.reshape(-1), d, dst_rows.reshape(-1), sp, ss, dp, ds,
                             HEAD=HEAD_WORDS, TAIL=TAIL_WORDS, BLOCK=256, num_warps=2)
 

@@ -314,6 +314,7 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
             from .kernels.row_copy import host_copy_works
             if self.device.type != "cuda" or host_copy_works(self.device):
                 self.hisparse.copy_rows = _kernels().copy_rows
+            self.hisparse.lookup = _kernels().hisparse_lookup
         self._plan_meta: Optional[ForwardMetadata] = None
         self._plan: Optional[_StepPlan] = None
 

@@ -184,6 +184,9 @@ class HiSparsePool:
         self.counts = torch.zeros(5, dtype=torch.int64, device=dev)   # swapped, hits, evicted, staged, offloaded
         self._cols = torch.arange(B, device=dev)
         self.copy_rows: CopyRows = copy_rows_torch
+        # the decode lookup in one kernel (dsv4_backend/kernels/hisparse_table.py; the Triton
+        # backend installs it), else the torch ops below
+        self.lookup: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
 
     # ---- sizes and counters -------------------------------------------------------------
 
@@ -223,6 +226,12 @@ class HiSparsePool:
         """Decode: make the rows of ``sel [T, k]`` (full C4 rows, -1 none; a query's rows distinct)
         resident in the buffers of ``owners [T]`` (request slots, each at most once; -1: a
         padded row, skipped). Returns the device rows, same shape and dtype (-1 kept)."""
+        if self.lookup is not None:      # the same decisions in one kernel
+            dest, copy_dst = self.lookup(self.table[layer], self.last_used[layer], sel, owners, self.tick,
+                                         self.counts, self.buffer_size)
+            self.copy_rows(self.host[layer], sel.to(torch.int64).clamp_min(0).reshape(-1), self.device_kv[layer],
+                           copy_dst.reshape(-1))
+            return dest.to(sel.dtype)
         B, cols = self.buffer_size, self._cols
         table, used = self.table[layer], self.last_used[layer]
         rows = sel.to(torch.int64)

@@ -18,7 +18,7 @@ _EXPORTS = {
     "IndexerConfig": "indexer", "IndexerTopK": "indexer",
     "sparse_decode": "sparse_attention", "DecodeAttentionConfig": "sparse_attention",
     "DecodeAttentionOutput": "sparse_attention",
-    "copy_rows": "row_copy",
+    "copy_rows": "row_copy", "hisparse_lookup": "hisparse_table",
 }
 
 __all__ = sorted(_EXPORTS)

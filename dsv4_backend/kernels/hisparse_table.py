@@ -5,12 +5,13 @@ its query selected are already in the request's buffer (hits), which buffer rows
 take (empty rows first, then the least recently used row not selected in this step), and where
 every selected row is on the device. In torch that is ~30 small kernels per layer (two sorts
 of the ``[T, B]`` buffers among them), ~220 us per layer at batch 10 on an H200 where the copy
-itself takes ~80 us. Here one program per request does the same in registers:
+itself takes ~80 us. Here two kernels do the same in registers:
 
-1. membership without sorting: the ``k`` selected rows against the ``B`` buffer rows, ``KC``
-   selected rows at a time (a ``[KC, B]`` equality tile): per selected row its buffer slot or
-   -1 (kept in the output until step 3), per buffer row whether this step selected it (pinned);
-2. victims: each buffer row's key (empty rows ``j - B``, in order, before every used row's
+1. membership without sorting (program per request and 128 buffer rows): the ``k`` selected
+   rows against the buffer rows, ``KC`` selected rows at a time (a ``[KC, 128]`` equality tile):
+   per selected row its buffer slot (else the -1 it was filled with; kept in the output until
+   step 3), per buffer row whether this step selected it (pinned);
+2. victims (program per request): each buffer row's key (empty rows ``j - B``, in order, before every used row's
    ``last_used * B + j``; pinned rows and padding never) sorted once; the ``r``-th miss takes
    the ``r``-th smallest key (``r`` from a cumulative sum over the misses), whose buffer row is
    the key modulo ``B``;
@@ -32,8 +33,29 @@ _NEVER = tl.constexpr(2 ** 62)
 
 
 @triton.jit
-def _lookup_kernel(table, used, sel, owners, tick, counts, dest, copy_dst, k, B,
-                   KP: tl.constexpr, BP: tl.constexpr, KC: tl.constexpr):
+def _membership_kernel(table, sel, owners, slot_out, pinned, k, B,
+                       KC: tl.constexpr, BC: tl.constexpr, BPAD: tl.constexpr):
+    """Program (t, c): buffer rows ``c * BC ..`` of request row t against all its selected rows."""
+    t, c = tl.program_id(0), tl.program_id(1)
+    owner = tl.load(owners + t).to(tl.int64)
+    cols = c * BC + tl.arange(0, BC)
+    in_buf = cols < B
+    held = tl.load(table + tl.maximum(owner, 0) * B + cols, mask=in_buf & (owner >= 0), other=-1)
+    hit_col = tl.zeros([BC], dtype=tl.int32)
+    for c0 in range(0, k, KC):
+        i = c0 + tl.arange(0, KC)
+        s = tl.load(sel + t * k + i, mask=(i < k) & (owner >= 0), other=-1).to(tl.int64)
+        eq = (s[:, None] == held[None, :]) & (s[:, None] >= 0) & in_buf[None, :]
+        hit_col = tl.maximum(hit_col, tl.max(eq.to(tl.int32), axis=0))
+        slot = tl.max(tl.where(eq, cols[None, :], -1), axis=1)
+        tl.store(slot_out + t * k + i, slot.to(tl.int64), mask=(i < k) & (slot >= 0))   # one program finds it
+    tl.store(pinned + t * BPAD + cols, hit_col, mask=cols < BPAD)
+
+
+@triton.jit
+def _victim_kernel(table, used, sel, owners, tick, counts, pinned, dest, copy_dst, k, B,
+                   KP: tl.constexpr, BP: tl.constexpr):
+    """Program t: request row t's victims, its table and ``last_used`` writes, the copy list."""
     t = tl.program_id(0)
     owner = tl.load(owners + t).to(tl.int64)
     cols = tl.arange(0, BP)
@@ -42,17 +64,8 @@ def _lookup_kernel(table, used, sel, owners, tick, counts, dest, copy_dst, k, B,
     in_buf = cols < B
     held = tl.load(table + base + cols, mask=in_buf & live, other=-1)
     last = tl.load(used + base + cols, mask=in_buf & live, other=0)
+    pin = tl.load(pinned + t * BP + cols, mask=in_buf, other=1)
     now = tl.load(tick) + 1
-    # 1. membership, KC selected rows at a time
-    pinned = tl.zeros([BP], dtype=tl.int32)
-    for c0 in range(0, k, KC):
-        i = c0 + tl.arange(0, KC)
-        s = tl.load(sel + t * k + i, mask=(i < k) & live, other=-1).to(tl.int64)
-        eq = (s[:, None] == held[None, :]) & (s[:, None] >= 0) & in_buf[None, :]
-        pinned = tl.maximum(pinned, tl.max(eq.to(tl.int32), axis=0))
-        slot = tl.max(tl.where(eq, cols[None, :], -1), axis=1)
-        tl.store(dest + t * k + i, slot.to(tl.int64), mask=i < k)
-    # 2. victims: the r-th miss takes the buffer row of the r-th smallest key
     ii = tl.arange(0, KP)
     ok = ii < k
     s = tl.load(sel + t * k + ii, mask=ok & live, other=-1).to(tl.int64)
@@ -61,18 +74,16 @@ def _lookup_kernel(table, used, sel, owners, tick, counts, dest, copy_dst, k, B,
     hit = valid & (slot >= 0)
     miss = valid & (slot < 0)
     key = tl.where(held < 0, cols.to(tl.int64) - B, last * B + cols)
-    key = tl.where((pinned > 0) | ~in_buf, _NEVER, key)
+    key = tl.where((pin > 0) | ~in_buf, _NEVER, key)
     ordered = tl.sort(key, dim=0)
     rank = tl.maximum(tl.cumsum(miss.to(tl.int32), axis=0) - 1, 0)
     vkey = tl.gather(ordered, rank, axis=0)
     victim = tl.where(vkey < 0, vkey + B, vkey % B)
     row = tl.where(hit, slot, victim)
-    out = tl.where(valid, base + row, -1)
-    # 3. the table, last_used, counters and the copy list
     evicted = tl.sum((miss & (tl.gather(held, victim.to(tl.int32), axis=0) >= 0)).to(tl.int64), axis=0)
     tl.store(table + base + victim, s, mask=miss)
     tl.store(used + base + row, tl.zeros([KP], dtype=tl.int64) + now, mask=valid)
-    tl.store(dest + t * k + ii, out, mask=ok)
+    tl.store(dest + t * k + ii, tl.where(valid, base + row, -1), mask=ok)
     tl.store(copy_dst + t * k + ii, tl.where(miss, base + row, -1), mask=ok)
     tl.atomic_add(counts + 0, tl.sum(miss.to(tl.int64), axis=0))
     tl.atomic_add(counts + 1, tl.sum(hit.to(tl.int64), axis=0))
@@ -87,13 +98,18 @@ def hisparse_lookup(table: torch.Tensor, used: torch.Tensor, sel: torch.Tensor, 
     evicted) in place, and advances ``tick``. Returns ``(dest, copy_dst)``: int64 ``[T, k]``
     device rows of every selected row (-1 kept), and the device row of every miss (else -1)."""
     T, k = sel.shape
-    dest = torch.empty(T, k, dtype=torch.int64, device=sel.device)
+    dest = torch.full((T, k), -1, dtype=torch.int64, device=sel.device)
     copy_dst = torch.empty_like(dest)
     if T == 0 or k == 0:
         return dest, copy_dst
     sel = sel.contiguous()
-    _lookup_kernel[(T,)](table, used, sel, owners.to(torch.int64).contiguous(), tick, counts, dest, copy_dst,
-                         k, buffer_size, KP=triton.next_power_of_2(k), BP=triton.next_power_of_2(buffer_size),
-                         KC=16, num_warps=8)
+    owners = owners.to(torch.int64).contiguous()
+    BP = triton.next_power_of_2(buffer_size)
+    BC = min(BP, 128)
+    pinned = torch.empty(T, BP, dtype=torch.int32, device=sel.device)
+    _membership_kernel[(T, BP // BC)](table, sel, owners, dest, pinned, k, buffer_size, KC=32, BC=BC, BPAD=BP,
+                                      num_warps=4)
+    _victim_kernel[(T,)](table, used, sel, owners, tick, counts, pinned, dest, copy_dst, k, buffer_size,
+                         KP=triton.next_power_of_2(k), BP=BP, num_warps=8)
     tick += 1
     return dest, copy_dst

@@ -42,7 +42,7 @@ from torch import nn
 from memory.quant import indexer_fake_quant
 
 from .config import DSV4Config, RopeScaling
-from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, shared_input, stack_rows
+from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, row_stack_of, shared_input, stack_rows
 from .weights import model_tensors
 
 
@@ -388,6 +388,10 @@ class MoE(nn.Module):
         if self.expert_range is not None:     # local ids; -1: another rank's expert (skipped)
             lo, hi = self.expert_range
             ids = torch.where((ids >= lo) & (ids < hi), ids - lo, -1)
+        if self.fp4 is None and self._decode_kernel_applies(x, ids):
+            from .kernels.moe_bf16_decode import moe_bf16_decode
+            se = self.shared_experts
+            return moe_bf16_decode(x, ids, w, self._w13, self._w2, se.w1.row_stack.weight, se.w2.weight, self.limit)
         out = self.shared_experts(x)
         if self.fp4 is not None:
             return out + self.fp4.forward(x, ids, w, self.limit)
@@ -406,17 +410,36 @@ class MoE(nn.Module):
             start += n
         return out
 
+    def _decode_kernel_applies(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether the bf16 decode kernels (``kernels/moe_bf16_decode.py``) run this step: few
+        (token, expert) pairs, the grouped path's stacks intact, the shared expert as one
+        ``[w1; w3]`` row stack of the routed experts' width, no hooks on its linears."""
+        if not (USE_MOE_DECODE_KERNEL and ids.numel() <= MOE_DECODE_MAX_PAIRS and self._stacks_intact(x)):
+            return False
+        if not (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+            return False
+        se = self.shared_experts
+        st = row_stack_of((se.w1, se.w3))
+        return (st is not None and st.weight.shape == self._w13.shape[1:] and se.w2.weight.shape == self._w2.shape[1:]
+                and se.w2.weight.dtype == torch.bfloat16 and se.w2.weight.is_contiguous()
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in (se, se.w1, se.w3, se.w2)))
+
+    def _stacks_intact(self, x: torch.Tensor) -> bool:
+        """The routed experts' parameters are still slices of the bf16 stacks, on x's device."""
+        if not (x.dtype == torch.bfloat16 and self._w13 is not None and self._w13.dtype == torch.bfloat16
+                and self._w13.device == x.device):
+            return False
+        ex0, exn = self.experts[0], self.experts[-1]
+        return (ex0.w1.weight.data_ptr() == self._w13.data_ptr()
+                and exn.w3.weight.data_ptr() == self._w13[-1, exn.w1.weight.shape[0]:].data_ptr()
+                and exn.w2.weight.data_ptr() == self._w2[-1].data_ptr())
+
     def _grouped_applies(self, x: torch.Tensor) -> bool:
         # torch._grouped_mm is sync-free only in its bf16 CUTLASS path (sm90 / sm100); anything
         # else (and stacks that no longer back the parameters, e.g. after .to()) takes the loop.
-        if not (USE_GROUPED_MOE and x.is_cuda and x.dtype == torch.bfloat16 and self._w13 is not None):
+        if not (USE_GROUPED_MOE and x.is_cuda):
             return False
-        ex0, exn = self.experts[0], self.experts[-1]
-        return (self._aligned and _grouped_mm_device(x.device) and self._w13.dtype == torch.bfloat16
-                and self._w13.device == x.device
-                and ex0.w1.weight.data_ptr() == self._w13.data_ptr()
-                and exn.w3.weight.data_ptr() == self._w13[-1, exn.w1.weight.shape[0]:].data_ptr()
-                and exn.w2.weight.data_ptr() == self._w2[-1].data_ptr())
+        return self._aligned and _grouped_mm_device(x.device) and self._stacks_intact(x)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """All routed experts as two grouped GEMMs over the (token, expert) pairs sorted by
@@ -450,6 +473,12 @@ class MoE(nn.Module):
 # torch._grouped_mm on CUDA, bfloat16, routed experts stacked (see MoE.stack_experts);
 # DSV4_GROUPED_MOE=0 keeps the per-expert loop (for A/B timing).
 USE_GROUPED_MOE = os.environ.get("DSV4_GROUPED_MOE", "1") != "0"
+# The bf16 decode kernels (routed + shared experts in four launches) for steps of at most this
+# many routed (token, expert) pairs: each pair's program re-reads its expert's rows only from
+# cache, but a token's pairs do not share a weight tile, so past a few tokens the grouped GEMMs
+# read less. DSV4_MOE_DECODE_KERNEL=0 keeps the grouped path (for A/B timing).
+USE_MOE_DECODE_KERNEL = os.environ.get("DSV4_MOE_DECODE_KERNEL", "1") != "0"
+MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "8"))
 _GROUPED_MM_OK: dict[int, bool] = {}
 
 

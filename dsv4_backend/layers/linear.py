@@ -102,7 +102,7 @@ def stack_rows(*mods: nn.Module) -> RowStack:
     return stack
 
 
-def _row_stack(mods: tuple[nn.Module, ...]) -> Optional[RowStack]:
+def row_stack_of(mods: tuple[nn.Module, ...]) -> Optional[RowStack]:
     """The modules' stack if their weights are still its slices, in this order (a ``.to()`` or a
     replaced parameter ends that)."""
     st = getattr(mods[0], "row_stack", None)
@@ -124,7 +124,7 @@ def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     are then column views of its result. The fused paths run no forward hooks of ``mods``: a
     collective on one of these outputs is the caller's explicit call (``Indexer.gather_heads``)."""
     if not all(isinstance(m, Fp8Linear) for m in mods):
-        st = _row_stack(mods)
+        st = row_stack_of(mods)
         if st is None:
             return [m(x) for m in mods]
         y = F.linear(x, st.weight.to(x.dtype))

@@ -496,8 +496,8 @@ class TorchDSV4Backend(AttentionBackend):
                 row=row, first_pos=seg_block * m, done_idx=d[m, "seg_done_idx"],
                 open_idx=d[m, "seg_open_idx"], done_token=d[m, "seg_done_token"])
             if ("hist", "dest") in d:
-                seg.history = OnlineHistory(*(d["hist", f] for f in ("state_slot", "tokens", "positions", "dest",
-                                                                     "first")))
+                seg.history = OnlineHistory(**{f: d["hist", f] for f in ("state_slot", "tokens", "positions",
+                                                                         "first", "rows", "dest")})
             return CompressedMeta(m, rows, num_visible, None, None, seg)
         ev_req, ev_block = d[m, "ev_req"], d[m, "ev_block"]
         if m == 4:   # ring slots hang off the candidates' SWA pages

@@ -42,8 +42,9 @@ class OnlineHistory:
     state_slot: torch.Tensor   # [V] the request's main slot (= req_slot)
     tokens: torch.Tensor       # [V, q] new-token index of positions first .. first + q - 1, -1 padded
     positions: torch.Tensor    # [V, q] those positions (0 where padded)
-    dest: torch.Tensor         # [V, q] history slot of each position, -1 padded
     first: torch.Tensor        # [V] first position of the verify (its prefix length n)
+    rows: torch.Tensor         # [N] the real (not padded) entries of [V, q], flattened, in order
+    dest: torch.Tensor         # [N] their history slots (built on the host: no mask on the device)
 
 
 def history_base(plan: Any) -> int:
@@ -75,16 +76,17 @@ def history_host(plan: Any, req_slots: list[int], prefix_lens: list[int], extend
                          "(plan with speculative=True and draft_tokens)")
     q = max(extend_lens[r] for r in verify)
     tokens = torch.full((len(verify), q), -1, dtype=torch.int64)
-    dest = torch.full((len(verify), q), -1, dtype=torch.int64)
     positions = torch.zeros((len(verify), q), dtype=torch.int64)
+    rows, dest = [], []
     for i, r in enumerate(verify):
         n = extend_lens[r]
         tokens[i, :n] = torch.arange(offsets[r], offsets[r] + n)
         positions[i, :n] = torch.arange(prefix_lens[r], prefix_lens[r] + n)
-        dest[i, :n] = torch.tensor(history_slots(plan, req_slots[r], n))
+        rows += range(i * q, i * q + n)
+        dest += history_slots(plan, req_slots[r], n)
     return {"state_slot": torch.tensor([req_slots[r] for r in verify], dtype=torch.int64), "tokens": tokens,
-            "positions": positions, "dest": dest,
-            "first": torch.tensor([prefix_lens[r] for r in verify], dtype=torch.int64)}
+            "positions": positions, "first": torch.tensor([prefix_lens[r] for r in verify], dtype=torch.int64),
+            "rows": torch.tensor(rows, dtype=torch.int64), "dest": torch.tensor(dest, dtype=torch.int64)}
 
 
 @torch.no_grad()
@@ -116,8 +118,8 @@ def record_online_history(state: torch.Tensor, hist: OnlineHistory, c: torch.Ten
     keep = torch.where(old_in, (old_max - new_max).exp(), 0.0)
     tot = torch.where(old_in, old[:, None, 1], 0.0) * keep + e.sum(dim=2)
     kv = torch.where(old_in, old[:, None, 2], 0.0) * keep + (e * ci[:, None, :, :]).sum(dim=2)
-    rows = torch.stack([new_max, tot, kv], dim=2)                        # [V, q, 3, d]
-    state[hist.dest[valid]] = rows[valid].to(state.dtype)
+    out = torch.stack([new_max, tot, kv], dim=2).flatten(0, 1)          # [V * q, 3, d]
+    state[hist.dest] = out[hist.rows].to(state.dtype)
 
 
 @dataclass

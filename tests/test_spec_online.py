@@ -83,8 +83,10 @@ def test_history_states_equal_the_definition():
             T += q
         qmax = max(q for _, _, q in batch)
         pad = lambda rows, v: torch.tensor([r + [v] * (qmax - len(r)) for r in rows])  # noqa: E731
-        hist = OnlineHistory(torch.tensor([s for s, _, _ in batch]), pad(toks, -1), pad(pos, 0), pad(dest, -1),
-                             torch.tensor([n for _, n, _ in batch]))
+        flat = [i * qmax + j for i, (_, _, q) in enumerate(batch) for j in range(q)]
+        hist = OnlineHistory(torch.tensor([s for s, _, _ in batch]), pad(toks, -1), pad(pos, 0),
+                             torch.tensor([n for _, n, _ in batch]), torch.tensor(flat),
+                             torch.tensor([h for row in dest for h in row]))
         c_new = torch.cat([c[n:] for n, _, _, c, _ in seqs.values()])
         z_new = torch.cat([z[n:] for n, _, z, _, _ in seqs.values()])
         main = state[: plan.online_state_slots + 1].clone()

@@ -43,6 +43,7 @@ from memory.upload import upload
 
 from .config import DSV4Config
 from .model import AttentionInputs, CompressorInput, hadamard, hi_dtype
+from .online_history import OnlineHistory, history_host, record_online_history
 
 # ---- registry -------------------------------------------------------------------------------
 
@@ -142,6 +143,9 @@ class OnlineSegments:
     done_idx: Optional[torch.Tensor] = None    # [D] segments with row >= 0, in order
     open_idx: Optional[torch.Tensor] = None    # [S - D] the others, in order
     done_token: Optional[torch.Tensor] = None  # [D] new-token index of each completed block's last token
+    # speculative verify rows: the states after each of their positions, recorded for the
+    # rollback (dsv4_backend/online_history.py); None without verify rows
+    history: Optional[OnlineHistory] = None
 
 
 @dataclass
@@ -411,6 +415,11 @@ class TorchDSV4Backend(AttentionBackend):
         for m in self.ratios if events else ():
             online = m == 128 and self.online_compress
             host.update(_segments_host(m, step) if online else _events_host(m, step, self.c128_ring, keep))
+            if online:
+                L = step.lists
+                hist = history_host(self.pools.plan, L.req_slots, L.prefix_lens, L.extend_lens, step.offsets,
+                                    batch.rollback_lens)
+                host.update({("hist", k): v for k, v in (hist or {}).items()})
         d = _upload(host, dev)
         per_req, token_req, positions = d["req"], d["token_req"], d["positions"]
         slots, seq, start = per_req[0], per_req[3], per_req[4]
@@ -486,6 +495,9 @@ class TorchDSV4Backend(AttentionBackend):
                 state_slot=meta.req_slots[seg_req], tokens=d[m, "seg_tokens"], fresh=d[m, "seg_fresh"] != 0,
                 row=row, first_pos=seg_block * m, done_idx=d[m, "seg_done_idx"],
                 open_idx=d[m, "seg_open_idx"], done_token=d[m, "seg_done_token"])
+            if ("hist", "dest") in d:
+                seg.history = OnlineHistory(**{f: d["hist", f] for f in ("state_slot", "tokens", "positions",
+                                                                         "first", "rows", "dest")})
             return CompressedMeta(m, rows, num_visible, None, None, seg)
         ev_req, ev_block = d[m, "ev_req"], d[m, "ev_block"]
         if m == 4:   # ring slots hang off the candidates' SWA pages
@@ -579,6 +591,8 @@ class TorchDSV4Backend(AttentionBackend):
         # state: [slots, 3, 512] = (max, sum, kv) with kv = sum_j exp(z_j + ape - max) * C_j
         c_new, z_new = self._state(raw.c), self._state(raw.z)
         z_new = z_new + layer.compressor.ape.to(z_new.dtype)[positions % 128]
+        if seg.history is not None:    # a verify: the states after each of its positions, before the fold
+            record_online_history(state, seg.history, c_new, z_new)
         valid = (seg.tokens >= 0)[..., None]
         idx = seg.tokens.clamp_min(0)
         c = c_new[idx].masked_fill(~valid, 0.0)                              # [S, 128, 512]

@@ -20,19 +20,23 @@ slot, none of them the slot of a position still live afterwards. Hence
 ``MAX_DRAFT_TOKENS``. SWA rows of rejected positions are not restored: no query reads past its
 request's length, and the position's next real decode overwrites them.
 
-The online C128 state (a running (max, sum, kv) per request) has no per-position history to
-put back, so speculative plans refuse it (``memory.configurator``).
+The online C128 state (a running (max, sum, kv) per request, ``SGLANG_OPT_USE_ONLINE_COMPRESS``)
+has no ring: the verify records the state after each of its positions into the plan's extra
+per-request slots and the restore picks the one after the last kept position
+(``dsv4_backend/online_history.py``); its C128 rows are saved and put back as above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from memory.configurator import C4_RING_SPEC, SWA_PAGE
 from memory.layout import read_row_bytes, write_row_bytes
+
+from .online_history import OnlineRollback
 
 # Drafts per verify the doubled C4 ring holds: a verify writes positions tail(n + 1) .. n + k,
 # at most k + 7 of them, and each must keep a slot of its own among the 16 of its SWA page.
@@ -55,6 +59,7 @@ class VerifySnapshot:
 
     rids: list[Any]
     saved: list[_Saved] = field(default_factory=list)
+    online: Optional[OnlineRollback] = None   # the online C128 state's main slots, set from history
 
     def restore(self, keep_lens: dict[Any, int]) -> int:
         """Put back every entry written by a position ``>= keep_lens[rid]`` (requests missing
@@ -73,6 +78,8 @@ class VerifySnapshot:
             else:
                 s.pool[idx] = data
             n += int(sel.numel())
+        if self.online is not None:
+            n += self.online.restore(keep_lens)
         return n
 
 
@@ -84,8 +91,9 @@ def snapshot_for_verify(backend: Any, tables: Any, verifies: list[tuple[Any, int
     pools, ratios = backend.pools, getattr(backend, "ratios", ())
     if not ratios or not verifies:
         return snap
-    if getattr(backend, "online_compress", False):
-        raise ValueError("speculative rollback needs the C128 ring; the online C128 state cannot roll back")
+    online = bool(getattr(backend, "online_compress", False))
+    if online:
+        snap.online = OnlineRollback.for_verifies(pools, verifies)
     req_to_token, full_to_swa = tables.req_to_token, tables.full_to_swa
     dev = req_to_token.device
     reqs, slots, pos = [], [], []
@@ -115,8 +123,9 @@ def snapshot_for_verify(backend: Any, tables: Any, verifies: list[tuple[Any, int
         else:
             ring_row = slot * backend.c128_ring + p % backend.c128_ring
             for layer in sorted(pools.c128_kv):
-                snap.saved += [
-                    _Saved(pools.c128_ring[layer], ring_row, pools.c128_ring[layer][ring_row].clone(), p, req),
-                    _Saved(pools.c128_kv[layer], row, read_row_bytes(pools.c128_kv[layer], row), p[done],
-                           req[done], "kv")]
+                if not online:
+                    snap.saved.append(_Saved(pools.c128_ring[layer], ring_row, pools.c128_ring[layer][ring_row].clone(),
+                                             p, req))
+                snap.saved.append(_Saved(pools.c128_kv[layer], row, read_row_bytes(pools.c128_kv[layer], row), p[done],
+                                         req[done], "kv"))
     return snap

@@ -51,6 +51,7 @@ from .backend import (
 )
 from .config import DSV4Config
 from .model import AttentionInputs, CompressorInput, hadamard_matrix
+from .online_history import record_online_history
 
 logger = logging.getLogger(__name__)
 
@@ -500,6 +501,11 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
             return
         K = _kernels()
         comp = layer.compressor
+        cm = meta.compressed.get(128)
+        hist = cm.online.history if cm is not None and cm.online is not None else None   # None when static
+        if hist is not None:    # a verify: the states after each of its positions, before the kernel's fold
+            record_online_history(state, hist, raw.c.float(),
+                                  raw.z.float() + comp.ape.float()[meta.positions % 128])
         cz = torch.cat([raw.c, raw.z], dim=-1).float()
         pooled = K.online_c128_update(state, meta.req_slots, op.token_start, op.token_count, cz,
                                       meta.positions, comp.ape)

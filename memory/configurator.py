@@ -122,6 +122,9 @@ class PoolPlan:
     dense: bool
     full_page: int = FULL_PAGE
     swa_page: int = SWA_PAGE
+    # online + speculative: states kept per request for the rollback (the draft tokens; 0 else),
+    # in slots after the dummy: online_state_slots + 1 + req_slot * online_history_size + j
+    online_history_size: int = 0
 
     @property
     def num_full_pages(self) -> int:
@@ -153,8 +156,8 @@ class PoolPlan:
             shapes["c128_kv"] = PoolShape(self.num_c128_layers, (c128_pages, COMPRESSED_PAGE * KV_ROW_BYTES),
                                           torch.uint8)
             if self.online_compress:
-                shapes["c128_online"] = PoolShape(self.num_c128_layers,
-                                                  (self.online_state_slots + 1, *ONLINE_STATE_SHAPE), sdt)
+                slots = self.online_state_slots * (1 + self.online_history_size) + 1
+                shapes["c128_online"] = PoolShape(self.num_c128_layers, (slots, *ONLINE_STATE_SHAPE), sdt)
             else:
                 shapes["c128_ring"] = PoolShape(self.num_c128_layers,
                                                 (self.c128_ring_rows + self.c128_ring_size, C128_STATE_WIDTH), sdt)
@@ -233,6 +236,8 @@ class PoolPlan:
         lines.append(f"  {'total':<16} {self.bytes_per_full_token:>16.2f}")
         if self.online_compress:
             fixed_how = f"online state: {self.online_state_slots} slots + dummy"
+            if self.online_history_size:
+                fixed_how += f" + {self.online_history_size} rollback states per request"
         else:
             fixed_how = f"C128 ring, {self.c128_ring_size} slots per request"
         lines += [
@@ -246,7 +251,8 @@ class PoolPlan:
         if not self.dense:
             lines.append("  prefix cache: no bytes of its own; it holds finished prompts' full pages and one SWA page "
                          "(+ its ring slots) per restore point inside these pools, given back LRU on demand")
-            c128_state = (f"{self.online_state_slots:,} online slots" if self.online_compress
+            hist = f" (+ {self.online_history_size} each for rollback)" if self.online_history_size else ""
+            c128_state = (f"{self.online_state_slots:,} online slots{hist}" if self.online_compress
                           else f"{self.c128_ring_rows:,} ring rows")
             lines += [
                 f"  C4 rows: {self.c4_rows:,}   C4 indexer rows: {self.c4_indexer_rows:,}   "
@@ -269,8 +275,10 @@ class DSV4PoolConfigurator:
     ``state_dtype`` / ``online_compress`` default to the env flags (memory/env.py).
     ``c4_shrink_factor`` is HiSparse's host-to-device ratio: only 1/shrink of the C4 rows stay
     on the device. ``dense=True`` is the benchmarks' baseline: every layer keeps every token's
-    584-byte row, no compressed pools, no rings. ``draft_tokens`` only enters the online-state
-    reservation (as SGLang's ``(1 + draft tokens)`` factor).
+    584-byte row, no compressed pools, no rings. ``draft_tokens`` only matters for the online
+    state: SGLang's ``(1 + draft tokens)`` factor in the reservation, and with speculative
+    decoding the ``draft_tokens`` extra states per request that its rollback picks from
+    (``dsv4_backend/online_history.py``).
     """
 
     def __init__(self, model_config: Any, *, max_running_requests: int = 256, swa_ratio: float = 0.1,
@@ -311,10 +319,10 @@ class DSV4PoolConfigurator:
         if self.c4_shrink_factor < 1:
             raise PlanError(f"c4_shrink_factor (HiSparse host-to-device ratio) is {self.c4_shrink_factor:g}; "
                             "it must be >= 1 (use 1 to keep every C4 row on the device)")
-        if self.online_compress and self.speculative:
-            raise PlanError(f"online C128 compression ({env.USE_ONLINE_COMPRESS}=1) cannot be combined with "
-                            "speculative decoding: the running (max, sum, kv) state cannot roll back rejected "
-                            f"draft tokens; unset {env.USE_ONLINE_COMPRESS} or turn speculative decoding off")
+        if self.online_compress and self.speculative and self.draft_tokens < 2:
+            raise PlanError(f"speculative decoding with online C128 compression ({env.USE_ONLINE_COMPRESS}=1) keeps "
+                            f"1 + draft_tokens states per request, but draft_tokens is {self.draft_tokens}; give "
+                            "the verify's draft tokens (speculative_num_draft_tokens = speculative_num_steps + 1)")
         if self.max_running_requests < 1:
             raise PlanError(f"max_running_requests is {self.max_running_requests}; it must be >= 1")
         if not 0 < self.swa_ratio <= 1:
@@ -473,6 +481,8 @@ class DSV4PoolConfigurator:
             c128_ring_size=self.c128_ring_size if compressed else 0,
             c128_ring_rows=R * self.c128_ring_size if ring and c128_layers else 0,
             online_state_slots=R if compressed and self.online_compress and c128_layers else 0,
+            online_history_size=self.draft_tokens if compressed and self.online_compress and self.speculative
+            and c128_layers else 0,
             state_dtype=self.state_dtype,
             online_compress=self.online_compress,
             speculative=self.speculative,

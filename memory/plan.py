@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--swa-ratio", type=float, default=0.1, help="SWA tokens per full token")
     p.add_argument("--speculative", action="store_true", help="MTP speculative decoding (doubles the rings)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=4, metavar="N",
+                   help="with --speculative: draft tokens per verify (K + 1; default 4); with "
+                        "SGLANG_OPT_USE_ONLINE_COMPRESS=1 each request keeps 1 + N online states")
     p.add_argument("--hisparse-ratio", type=float, default=1.0,
                    help="HiSparse host-to-device ratio: keep 1/K of the C4 rows on the GPU")
     p.add_argument("--enable-hisparse", action="store_true",
@@ -183,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.weights_gb = weights_bytes / GIB
         configurator = DSV4PoolConfigurator(
             model, max_running_requests=args.max_running_requests, swa_ratio=args.swa_ratio,
-            speculative=args.speculative, c4_shrink_factor=shrink_factor(args))
+            speculative=args.speculative, c4_shrink_factor=shrink_factor(args),
+            draft_tokens=args.speculative_num_draft_tokens if args.speculative else 0)
         plan = configurator.plan_for_budget(budget_bytes(args))
     except (ValueError, OSError) as e:  # PlanError, a bad env flag, a config that is not DSV4's, a bad path
         print(f"error: {e}", file=sys.stderr)

@@ -94,8 +94,14 @@ def test_speculative_and_online(capsys, monkeypatch):
     d = run_json(capsys, "--preset", "tiny", "--budget-gb", "1", "--max-running-requests", "4")
     assert d["online_compress"] and d["online_state_slots"] == 4 and d["c128_ring_rows"] == 0
     assert d["fixed_bytes"] == (4 + 3) * 3 * 512 * 4 * 1
-    assert main(["--preset", "tiny", "--budget-gb", "1", "--speculative"]) == 2
-    assert "speculative" in capsys.readouterr().err
+    # with speculative decoding: 1 + draft tokens states per request (default 4 draft tokens)
+    d = run_json(capsys, "--preset", "tiny", "--budget-gb", "1", "--max-running-requests", "4", "--speculative")
+    assert d["online_history_size"] == 4 and d["fixed_bytes"] == (4 + 3) * (1 + 4) * 3 * 512 * 4 * 1
+    assert d["pool_bytes"]["c128_online"] == (4 * (1 + 4) + 1) * 3 * 512 * 4
+    d = run_json(capsys, "--preset", "tiny", "--budget-gb", "1", "--speculative", "--speculative-num-draft-tokens", "6")
+    assert d["online_history_size"] == 6
+    assert main(["--preset", "tiny", "--budget-gb", "1", "--speculative", "--speculative-num-draft-tokens", "1"]) == 2
+    assert "draft_tokens" in capsys.readouterr().err
 
 
 def test_errors_name_the_fix(capsys):

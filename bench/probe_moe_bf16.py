@@ -1,0 +1,122 @@
+"""One bf16 MoE layer of the long-context benchmark's model at decode sizes, on one GPU: the
+decode kernels (dsv4_backend/kernels/moe_bf16_decode.py) against the grouped path.
+
+A Flash-width MoE (hidden 4096, expert width 2048, ``--experts`` routed + 1 shared, top-6) with
+random bf16 weights; for each T, ``MoE.forward`` with the decode kernels and with the grouped
+path (``torch._grouped_mm``), each timed as a CUDA-graph replay (median of ``--reps``), its
+launches counted in one eager call, and the byte floor: the weights of the distinct selected
+experts and the shared expert over the copy bandwidth measured in the same run. The two outputs
+are compared (max |diff| over max |value|; the kernels keep the grouped path's rounding points,
+so they differ only where a sum order tips a rounding).
+
+    python bench/probe_moe_bf16.py --tokens 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from dsv4_backend import model as M  # noqa: E402
+from dsv4_backend.config import DSV4Config  # noqa: E402
+from dsv4_backend.layers.linear import stack_rows  # noqa: E402
+
+
+def copy_gbps(dev: torch.device, mb: int = 1024) -> float:
+    src = torch.empty(mb << 20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return 2 * src.numel() / best / 1e6   # read + write
+
+
+def replay_ms(fn, reps: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def launches(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,2,4")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg = DSV4Config.preset("flash", n_routed_experts=args.experts)
+    torch.manual_seed(0)
+    moe = M.MoE(cfg, hash_routed=False).to(torch.bfloat16)
+    moe.stack_experts(torch.bfloat16, dev)
+    se = moe.shared_experts
+    moe.to(dev)
+    stack_rows(se.w1, se.w3)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_((torch.randn(p.shape, device=dev) * 0.02).to(p.dtype))
+    gbps = copy_gbps(dev)
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    expert_bytes = 3 * D * I * 2
+    print(f"MoE layer: hidden {D}, expert width {I}, {args.experts} routed + 1 shared, top-{cfg.num_experts_per_tok}, "
+          f"bf16; copy {gbps:,.0f} GB/s")
+    print("| T | distinct experts | floor us | decode kernels us (launches) | grouped path us (launches) | "
+          "kernels / grouped | max diff / max |out| |")
+    print("|---|---|---|---|---|---|---|")
+    for T in [int(t) for t in args.tokens.split(",")]:
+        x = (torch.randn(T, D, device=dev)).to(torch.bfloat16)
+        tok = torch.zeros(T, dtype=torch.int64, device=dev)
+        ids, _ = moe.gate(x, tok)
+        n_exp = len(set(ids.reshape(-1).tolist())) + 1
+        floor_us = n_exp * expert_bytes / gbps / 1e3
+        M.MOE_DECODE_MAX_PAIRS = 1 << 20
+        M.USE_MOE_DECODE_KERNEL = True
+        assert moe._decode_kernel_applies(x, ids), "the decode kernels do not apply"
+        with torch.no_grad():
+            k_out = moe(x, tok)
+            k_ms, k_n = replay_ms(lambda: moe(x, tok), args.reps), launches(lambda: moe(x, tok))
+            M.USE_MOE_DECODE_KERNEL = False
+            g_out = moe(x, tok)
+            g_ms, g_n = replay_ms(lambda: moe(x, tok), args.reps), launches(lambda: moe(x, tok))
+        diff = (k_out.float() - g_out.float()).abs().max().item() / g_out.float().abs().max().item()
+        print(f"| {T} | {n_exp} | {floor_us:.1f} | {k_ms * 1e3:.1f} ({k_n}) | {g_ms * 1e3:.1f} ({g_n}) | "
+              f"{k_ms / g_ms:.2f} | {diff:.2e} |")
+    M.USE_MOE_DECODE_KERNEL = True
+
+
+if __name__ == "__main__":
+    main()

@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true", help="also sweep the T = 1 launch shapes")
     args = ap.parse_args()
     dev = torch.device("cuda")
     cfg = DSV4Config.preset("flash", n_routed_experts=args.experts)
@@ -116,6 +117,33 @@ def main() -> None:
         print(f"| {T} | {n_exp} | {floor_us:.1f} | {k_ms * 1e3:.1f} ({k_n}) | {g_ms * 1e3:.1f} ({g_n}) | "
               f"{k_ms / g_ms:.2f} | {diff:.2e} |")
     M.USE_MOE_DECODE_KERNEL = True
+    if args.sweep:
+        sweep(moe, cfg, dev, args.reps)
+
+
+def sweep(moe, cfg, dev, reps: int) -> None:
+    """T = 1: the decode kernels' launch shapes (gate-up and down swept one at a time)."""
+    from dsv4_backend.kernels.moe_bf16_decode import DOWN, GATE_UP, Bf16GemvConfig, moe_bf16_decode
+    x = torch.randn(1, cfg.hidden_size, device=dev).to(torch.bfloat16)
+    ids, w = moe.gate(x, torch.zeros(1, dtype=torch.int64, device=dev))
+    se = moe.shared_experts
+    run = lambda gu, dn: moe_bf16_decode(x, ids, w, moe._w13, moe._w2, se.w1.row_stack.weight,  # noqa: E731
+                                         se.w2.weight, moe.limit, gu, dn)
+    shapes = [Bf16GemvConfig(bn, bk, sk, nw, ns) for bn in (8, 16, 32) for bk in (128, 256, 512)
+              for sk in (1, 2, 4) for nw in (2, 4) for ns in (2, 3)]
+    for name, fixed in (("gate-up", DOWN), ("down", GATE_UP)):
+        res = []
+        for c in shapes:
+            try:
+                ms = replay_ms(lambda: run(c, fixed) if name == "gate-up" else run(fixed, c), max(5, reps // 3))
+            except Exception as e:  # noqa: BLE001 (a shape that does not compile: skipped)
+                print(f"  {name} {c}: {type(e).__name__}")
+                continue
+            res.append((ms, c))
+        res.sort(key=lambda r: r[0])
+        print(f"{name}, T = 1, best 5 (whole MoE us with the other stage at its default):")
+        for ms, c in res[:5]:
+            print(f"  {ms * 1e3:7.1f}  {c}")
 
 
 if __name__ == "__main__":

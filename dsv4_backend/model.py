@@ -340,6 +340,10 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> expert ids [T, k] and routing weights [T, k] (normalised, times the scaling factor)."""
+        if USE_GATE_KERNEL and x.is_cuda and x.shape[0] <= GATE_KERNEL_MAX_TOKENS and not self._forward_hooks:
+            from .kernels.moe_gate import moe_gate
+            return moe_gate(x.contiguous(), self.weight, self.bias, self.topk, self.scale,
+                            getattr(self, "tid2eid", None) if self.bias is None else None, input_ids)
         h = x.to(hi_dtype(x.dtype))
         s = F.softplus(F.linear(h, self.weight.to(h.dtype))).sqrt()
         if self.bias is None:
@@ -478,7 +482,11 @@ USE_GROUPED_MOE = os.environ.get("DSV4_GROUPED_MOE", "1") != "0"
 # cache, but a token's pairs do not share a weight tile, so past a few tokens the grouped GEMMs
 # read less. DSV4_MOE_DECODE_KERNEL=0 keeps the grouped path (for A/B timing).
 USE_MOE_DECODE_KERNEL = os.environ.get("DSV4_MOE_DECODE_KERNEL", "1") != "0"
-MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "8"))
+# The gate's scores and top-k in two Triton launches (kernels/moe_gate.py) for steps of at most
+# this many tokens, on CUDA; DSV4_GATE_KERNEL=0 keeps the torch ops.
+USE_GATE_KERNEL = os.environ.get("DSV4_GATE_KERNEL", "1") != "0"
+GATE_KERNEL_MAX_TOKENS = 64
+MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "24"))
 _GROUPED_MM_OK: dict[int, bool] = {}
 
 

@@ -47,8 +47,9 @@ class Bf16GemvConfig(NamedTuple):
     num_stages: int = 3
 
 
-GATE_UP = Bf16GemvConfig(16, 256, 2, 4, 3)
-DOWN = Bf16GemvConfig(16, 256, 2, 4, 3)
+# from the H200 sweep at T = 1 (bench/probe_moe_bf16.py --sweep, docs/PERF.md session 7)
+GATE_UP = Bf16GemvConfig(16, 512, 1, 4, 3)
+DOWN = Bf16GemvConfig(32, 256, 2, 4, 3)
 
 
 @triton.jit

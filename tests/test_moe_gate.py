@@ -1,0 +1,82 @@
+"""The MoE gate kernels (dsv4_backend/kernels/moe_gate.py) under the interpreter, against the
+float64 value of ``model.Gate.forward``'s formula.
+
+Bounds (tests/bounds.py): the score's fp32 dot is within ``gamma(D) sum |x w|`` of the exact one;
+``sqrt(softplus(.))`` has slope at most 1/2 and adds a few roundings (exp, log, sqrt: 8u of s);
+a routing weight ``s_j / sum s`` then carries both relative errors plus 4u. The chosen experts
+must equal the reference's wherever the top-k margin (k-th against (k+1)-th key) exceeds twice
+the score bound, which the test asserts of its inputs first, so an equality is not luck.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bounds import U32, assert_within, gamma
+from dsv4_backend.kernels.moe_gate import moe_gate
+
+
+def _reference(x, weight, bias, topk, scale, tid2eid=None, tokens=None):
+    z = x.double() @ weight.double().T
+    s = torch.nn.functional.softplus(z).sqrt()
+    ids = tid2eid[tokens] if bias is None else (s + bias.double()).topk(topk, dim=-1).indices
+    w = s.gather(-1, ids)
+    mag = (x.double().abs() @ weight.double().abs().T)
+    return z, s, ids, w / w.sum(-1, keepdim=True) * scale, mag
+
+
+@pytest.mark.parametrize("E,topk,dtype", [(8, 6, torch.bfloat16), (20, 2, torch.float32), (256, 6, torch.bfloat16)])
+def test_scored_routing(E, topk, dtype):
+    T, D, scale = 3, 96, 1.5
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    weight = (torch.randn(E, D, generator=g) * 0.3).to(dtype)
+    bias = (torch.randn(E, generator=g) * 0.1).float()
+    z, s, ids_ref, w_ref, mag = _reference(x, weight, bias, topk, scale)
+    tol_s = 0.5 * gamma(D) * mag + 8 * U32 * s
+    key = (s + bias.double()).sort(-1, descending=True).values
+    if topk < E:
+        assert bool(((key[:, topk - 1] - key[:, topk]) > 2 * tol_s.max()).all()), "inputs with a near-tie"
+    ids, w = moe_gate(x, weight, bias, topk, scale)
+    assert torch.equal(ids, ids_ref)
+    ts = tol_s.gather(-1, ids_ref)
+    sj = s.gather(-1, ids_ref)
+    tol_w = w_ref.abs() * (ts / sj + ts.sum(-1, keepdim=True) / sj.sum(-1, keepdim=True) + 4 * U32)
+    assert_within(w, w_ref, tol_w, "routing weights")
+
+
+def test_hash_routing():
+    T, D, E, topk, V = 4, 64, 16, 6, 50
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(E, D, generator=g) * 0.3).to(torch.bfloat16)
+    tid2eid = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(V)])
+    tokens = torch.tensor([3, 49, 0, 3])
+    z, s, ids_ref, w_ref, mag = _reference(x, weight, None, topk, 1.0, tid2eid, tokens)
+    ids, w = moe_gate(x, weight, None, topk, 1.0, tid2eid, tokens)
+    assert torch.equal(ids, ids_ref)
+    tol_s = 0.5 * gamma(D) * mag + 8 * U32 * s
+    ts, sj = tol_s.gather(-1, ids_ref), s.gather(-1, ids_ref)
+    tol_w = w_ref.abs() * (ts / sj + ts.sum(-1, keepdim=True) / sj.sum(-1, keepdim=True) + 4 * U32)
+    assert_within(w, w_ref, tol_w, "routing weights")
+
+
+def test_softplus_tails():
+    """Scores far below zero (where 1 + e^z rounds to 1 in fp32) and past the threshold of 20."""
+    D = 1
+    x = torch.ones(1, D)
+    weight = torch.tensor([[-30.0], [-12.0], [-3.0], [0.0], [5.0], [25.0]])
+    bias = torch.zeros(6)
+    z, s, ids_ref, w_ref, _ = _reference(x, weight, bias, 6, 1.0)
+    ids, w = moe_gate(x, weight, bias, 6, 1.0)
+    assert torch.equal(ids, ids_ref)
+    assert_within(w, w_ref, 1e-6 * w_ref.abs() + 1e-12, "routing weights")
+
+
+def test_bad_inputs():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="bias"):
+        moe_gate(x, torch.zeros(4, 8), None, 2, 1.0)
+    with pytest.raises(ValueError, match="share D"):
+        moe_gate(x, torch.zeros(4, 9), torch.zeros(4), 2, 1.0)

@@ -43,6 +43,7 @@ from types import SimpleNamespace as NS
 
 import importlib
 import os
+import re
 
 import torch
 
@@ -99,7 +100,7 @@ def import_sglang() -> dict:
             importlib.import_module(module)
             kernels[module] = "ok"
         except Exception as e:
-            kernels[module] = f"{type(e).__name__}: {e}"[:300]
+            kernels[module] = one_line(e)
     import sglang_cases  # noqa: F401
     from sglang.srt.utils import is_cuda
     return {"stand_ins": stand_ins, "kernel_modules": kernels, "cuda_branch": is_cuda()}
@@ -110,9 +111,10 @@ def sglang_kernel_summary() -> tuple[dict, dict]:
     those that ran, {kernel: first SKIP reason} for those that did not."""
     ran, not_run = {}, {}
     for c in CHECKS:
-        if "SGLang's" not in c["name"] or c["status"] not in ("PASS", "FAIL", "SKIP"):
+        against = re.search(r" (?:vs|and) (SGLang's .*)$", c["name"])
+        if against is None or c["status"] not in ("PASS", "FAIL", "SKIP"):
             continue
-        kernel = "SGLang's" + c["name"].rsplit("SGLang's", 1)[1]
+        kernel = against.group(1)
         if c["status"] == "SKIP":
             not_run.setdefault(kernel, c.get("reason", ""))
         else:
@@ -123,6 +125,12 @@ def sglang_kernel_summary() -> tuple[dict, dict]:
 def record(name: str, status: str, **info) -> None:
     CHECKS.append({"name": name, "status": status, **info})
     print(f"{status:4s} {name}: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception in one line: its start and its end (a failed JIT build ends with the compiler's error)."""
+    text = " | ".join(line for line in f"{type(e).__name__}: {e}".splitlines() if line.strip())
+    return text if len(text) <= 600 else f"{text[:200]} ... {text[-400:]}"
 
 
 def guarded(name: str, fn, *args):
@@ -178,7 +186,7 @@ def check_store(name: str, pool, rows_per_page: int, g: torch.Generator) -> None
             store(pool, buf, slots.to(DEV), rows.to(DEV), rows_per_page)
             theirs = buf.cpu()
         except Exception as e:
-            record(label, "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+            record(label, "SKIP", reason=one_line(e))
             continue
         mism = (theirs != ours.cpu())
         record(label, "PASS" if not mism.any() else "FAIL", rows=n, differing_bytes=int(mism.sum()),
@@ -347,7 +355,7 @@ def check_backend_attention(name: str, pool, ratio: int, T: int, h: int, width: 
         try:
             theirs = fn(case["sglang_inputs"]).squeeze(1).float().cpu()
         except Exception as e:
-            record(f"{label} vs {kernel}", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+            record(f"{label} vs {kernel}", "SKIP", reason=one_line(e))
             continue
         # both are within their own bf16-P bound of the fp64 result (assumed of theirs)
         w = _worst(case["got"], theirs, 2 * case["bound"])
@@ -397,7 +405,7 @@ def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None
         theirs = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens,
                                    device=DEV, sglang_kernels=True)
     except Exception as e:
-        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason=one_line(e))
         return
     try:
         assert torch.equal(case["state"], theirs["state"]), "state ring"
@@ -418,7 +426,7 @@ def main() -> int:
     try:
         imports = import_sglang()
     except Exception as e:
-        record("install", "FAIL", error=f"{type(e).__name__}: {e}"[:300], trace=traceback.format_exc(limit=6)[-1200:])
+        record("install", "FAIL", error=one_line(e), trace=traceback.format_exc(limit=6)[-1200:])
         return finish(args, t0)
     import dsv4_backend.sglang_adapter as A
     import sglang

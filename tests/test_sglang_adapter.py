@@ -432,3 +432,51 @@ def test_backend_c4_decode_compressor_on_sglang_pool(indexer):
     assert torch.equal(case["state"], case["want_state"])
     close = assert_indexer_pools_close if indexer else assert_kv_pools_close
     close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "compressed rows")
+
+
+# ---- the GPU check's imports on SGLang's CUDA branch ------------------------------------------
+
+_CUDA_BRANCH_PROBE = """
+import importlib.util, json, sys
+sys.path.insert(0, "bench")
+import sglang_cuda_branch as B, gpu_sglang_check as G, sglang_stubs
+with B.forced():
+    imports = G.import_sglang()
+from sglang.srt.layers.layernorm import rmsnorm
+try:
+    rmsnorm()
+    error = None
+except Exception as e:
+    error = [type(e).__name__, str(e)]
+print(json.dumps(dict(imports, use=sglang_stubs.report(), device=G.DEV, call_error=error,
+                      scalar_type_absent=importlib.util.find_spec("sgl_kernel.scalar_type") is None)))
+"""
+
+
+def test_cuda_import_path_with_sgl_kernel_stand_in():
+    """bench/gpu_sglang_check.py's imports with SGLang on its CUDA branch (torch answering as an
+    H200 while SGLang loads, bench/sglang_cuda_branch.py), in a process of its own (~10-20 s).
+    Without sgl_kernel they fail (SGLang imports its names unguarded on CUDA); with the
+    stand-in of bench/sgl_stubs they succeed, and an SGLang function bound to a missing kernel
+    raises naming it."""
+    import importlib.util
+    import subprocess
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        pytest.skip("a real sgl_kernel is installed; the stand-in is not used")
+    run = subprocess.run([sys.executable, "-c", _CUDA_BRANCH_PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["cuda_branch"] is True and got["device"] == "cpu"
+    assert list(got["stand_ins"]) == ["sgl_kernel"]
+    for module, status in got["kernel_modules"].items():
+        if module.endswith("flash_mla_interface"):  # needs the flash_mla package
+            assert status == "ok" or "flash_mla" in status, status
+        else:
+            assert status == "ok", (module, status)
+    handed = got["use"]["sgl_kernel"]["handed_out"]
+    assert any(w.startswith("sglang/srt/layers/layernorm.py") for w in handed["sgl_kernel.rmsnorm"]), handed
+    assert "sgl_kernel.quantization.ggml_dequantize" in handed  # a submodule, as gguf.py imports it
+    assert got["scalar_type_absent"]  # SGLang's own import-time fallback applies
+    assert got["call_error"][0] == "MissingKernelError" and "sgl_kernel.rmsnorm" in got["call_error"][1]
+    assert got["use"]["sgl_kernel"]["called"] == ["sgl_kernel.rmsnorm"]

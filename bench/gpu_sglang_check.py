@@ -1,22 +1,25 @@
 """Our Triton kernels on SGLang 0.5.23's CUDA pools, against our fp64 reference and SGLang's kernels.
 
-    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312-extra/*.whl
-    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312/*.whl
-    PYTHONPATH=.whl/site:. python3 bench/gpu_sglang_check.py --out $OUT
+    bash bench/gpu_sglang_session.sh $OUT     # unpacks the carried SGLang wheels, runs this file
 
-.whl/sglang-cp312/ (61 MiB) holds sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl and the
-cp312 wheels of tests/sglang-requirements.txt; .whl/sglang-cp312-extra/ (24 MiB) the rest of what
-SGLang's imports need that our project's own dependencies bring on a CPU machine (pydantic,
-huggingface-hub, tokenizers, safetensors, pillow, openai, starlette, ...). torch and triton are
-the machine's. The two do not fit one 64 MiB carry: install the extras in a first call (the
-ignored .whl/site stays on a warm machine), then the rest and the check in a second.
+or by hand, with SGLang importable (its wheel and its imports' wheels unpacked into /tmp/sgl):
+
+    PYTHONPATH=/tmp/sgl:. SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 python3 bench/gpu_sglang_check.py --out $OUT
+
+torch and triton are the machine's. ``sgl_kernel`` (SGLang's CUDA kernel package, which SGLang
+imports at module level on CUDA) is not needed: where it does not import, ``import_sglang``
+puts the stand-in of bench/sgl_stubs first on ``sys.path`` (bench/sglang_stubs.py; a test
+harness whose every function raises when called) and says so; the end of the run lists the
+``sgl_kernel`` names SGLang imported from it and any it called. On a CPU,
+``python bench/sglang_cuda_branch.py`` runs ``--tiny`` with SGLang on its CUDA import branch.
 
 1. install: which SGLang imports and the device;
 2. SGLang's pools built on the GPU by SGLang's classes (SWA 256-row pages of 149,760 B, C4
    64-row pages of 37,440 B, C128 2-row pages of 1,728 B, indexer 64-row pages of 8,448 B);
 3. the KV store: ``kv_store_rows`` into SGLang's SWA and C4 pools, bit-exact against
-   ``memory.layout.write_kv_rows`` (order-free quantisation) and against SGLang's own store
-   (``set_key_buffer_fused``, its JIT kernel) where that kernel builds; the plugin's
+   ``memory.layout.write_kv_rows`` (order-free quantisation) and against SGLang's own stores:
+   ``set_key_buffer_fused`` (its JIT kernel, needs nvcc) and ``triton_fused_store_flashmla``
+   (its Triton store, SGLang's ROCm path; GPU only) where they build; the plugin's
    ``TritonDSV4AttnBackend.store_cache`` on a full SGLang SWA pool;
 4. sparse decode (window in SGLang SWA pages, top-k in SGLang C4 pages; Flash h64 top-k 512,
    Pro h128 top-k 1024) and the indexer scores on SGLang's indexer pages, against the fp64
@@ -27,7 +30,9 @@ ignored .whl/site stays on a warm machine), then the rest and the check in a sec
    FlashMLA; ``forward_c4_indexer`` against float64 and SGLang's torch indexer; the C4 decode
    compressors (attention and indexer) against the reference chain and SGLang's JIT compressor.
 
-Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound) and writes
+Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound), then INFO
+lines: SGLang's kernel modules that did not import, which of SGLang's kernels each comparison ran
+against and which did not run (with the first reason), the stand-ins' names; writes
 ``gpu_sglang_check.json`` under ``--out``. Exit status 1 if any check fails.
 """
 

@@ -28,7 +28,8 @@ harness whose every function raises when called) and says so; the end of the run
    (the cases of tests/sglang_cases.py): ``forward`` for ratios 0 / 4 / 128 (Flash h64 top-k 512,
    Pro h128 top-k 1024) against float64 and, where they run, SGLang's Triton sparse decode and
    FlashMLA; ``forward_c4_indexer`` against float64 and SGLang's torch indexer; the C4 decode
-   compressors (attention and indexer) against the reference chain and SGLang's JIT compressor.
+   compressors (attention and indexer) and the C128 one against the reference chain and
+   SGLang's JIT compressor.
 
 Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound), then INFO
 lines: SGLang's kernel modules that did not import, which of SGLang's kernels each comparison ran
@@ -382,8 +383,8 @@ def check_backend_indexer(name: str, pool, T: int, h: int, k: int, pages: int, g
            queries_with_identical_sets=f"{same}/{T}", findings=len(bad), first=bad[:3], bound="0 findings")
 
 
-def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None:
-    """forward_core_compressor / forward_indexer_compressor on a C4 decode step (our fused
+def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g, ratio: int = 4) -> None:
+    """forward_core_compressor / forward_indexer_compressor on a C4 or C128 decode step (our
     compressor on SGLang's state ring, DecodePlan and pools) against the fp32 reference chain,
     and against SGLang's own forward_unified (JIT compress_forward + compress_norm_rope_store)
     on the same inputs where its JIT kernels build."""
@@ -391,10 +392,13 @@ def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None
     from bounds import assert_indexer_pools_close, assert_kv_pools_close
     close = assert_indexer_pools_close if indexer else assert_kv_pools_close
     seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
-    seq_lens = (torch.randint(4, 2000, (bs,), generator=torch.Generator().manual_seed(seed)) // 4 * 4).tolist()
+    lengths = torch.randint(ratio, 4000, (bs,), generator=torch.Generator().manual_seed(seed))
+    seq_lens = (lengths // ratio * ratio).tolist()
     seq_lens[1::3] = [s + 1 for s in seq_lens[1::3]]  # a third of the requests close no block
-    seq_lens[0] = 4  # a first block: no previous one
-    what = "indexer" if indexer else "C4 attention"
+    seq_lens[0] = ratio  # a first block (C4: no previous one)
+    what = "indexer" if indexer else f"C{ratio} attention"
+    case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV,
+                             ratio=ratio)
     case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV)
     label = f"backend {what} compressor, decode ({name}, {bs} requests, {len(case['dest'])} closing)"
     try:
@@ -408,7 +412,7 @@ def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None
         return
     try:
         theirs = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens,
-                                   device=DEV, sglang_kernels=True)
+                                   device=DEV, sglang_kernels=True, ratio=ratio)
     except Exception as e:
         record(f"{label} vs SGLang's JIT compressor", "SKIP", reason=one_line(e))
         return
@@ -469,6 +473,7 @@ def run_checks() -> None:
         guarded("backend indexer", check_backend_indexer, "tiny", dsv4, 4, 4, 64, 2, g)
         for indexer in (False, True):
             guarded(f"backend compressor {indexer}", check_backend_compressor, "tiny", dsv4, indexer, 4, g)
+        guarded("backend compressor C128", check_backend_compressor, "tiny", dsv4, False, 4, g, 128)
     else:
         dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024)
         for name, h, k in (("Flash h64 top-k 512", 64, 512), ("Pro h128 top-k 1024", 128, 1024)):
@@ -479,6 +484,8 @@ def run_checks() -> None:
         for indexer in (False, True):
             guarded(f"backend compressor {indexer}", check_backend_compressor, "Flash / Pro d", dsv4,
                     indexer, 64, g)
+        # C128 states: one 128-slot page a request (dsv4_pool has pages for 4 after page 0)
+        guarded("backend compressor C128", check_backend_compressor, "Flash / Pro d", dsv4, False, 4, g, 128)
 
 
 def finish(args, t0: float) -> int:

@@ -40,16 +40,15 @@ against and which did not run (with the first reason), the stand-ins' names; wri
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
+import re
 import sys
 import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace as NS
-
-import importlib
-import os
-import re
 
 import torch
 

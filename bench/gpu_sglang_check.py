@@ -1,22 +1,25 @@
 """Our Triton kernels on SGLang 0.5.23's CUDA pools, against our fp64 reference and SGLang's kernels.
 
-    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312-extra/*.whl
-    python3 -m pip install -q --no-deps --no-index --target .whl/site .whl/sglang-cp312/*.whl
-    PYTHONPATH=.whl/site:. python3 bench/gpu_sglang_check.py --out $OUT
+    bash bench/gpu_sglang_session.sh $OUT     # unpacks the carried SGLang wheels, runs this file
 
-.whl/sglang-cp312/ (61 MiB) holds sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl and the
-cp312 wheels of tests/sglang-requirements.txt; .whl/sglang-cp312-extra/ (24 MiB) the rest of what
-SGLang's imports need that our project's own dependencies bring on a CPU machine (pydantic,
-huggingface-hub, tokenizers, safetensors, pillow, openai, starlette, ...). torch and triton are
-the machine's. The two do not fit one 64 MiB carry: install the extras in a first call (the
-ignored .whl/site stays on a warm machine), then the rest and the check in a second.
+or by hand, with SGLang importable (its wheel and its imports' wheels unpacked into /tmp/sgl):
+
+    PYTHONPATH=/tmp/sgl:. SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 python3 bench/gpu_sglang_check.py --out $OUT
+
+torch and triton are the machine's. ``sgl_kernel`` (SGLang's CUDA kernel package, which SGLang
+imports at module level on CUDA) is not needed: where it does not import, ``import_sglang``
+puts the stand-in of bench/sgl_stubs first on ``sys.path`` (bench/sglang_stubs.py; a test
+harness whose every function raises when called) and says so; the end of the run lists the
+``sgl_kernel`` names SGLang imported from it and any it called. On a CPU,
+``python bench/sglang_cuda_branch.py`` runs ``--tiny`` with SGLang on its CUDA import branch.
 
 1. install: which SGLang imports and the device;
 2. SGLang's pools built on the GPU by SGLang's classes (SWA 256-row pages of 149,760 B, C4
    64-row pages of 37,440 B, C128 2-row pages of 1,728 B, indexer 64-row pages of 8,448 B);
 3. the KV store: ``kv_store_rows`` into SGLang's SWA and C4 pools, bit-exact against
-   ``memory.layout.write_kv_rows`` (order-free quantisation) and against SGLang's own store
-   (``set_key_buffer_fused``, its JIT kernel) where that kernel builds; the plugin's
+   ``memory.layout.write_kv_rows`` (order-free quantisation) and against SGLang's own stores:
+   ``set_key_buffer_fused`` (its JIT kernel, needs nvcc) and ``triton_fused_store_flashmla``
+   (its Triton store, SGLang's ROCm path; GPU only) where they build; the plugin's
    ``TritonDSV4AttnBackend.store_cache`` on a full SGLang SWA pool;
 4. sparse decode (window in SGLang SWA pages, top-k in SGLang C4 pages; Flash h64 top-k 512,
    Pro h128 top-k 1024) and the indexer scores on SGLang's indexer pages, against the fp64
@@ -25,23 +28,27 @@ ignored .whl/site stays on a warm machine), then the rest and the check in a sec
    (the cases of tests/sglang_cases.py): ``forward`` for ratios 0 / 4 / 128 (Flash h64 top-k 512,
    Pro h128 top-k 1024) against float64 and, where they run, SGLang's Triton sparse decode and
    FlashMLA; ``forward_c4_indexer`` against float64 and SGLang's torch indexer; the C4 decode
-   compressors (attention and indexer) against the reference chain and SGLang's JIT compressor.
+   compressors (attention and indexer) and the C128 one against the reference chain and
+   SGLang's JIT compressor.
 
-Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound) and writes
+Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound), then INFO
+lines: SGLang's kernel modules that did not import, which of SGLang's kernels each comparison ran
+against and which did not run (with the first reason), the stand-ins' names; writes
 ``gpu_sglang_check.json`` under ``--out``. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
+import re
 import sys
 import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace as NS
-
-import os
 
 import torch
 
@@ -49,7 +56,7 @@ if not torch.cuda.is_available():  # --tiny dry run on a CPU, kernels under the 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "tests"):
+for p in (ROOT, ROOT / "tests", ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
@@ -58,9 +65,77 @@ CHECKS: list[dict] = []
 TINY = False
 
 
+# SGLang's modules the checks import: without one of these no check of SGLang's pools runs.
+SGLANG_MODULES = (
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool",
+    "sglang.srt.runtime_context",
+    "sglang.srt.layers.attention.deepseek_v4_backend",
+    "sglang.srt.layers.attention.dsv4.indexer",
+    "sglang.srt.layers.attention.dsv4.unified_kv_gate",
+    "sglang.kernels.ops.attention.dsv4",
+    "sglang.kernels.ops.attention.dsv4.kv_layout",
+)
+# SGLang's kernels the checks compare against, each in its own module: a module that does not
+# import turns its comparisons into SKIPs with the reason.
+SGLANG_KERNEL_MODULES = (
+    "sglang.kernels.ops.attention.dsv4.attn",  # JIT store (set_key_buffer_fused)
+    "sglang.kernels.ops.attention.dsv4.compress",  # JIT compressor (forward_unified)
+    "sglang.kernels.ops.kvcache.triton_store_cache",  # Triton store
+    "sglang.kernels.ops.attention.dsv4.triton_sparse_decode",  # Triton sparse decode
+    "sglang.kernels.ops.attention.flash_mla_interface",  # FlashMLA: needs the flash_mla package
+)
+
+
+def import_sglang() -> dict:
+    """Import stand-ins where SGLang's CUDA packages are missing (bench/sglang_stubs.py), then
+    the plugin and SGLang's modules of SGLANG_MODULES (an import error propagates) and of
+    SGLANG_KERNEL_MODULES. Returns {"stand_ins": {package: why}, "kernel_modules": {module:
+    "ok" or the import error}, "cuda_branch": SGLang's is_cuda()}."""
+    import sglang_stubs
+    stand_ins = sglang_stubs.install()
+    for name, why in stand_ins.items():
+        print(f"stand-in for {name} ({sglang_stubs.STUB_DIR}, a test harness: each of its functions "
+              f"raises when called): {why}", flush=True)
+    import dsv4_backend.sglang_adapter  # noqa: F401  stubs torchvision when absent, then imports SGLang
+    for module in SGLANG_MODULES:
+        importlib.import_module(module)
+    kernels = {}
+    for module in SGLANG_KERNEL_MODULES:
+        try:
+            importlib.import_module(module)
+            kernels[module] = "ok"
+        except Exception as e:
+            kernels[module] = one_line(e)
+    import sglang_cases  # noqa: F401
+    from sglang.srt.utils import is_cuda
+    return {"stand_ins": stand_ins, "kernel_modules": kernels, "cuda_branch": is_cuda()}
+
+
+def sglang_kernel_summary() -> tuple[dict, dict]:
+    """SGLang's kernels the checks compared against: {kernel: [PASS / FAIL per check]} for
+    those that ran, {kernel: first SKIP reason} for those that did not."""
+    ran, not_run = {}, {}
+    for c in CHECKS:
+        against = re.search(r" (?:vs|and) (SGLang's .*)$", c["name"])
+        if against is None or c["status"] not in ("PASS", "FAIL", "SKIP"):
+            continue
+        kernel = against.group(1)
+        if c["status"] == "SKIP":
+            not_run.setdefault(kernel, c.get("reason", ""))
+        else:
+            ran.setdefault(kernel, []).append(c["status"])
+    return ran, {k: v for k, v in not_run.items() if k not in ran}
+
+
 def record(name: str, status: str, **info) -> None:
     CHECKS.append({"name": name, "status": status, **info})
     print(f"{status:4s} {name}: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception in one line: its start and its end (a failed JIT build ends with the compiler's error)."""
+    text = " | ".join(line for line in f"{type(e).__name__}: {e}".splitlines() if line.strip())
+    return text if len(text) <= 600 else f"{text[:200]} ... {text[-400:]}"
 
 
 def guarded(name: str, fn, *args):
@@ -106,17 +181,37 @@ def check_store(name: str, pool, rows_per_page: int, g: torch.Generator) -> None
     diff = int((ours.cpu() != ref).sum())
     record(f"{name}: kv_store_rows vs layout reference", "PASS" if diff == 0 else "FAIL",
            rows=n, differing_bytes=diff, bound=0)
-    try:
-        buf.zero_()
-        pool.set_key_buffer_fused(0, slots.to(DEV).long(), rows.to(DEV))
-        theirs = buf.cpu()
-    except Exception as e:
-        record(f"{name}: vs SGLang's set_key_buffer_fused", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
-        return
-    mism = (theirs != ours.cpu())
-    rows_off = int(mism.any(1).sum())
-    record(f"{name}: vs SGLang's set_key_buffer_fused", "PASS" if not mism.any() else "FAIL",
-           rows=n, differing_bytes=int(mism.sum()), pages_with_differences=rows_off, bound=0)
+    for kernel, store in SGLANG_STORES:
+        label = f"{name}: vs {kernel}"
+        if kernel in GPU_ONLY and DEV != "cuda":
+            record(label, "SKIP", reason=GPU_ONLY[kernel])
+            continue
+        try:
+            buf.zero_()
+            store(pool, buf, slots.to(DEV), rows.to(DEV), rows_per_page)
+            theirs = buf.cpu()
+        except Exception as e:
+            record(label, "SKIP", reason=one_line(e))
+            continue
+        mism = (theirs != ours.cpu())
+        record(label, "PASS" if not mism.any() else "FAIL", rows=n, differing_bytes=int(mism.sum()),
+               pages_with_differences=int(mism.any(1).sum()), bound=0)
+
+
+def _sglang_jit_store(pool, buf, slots, rows, rows_per_page):
+    pool.set_key_buffer_fused(0, slots.long(), rows)
+
+
+def _sglang_triton_store(pool, buf, slots, rows, rows_per_page):
+    from sglang.kernels.ops.kvcache.triton_store_cache import triton_fused_store_flashmla
+    triton_fused_store_flashmla(rows, buf, slots.long(), rows_per_page)
+
+
+SGLANG_STORES = (("SGLang's set_key_buffer_fused", _sglang_jit_store),
+                 ("SGLang's Triton store (triton_fused_store_flashmla, its ROCm path)", _sglang_triton_store))
+# Under the Triton interpreter SGLang's Triton store casts to FP8 unlike a GPU does (tried on the
+# CPU: values off by up to 2x), so its bytes are compared on a GPU only.
+GPU_ONLY = {SGLANG_STORES[1][0]: "no GPU (the interpreter's FP8 cast is not the GPU's)"}
 
 
 def check_backend_store(pools, g) -> None:
@@ -265,7 +360,7 @@ def check_backend_attention(name: str, pool, ratio: int, T: int, h: int, width: 
         try:
             theirs = fn(case["sglang_inputs"]).squeeze(1).float().cpu()
         except Exception as e:
-            record(f"{label} vs {kernel}", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+            record(f"{label} vs {kernel}", "SKIP", reason=one_line(e))
             continue
         # both are within their own bf16-P bound of the fp64 result (assumed of theirs)
         w = _worst(case["got"], theirs, 2 * case["bound"])
@@ -287,8 +382,8 @@ def check_backend_indexer(name: str, pool, T: int, h: int, k: int, pages: int, g
            queries_with_identical_sets=f"{same}/{T}", findings=len(bad), first=bad[:3], bound="0 findings")
 
 
-def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None:
-    """forward_core_compressor / forward_indexer_compressor on a C4 decode step (our fused
+def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g, ratio: int = 4) -> None:
+    """forward_core_compressor / forward_indexer_compressor on a C4 or C128 decode step (our
     compressor on SGLang's state ring, DecodePlan and pools) against the fp32 reference chain,
     and against SGLang's own forward_unified (JIT compress_forward + compress_norm_rope_store)
     on the same inputs where its JIT kernels build."""
@@ -296,10 +391,13 @@ def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None
     from bounds import assert_indexer_pools_close, assert_kv_pools_close
     close = assert_indexer_pools_close if indexer else assert_kv_pools_close
     seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
-    seq_lens = (torch.randint(4, 2000, (bs,), generator=torch.Generator().manual_seed(seed)) // 4 * 4).tolist()
+    lengths = torch.randint(ratio, 4000, (bs,), generator=torch.Generator().manual_seed(seed))
+    seq_lens = (lengths // ratio * ratio).tolist()
     seq_lens[1::3] = [s + 1 for s in seq_lens[1::3]]  # a third of the requests close no block
-    seq_lens[0] = 4  # a first block: no previous one
-    what = "indexer" if indexer else "C4 attention"
+    seq_lens[0] = ratio  # a first block (C4: no previous one)
+    what = "indexer" if indexer else f"C{ratio} attention"
+    case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV,
+                             ratio=ratio)
     case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV)
     label = f"backend {what} compressor, decode ({name}, {bs} requests, {len(case['dest'])} closing)"
     try:
@@ -313,9 +411,9 @@ def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g) -> None
         return
     try:
         theirs = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens,
-                                   device=DEV, sglang_kernels=True)
+                                   device=DEV, sglang_kernels=True, ratio=ratio)
     except Exception as e:
-        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason=f"{type(e).__name__}: {e}"[:300])
+        record(f"{label} vs SGLang's JIT compressor", "SKIP", reason=one_line(e))
         return
     try:
         assert torch.equal(case["state"], theirs["state"]), "state ring"
@@ -333,12 +431,26 @@ def main() -> int:
     global TINY
     TINY = args.tiny
     t0 = time.time()
-    import dsv4_backend.sglang_adapter as A  # stubs torchvision when absent, then imports SGLang
+    try:
+        imports = import_sglang()
+    except Exception as e:
+        record("install", "FAIL", error=one_line(e), trace=traceback.format_exc(limit=6)[-1200:])
+        return finish(args, t0)
+    import dsv4_backend.sglang_adapter as A
     import sglang
     A.register()
     device = (f"{torch.cuda.get_device_name()} sm{torch.cuda.get_device_capability()}"
               if DEV == "cuda" else "cpu (Triton interpreter)")
-    record("install", "PASS", sglang=sglang.__version__, torch=torch.__version__, device=device)
+    record("install", "PASS", sglang=sglang.__version__, torch=torch.__version__, device=device,
+           sglang_cuda_branch=imports["cuda_branch"], stand_ins=list(imports["stand_ins"]) or "none")
+    for module, why in imports["kernel_modules"].items():
+        if why != "ok":
+            record(f"import {module}", "INFO", error=why)
+    guarded("SGLang's pools", run_checks)  # a pool SGLang cannot build stops the rest, not the report
+    return finish(args, t0)
+
+
+def run_checks() -> None:
     g = torch.Generator().manual_seed(0)
     pools = sglang_pools(swa_tokens=2 * 256, full_tokens=1024) if TINY else \
         sglang_pools(swa_tokens=64 * 256, full_tokens=256 * 1024)
@@ -360,6 +472,7 @@ def main() -> int:
         guarded("backend indexer", check_backend_indexer, "tiny", dsv4, 4, 4, 64, 2, g)
         for indexer in (False, True):
             guarded(f"backend compressor {indexer}", check_backend_compressor, "tiny", dsv4, indexer, 4, g)
+        guarded("backend compressor C128", check_backend_compressor, "tiny", dsv4, False, 4, g, 128)
     else:
         dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024)
         for name, h, k in (("Flash h64 top-k 512", 64, 512), ("Pro h128 top-k 1024", 128, 1024)):
@@ -370,6 +483,22 @@ def main() -> int:
         for indexer in (False, True):
             guarded(f"backend compressor {indexer}", check_backend_compressor, "Flash / Pro d", dsv4,
                     indexer, 64, g)
+        # C128 states: one 128-slot page a request (dsv4_pool has pages for 4 after page 0)
+        guarded("backend compressor C128", check_backend_compressor, "Flash / Pro d", dsv4, False, 4, g, 128)
+
+
+def finish(args, t0: float) -> int:
+    """Print what ran: the checks, SGLang's kernels compared and not, the stand-ins' names."""
+    import sglang_stubs
+    ran, not_run = sglang_kernel_summary()
+    for kernel, statuses in ran.items():
+        record(f"ran: {kernel}", "INFO", checks=len(statuses), failed=statuses.count("FAIL"))
+    for kernel, why in not_run.items():
+        record(f"did not run: {kernel}", "INFO", reason=why)
+    for package, use in sglang_stubs.report().items():
+        record(f"stand-in {package}", "INFO", names_imported_by_sglang=len(use["handed_out"]),
+               called=use["called"] or "none")
+        CHECKS[-1]["handed_out"] = use["handed_out"]
     failed = [c["name"] for c in CHECKS if c["status"] == "FAIL"]
     passed = sum(c["status"] == "PASS" for c in CHECKS)
     skipped = sum(c["status"] == "SKIP" for c in CHECKS)
@@ -378,7 +507,6 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_sglang_check.json").write_text(json.dumps(CHECKS, indent=1))
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

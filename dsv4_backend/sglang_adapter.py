@@ -20,12 +20,12 @@ argument parsing, in ``Engine.__init__`` and in every scheduler process. It:
 
 What is ours inside SGLang: the KV store (``store_cache``), the sparse attention of every query
 (``_forward_attention``: SWA window + C4 top-k / all visible C128 rows, with the sink) and the
-C4 indexer's scores and top-k (``forward_c4_indexer``), the C4 compressors of decode steps
-(``forward_core_compressor`` / ``forward_indexer_compressor`` on a DecodePlan), all on SGLang's
-pools, state rings and per-query lists; and the configurator. What stays SGLang's: scheduler,
+C4 indexer's scores and top-k (``forward_c4_indexer``), the C4 and C128 compressors of decode
+steps (``forward_core_compressor`` / ``forward_indexer_compressor`` on a DecodePlan), all on
+SGLang's pools, state rings and per-query lists; and the configurator. What stays SGLang's: scheduler,
 radix cache, model code, weights, MoE, the DSV4 pools and their page layout, the backend's
-metadata and CUDA-graph machinery (inherited), the C128 compressor and every prefill-plan
-compression, the indexer's query projection, and every mode ``serves_attention`` /
+metadata and CUDA-graph machinery (inherited), the online C128 compressor and every
+prefill-plan compression, the indexer's query projection, and every mode ``serves_attention`` /
 ``serves_indexer`` / ``serves_compressor`` leaves to SGLang's kernels.
 
 ``torchvision``: SGLang imports it at module level in one multimodal helper only. When it is
@@ -170,23 +170,39 @@ def c4_decode_events(plan_d: torch.Tensor, out_loc: torch.Tensor, freqs_cis: tor
     return CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
 
 
+def c128_decode_events(plan_d: torch.Tensor, out_loc: torch.Tensor, freqs_cis: torch.Tensor) -> CompressEvents:
+    """Our compression events of one C128 decode step, read from SGLang's DecodePlan.
+
+    SGLang's (not online) C128 state is ``[slots, 2 * d]`` (``[kv | score]``, our ``[C | Z]``)
+    in pages of 128 slots, one page a block. A request whose ``seq_len`` is a multiple of 128
+    closes its block: the candidates are the 128 slots of page ``read_page_1`` (the new token's
+    row, written at ``write_loc`` first, is the last of them); the row goes to ``out_loc`` (C128
+    row) with RoPE at the block's first position seq_len - 128. Others get destination -1."""
+    seq_len, _, _, page = decode_plan_fields(plan_d)
+    n = seq_len.shape[0]
+    sources = page[:, None] * 128 + torch.arange(128, device=plan_d.device)
+    dest = torch.where(seq_len % 128 == 0, _fit_rows(out_loc.long(), n, -1), -1)
+    rot = freqs_cis[(seq_len - 128).clamp_min(0)]
+    return CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
+
+
 class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     """SGLang's DSV4 backend running our Triton kernels on SGLang's pools.
 
     Ours: the KV store (``store_cache``), the sparse attention of every query token
     (``_forward_attention``: SWA window plus the C4 top-k or all visible C128 rows, with the
-    sink), the C4 indexer's scores and top-k (``forward_c4_indexer``) and the C4 compressors of
-    decode steps (``forward_unified``). Inherited: metadata, ``init_forward_metadata``, CUDA-graph
-    state, compression slots and plans, the C128 and prefill compressions, the indexer's query
-    projection (RoPE, Hadamard, FP8). SGLang's pools are uint8
-    ``[pages, page_bytes]`` whose pages hold P rows in our order (all 576-byte nope|rope parts,
+    sink), the C4 indexer's scores and top-k (``forward_c4_indexer``) and the C4 / C128
+    compressors of decode steps (``forward_unified``). Inherited: metadata,
+    ``init_forward_metadata``, CUDA-graph state, compression slots and plans, the online C128 and
+    prefill compressions, the indexer's query projection (RoPE, Hadamard, FP8). SGLang's pools
+    are uint8 ``[pages, page_bytes]`` whose pages hold P rows in our order (all 576-byte nope|rope parts,
     then all 8-byte scale groups) padded to 576-byte blocks; our kernels read P and the page
     stride from the tensor, so slot ``page * P + row`` is the same slot SGLang's kernels use.
 
     Modes our kernels do not serve fall through to SGLang's methods (``serves_attention``,
     ``serves_indexer``, ``serves_compressor``): TRT-LLM attention, the fused-RoPE "mega"
     attention, the DSV4.1 request window and layouts, the FP4 indexer, HiSparse, the top-k
-    capturer, uniform-FP8 / unified KV pools, C128 and prefill compression plans.
+    capturer, uniform-FP8 / unified KV pools, online C128 and prefill compression plans.
     """
 
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch) -> None:
@@ -241,15 +257,19 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
                       extra, attn_sink, self.softmax_scale, out=out[:, :heads])
         return out
 
-    # -- the C4 compressors (attention and indexer rows) --
+    # -- the compressors of decode steps (C4 attention and indexer rows, C128 attention rows) --
 
     def serves_compressor(self, layer_id: int, compressor) -> bool:
         from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
+        from sglang.srt.layers.attention.dsv4.compressor_v2 import _use_online_compress
         from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
         pool = self.token_to_kv_pool
         plan = getattr(self.forward_metadata, f"c{compressor.ratio}_compress_metadata", None)
-        if compressor.ratio != 4 or not isinstance(plan, CompressorDecodePlan):
+        if compressor.ratio not in (4, 128) or not isinstance(plan, CompressorDecodePlan):
+            return False
+        if compressor.ratio == 128 and (_use_online_compress(128) or compressor.is_in_indexer
+                                        or getattr(self, "online_c128_mtp", None) is not None):
             return False
         if not compressor.ape_converted or pool.uniform_fp8 or is_unified_kv_triton():
             return False
@@ -260,38 +280,42 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
                 and not hasattr(kv_pool, "translate_loc_to_hisparse_device"))
 
     def forward_unified(self, x, forward_batch, layer_id: int, compressor) -> None:
-        """C4 decode steps: our fused compressor on SGLang's state ring and pools; every other
-        step (prefill plans, C128, online, HiSparse, FP4 / unified layouts) is SGLang's."""
+        """C4 and C128 decode steps: our compressor on SGLang's state ring and pools; every other
+        step (prefill plans, online C128, HiSparse, FP4 / unified layouts) is SGLang's."""
         if forward_batch.forward_mode.is_idle():
             return
         if not self.serves_compressor(layer_id, compressor):
             return super().forward_unified(x, forward_batch, layer_id, compressor)
-        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [bs, 4d] = [C | Z]
-        self.compress_c4_decode(layer_id, compressor, kv_score)
+        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [bs, 2 * coff * d] = [C | Z]
+        self.compress_decode(layer_id, compressor, kv_score)
 
     forward_core_compressor = forward_unified
     forward_indexer_compressor = forward_unified
 
-    def compress_c4_decode(self, layer_id: int, compressor, kv_score: torch.Tensor) -> None:
+    def compress_decode(self, layer_id: int, compressor, kv_score: torch.Tensor) -> None:
         """Write each request's new [C | Z] at its plan's ``write_loc`` (as SGLang's kernel does,
         every row), then pool, normalise, rotate (Hadamard for the indexer), quantise and store
-        the rows of the blocks this step closes."""
+        the rows of the blocks this step closes (C4: fused kernel; C128: pool + finish)."""
         pool = self.token_to_kv_pool
-        plan_d = self.forward_metadata.c4_compress_metadata.plan_d
-        state = compressor.get_state_pool(self).kv_score_buffer.kv_score  # [slots, 4d]
+        ratio, d = compressor.ratio, compressor.head_dim
+        plan_d = getattr(self.forward_metadata, f"c{ratio}_compress_metadata").plan_d
+        state = compressor.get_state_pool(self).kv_score_buffer.kv_score  # [slots, 2 * coff * d]
         _, write_loc, _, _ = decode_plan_fields(plan_d)
         state[write_loc] = kv_score.to(state.dtype)
-        events = c4_decode_events(plan_d, self.forward_metadata.core_metadata.c4_out_loc,
-                                  compressor.freqs_cis)
-        d = compressor.head_dim
-        halves = compressor.ape.view(8, d)  # SGLang's loader stored ape as [ape[:, :d]; ape[:, d:]]
-        ape = torch.cat([halves[:4], halves[4:]], 1)
+        out_loc = getattr(self.forward_metadata.core_metadata, f"c{ratio}_out_loc")
+        if ratio == 4:
+            events = c4_decode_events(plan_d, out_loc, compressor.freqs_cis)
+            halves = compressor.ape.view(8, d)  # SGLang's loader stored ape as [ape[:, :d]; ape[:, d:]]
+            ape = torch.cat([halves[:4], halves[4:]], 1)
+        else:
+            events = c128_decode_events(plan_d, out_loc, compressor.freqs_cis)
+            ape = compressor.ape.view(128, d)  # no overlap: SGLang stores the checkpoint's ape
         if compressor.is_in_indexer:
             target = pool.get_index_k_with_scale_buffer(layer_id)
             hadamard = hadamard_matrix(128, torch.float32, state.device)
         else:
             target, hadamard = pool.get_extra_key_buffer(layer_id), None
-        compress(_as_bytes(target), events, state, ape, compressor.norm.weight, 4,
+        compress(_as_bytes(target), events, state, ape, compressor.norm.weight, ratio,
                  eps=compressor.norm.variance_epsilon, hadamard=hadamard)
 
     # -- the C4 indexer --

@@ -247,7 +247,7 @@ def indexer_findings(case: dict) -> list[str]:
 
 
 def _ring_plan(seq_lens: list[int], base_page: int, device: str):
-    """SGLang's DecodePlan rows for requests with 2-page (8-slot) rings, request r on pages
+    """SGLang's C4 DecodePlan rows for requests with 2-page (8-slot) rings, request r on pages
     base_page + 2r and + 2r + 1: block b of a request lives on page b % 2 of its ring. Returns
     the plan (uint8 [bs, 16]) and, per request, the previous / current block's page."""
     rows, pages = [], []
@@ -260,11 +260,26 @@ def _ring_plan(seq_lens: list[int], base_page: int, device: str):
     return plan, pages
 
 
+def _c128_plan(seq_lens: list[int], base_page: int, device: str):
+    """SGLang's C128 DecodePlan rows, request r's block on state page base_page + r (128 slots):
+    write_loc the new token's slot, read_page_1 the page pooled when the block closes (SGLang's
+    C128 kernel reads no read_page_0; set to the same page). Returns the plan and the pages."""
+    rows, pages = [], []
+    for r, s in enumerate(seq_lens):
+        page = base_page + r
+        rows.append([s, page * 128 + (s - 1) % 128, page, page])
+        pages.append((page, page))
+    plan = torch.tensor(rows, dtype=torch.int32).view(torch.uint8).to(device)
+    return plan, pages
+
+
 def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "cpu",
-                    sglang_kernels: bool = False) -> dict:
-    """``backend.forward_core_compressor`` / ``forward_indexer_compressor`` for one C4 decode step
-    on SGLang's state ring (``get_*_compress_states``) and C4 / indexer pool, with a DecodePlan
-    built as SGLang's planner lays it out (``_ring_plan``) and SGLang's permuted ``ape``.
+                    sglang_kernels: bool = False, ratio: int = 4) -> dict:
+    """``backend.forward_core_compressor`` / ``forward_indexer_compressor`` for one decode step
+    of a C4 (layer 1: attention or indexer rows) or C128 (layer 2, attention rows) compressor on
+    SGLang's state ring (``get_*_compress_states``) and C4 / C128 / indexer pool, with a
+    DecodePlan built as SGLang's planner lays it out (``_ring_plan`` / ``_c128_plan``) and
+    ``ape`` as SGLang's loader stores it (C4: permuted; C128: as in the checkpoint).
 
     Returns our pool and the reference pool (``reference.compress_ref`` on the same state, with
     the candidates listed from the ring pages, not from the plan), the destination rows, the
@@ -272,53 +287,57 @@ def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "
     ``sglang_kernels``: run SGLang's own ``forward_unified`` (its JIT compress + store) instead
     of ours on the same inputs (GPU only)."""
     from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
+    assert ratio == 4 or not indexer, "the indexer compresses C4 rows only"
+    layer = LAYER_OF_RATIO[ratio]
     d = 128 if indexer else 512
-    states = pool.get_indexer_compress_states(1) if indexer else pool.get_attention_compress_states(1)
+    coff = 2 if ratio == 4 else 1
+    states = pool.get_indexer_compress_states(layer) if indexer else pool.get_attention_compress_states(layer)
     state = states.kv_score_buffer.kv_score
     bs = len(seq_lens)
     state.copy_((torch.randn(state.shape, generator=g) * 2).to(state.dtype))
-    plan, pages = _ring_plan(seq_lens, base_page=1, device=device)
-    target = pool.get_index_k_with_scale_buffer(1) if indexer else pool.get_extra_key_buffer(1)
-    rows_total = target.shape[0] * 64
+    plan, pages = (_ring_plan if ratio == 4 else _c128_plan)(seq_lens, base_page=1, device=device)
+    target = pool.get_index_k_with_scale_buffer(layer) if indexer else pool.get_extra_key_buffer(layer)
+    rows_total = target.shape[0] * (64 if indexer else pool.get_extra_key_page_size(layer))
     dest = torch.full((bs,), -1, dtype=torch.int64)
-    closing = [r for r, s in enumerate(seq_lens) if s % 4 == 0]
+    closing = [r for r, s in enumerate(seq_lens) if s % ratio == 0]
     dest[closing] = torch.randperm(rows_total, generator=g)[:len(closing)]
-    out_loc = dest  # SGLang's c4_out_loc: the row of a token that closes a block, else -1
-    ape = torch.randn(4, 2 * d, generator=g)
-    stored_ape = torch.cat([ape[:, :d], ape[:, d:]], 0).reshape(4, 2 * d)  # SGLang's _apply_ape_hotfix
+    out_loc = dest  # SGLang's c{ratio}_out_loc: the row of a token that closes a block, else -1
+    ape = torch.randn(ratio, coff * d, generator=g)
+    # SGLang's _apply_ape_hotfix permutes an overlapping (C4) ape: [ape[:, :d]; ape[:, d:]]
+    stored_ape = torch.cat([ape[:, :d], ape[:, d:]], 0).reshape(4, 2 * d) if ratio == 4 else ape
     w = torch.rand(d, generator=g) + 0.5
     angles = torch.randn(4096, 32, generator=g, dtype=torch.float64)
     freqs = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-    kv_score = torch.randn(bs, 4 * d, generator=g) * 2
+    kv_score = torch.randn(bs, 2 * coff * d, generator=g) * 2
     as_bytes(target).zero_()
-    compressor = NS(ratio=4, head_dim=d, is_in_indexer=indexer, rotate=indexer, ape=stored_ape.to(device),
+    compressor = NS(ratio=ratio, head_dim=d, is_in_indexer=indexer, rotate=indexer, ape=stored_ape.to(device),
                     ape_converted=True, norm=NS(weight=w.to(device), variance_epsilon=1e-6),
                     freqs_cis=freqs.to(device), compute_kv_score=lambda x, fb: kv_score.to(device),
                     get_state_pool=lambda backend: states)
-    metadata = NS(c4_compress_metadata=CompressorDecodePlan(4, plan),
-                  core_metadata=NS(c4_out_loc=out_loc.to(device)))
+    metadata = NS(**{f"c{ratio}_compress_metadata": CompressorDecodePlan(ratio, plan),
+                     "core_metadata": NS(**{f"c{ratio}_out_loc": out_loc.to(device)})})
     backend = make_backend(pool, enable_deepseek_v4_fp4_indexer=False, forward_metadata=metadata)
     before = state.cpu().clone()
     method = super(A.TritonDSV4AttnBackend, backend).forward_unified if sglang_kernels else backend.forward_unified
-    method(torch.zeros(bs, 8, device=device), NS(forward_mode=NS(is_idle=lambda: False)), 1, compressor)
+    method(torch.zeros(bs, 8, device=device), NS(forward_mode=NS(is_idle=lambda: False)), layer, compressor)
 
     ring = before.clone()
-    slots = []
     for r, s in enumerate(seq_lens):
-        slot = pages[r][1] * 4 + (s - 1) % 4
-        ring[slot] = kv_score[r].to(state.dtype)
-        slots.append(slot)
-    j = torch.arange(4)
-    sources = torch.stack([torch.cat([torch.full((4,), -1) if s <= 4 else pages[r][0] * 4 + j,
-                                      pages[r][1] * 4 + j]) for r, s in enumerate(seq_lens)])
+        ring[pages[r][1] * ratio + (s - 1) % ratio] = kv_score[r].to(state.dtype)
+    if ratio == 4:
+        j = torch.arange(4)
+        sources = torch.stack([torch.cat([torch.full((4,), -1) if s <= 4 else pages[r][0] * 4 + j,
+                                          pages[r][1] * 4 + j]) for r, s in enumerate(seq_lens)])
+    else:
+        sources = torch.stack([pages[r][1] * 128 + torch.arange(128) for r in range(bs)])
     keep = dest >= 0
-    pos = torch.tensor(seq_lens) - 4
+    pos = torch.tensor(seq_lens) - ratio
     rot = freqs[pos.clamp_min(0)][keep]
     ref_pool = torch.zeros(target.shape, dtype=torch.uint8)
     from dsv4_backend.kernels import reference as R
     from bounds import compress_bounds
-    R.compress_ref(ref_pool, dest[keep], ring, sources[keep], ape, w, rot.real.float(), rot.imag.float(), 4,
+    R.compress_ref(ref_pool, dest[keep], ring, sources[keep], ape, w, rot.real.float(), rot.imag.float(), ratio,
                    indexer=indexer)
     return dict(pool=as_bytes(target).cpu(), ref_pool=ref_pool, dest=dest[keep], state=state.cpu(),
-                want_state=ring, bound=compress_bounds(ring, sources[keep], ape, w, 4, d, indexer),
+                want_state=ring, bound=compress_bounds(ring, sources[keep], ape, w, ratio, d, indexer),
                 indexer=indexer)

@@ -364,7 +364,7 @@ def test_backend_attention_on_sglang_pool(ratio):
     assert torch.equal(got[:, heads:], torch.zeros(3, 16 - heads, 512)), "padded heads"
 
 
-def test_backend_falls_back_to_sglang_outside_our_modes():
+def test_backend_falls_back_to_sglang_outside_our_modes(monkeypatch):
     pool = C.dsv4_pool()
     core = C.core_metadata(torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     backend = C.make_backend(pool, forward_metadata=NS(core_attn_metadata=core))
@@ -383,10 +383,17 @@ def test_backend_falls_back_to_sglang_outside_our_modes():
                                   c128_compress_metadata=CompressorDecodePlan(128, plan))
     assert backend.serves_compressor(1, c4)
     assert backend.serves_compressor(1, NS(ratio=4, ape_converted=True, is_in_indexer=True))
-    assert not backend.serves_compressor(2, NS(ratio=128, ape_converted=True, is_in_indexer=False))
+    c128 = NS(ratio=128, ape_converted=True, is_in_indexer=False)
+    assert backend.serves_compressor(2, c128)
+    monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
+    assert not backend.serves_compressor(2, c128)  # online C128 stays SGLang's
+    monkeypatch.delenv("SGLANG_OPT_USE_ONLINE_COMPRESS")
+    assert backend.serves_compressor(2, c128)
     assert not backend.serves_compressor(1, NS(ratio=4, ape_converted=False, is_in_indexer=False))
-    backend.forward_metadata = NS(c4_compress_metadata=CompressorPrefillPlan(4, plan, plan[:, :8]))
+    backend.forward_metadata = NS(c4_compress_metadata=CompressorPrefillPlan(4, plan, plan[:, :8]),
+                                  c128_compress_metadata=CompressorPrefillPlan(128, plan, plan[:, :8]))
     assert not backend.serves_compressor(1, c4)  # prefill plans stay SGLang's
+    assert not backend.serves_compressor(2, c128)
 
 
 def test_backend_c4_indexer_top_k_on_sglang_pool():
@@ -432,3 +439,65 @@ def test_backend_c4_decode_compressor_on_sglang_pool(indexer):
     assert torch.equal(case["state"], case["want_state"])
     close = assert_indexer_pools_close if indexer else assert_kv_pools_close
     close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "compressed rows")
+
+
+def test_backend_c128_decode_compressor_on_sglang_pool():
+    """forward_core_compressor on a C128 decode step: SGLang's DecodePlan (write_loc, read_page_1),
+    its 128-slot state pages, its unpermuted ape and its c128_out_loc. Each request's new [C | Z]
+    lands at write_loc; the blocks closed this step (seq_len % 128 == 0) pool all 128 slots of
+    their page (the new row among them) and are stored at their C128 rows within the bounds of
+    the float64 chain; nothing else in the 2-row SGLang pages is written."""
+    from bounds import assert_kv_pools_close
+    case = C.compressor_case(C.dsv4_pool(), torch.Generator().manual_seed(67), False,
+                             seq_lens=[128, 300, 1024, 256], ratio=128)
+    assert len(case["dest"]) == 3
+    assert torch.equal(case["state"], case["want_state"])
+    assert_kv_pools_close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "C128 rows")
+
+
+# ---- the GPU check's imports on SGLang's CUDA branch ------------------------------------------
+
+_CUDA_BRANCH_PROBE = """
+import importlib.util, json, sys
+sys.path.insert(0, "bench")
+import sglang_cuda_branch as B, gpu_sglang_check as G, sglang_stubs
+with B.forced():
+    imports = G.import_sglang()
+from sglang.srt.layers.layernorm import rmsnorm
+try:
+    rmsnorm()
+    error = None
+except Exception as e:
+    error = [type(e).__name__, str(e)]
+print(json.dumps(dict(imports, use=sglang_stubs.report(), device=G.DEV, call_error=error,
+                      scalar_type_absent=importlib.util.find_spec("sgl_kernel.scalar_type") is None)))
+"""
+
+
+def test_cuda_import_path_with_sgl_kernel_stand_in():
+    """bench/gpu_sglang_check.py's imports with SGLang on its CUDA branch (torch answering as an
+    H200 while SGLang loads, bench/sglang_cuda_branch.py), in a process of its own (~10-20 s).
+    Without sgl_kernel they fail (SGLang imports its names unguarded on CUDA); with the
+    stand-in of bench/sgl_stubs they succeed, and an SGLang function bound to a missing kernel
+    raises naming it."""
+    import importlib.util
+    import subprocess
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        pytest.skip("a real sgl_kernel is installed; the stand-in is not used")
+    run = subprocess.run([sys.executable, "-c", _CUDA_BRANCH_PROBE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["cuda_branch"] is True and got["device"] == "cpu"
+    assert list(got["stand_ins"]) == ["sgl_kernel"]
+    for module, status in got["kernel_modules"].items():
+        if module.endswith("flash_mla_interface"):  # needs the flash_mla package
+            assert status == "ok" or "flash_mla" in status, status
+        else:
+            assert status == "ok", (module, status)
+    handed = got["use"]["sgl_kernel"]["handed_out"]
+    assert any("sglang/srt/layers/layernorm.py:" in w for w in handed["sgl_kernel.rmsnorm"]), handed
+    assert "sgl_kernel.quantization.ggml_dequantize" in handed  # a submodule, as gguf.py imports it
+    assert got["scalar_type_absent"]  # SGLang's own import-time fallback applies
+    assert got["call_error"][0] == "MissingKernelError" and "sgl_kernel.rmsnorm" in got["call_error"][1]
+    assert got["use"]["sgl_kernel"]["called"] == ["sgl_kernel.rmsnorm"]

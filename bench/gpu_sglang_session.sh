@@ -14,7 +14,7 @@ set -uo pipefail
 OUT=${1:?output directory}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh  # .whl/*.whl (flash_mla, pytest) into /tmp/site; part()
-for dir in .whl/sglang-check .whl/sglang-cp312-extra .whl/sglang-cp312; do
+for dir in .whl/sglang-check .whl/sglang-serve .whl/sglang-extra .whl/sglang-cp312-extra .whl/sglang-cp312; do
   [ -d "$dir" ] || continue
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgl "$dir"/*.whl \
     && echo "unpacked $dir into /tmp/sgl" || echo "unpacking $dir failed"

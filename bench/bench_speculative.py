@@ -24,6 +24,12 @@ plain decoding with graphs).
 
 What is measured: wall time of ``Engine.step()`` (synchronised) over ``--steps`` steps after
 ``--warmup`` untimed ones (Triton compiles and graphs are captured there), per configuration.
+Then, per row, ``--steps`` more steps with the step split (bench/spec_step_split.py: each phase
+timed between device synchronisations: MTP drafts, snapshot, the target forward (the verify
+replay), sampling / acceptance, restore, the MTP pass over the kept positions, truncation, the
+rest; shares, since the synchronisations remove the overlap), the target and MTP graphs' own
+host preparation and replay GPU time, and on CUDA the host synchronisations per step by source
+line (``kernel_count.count_syncs``, 2 steps).
 Not measured: a real acceptance rate (needs the release's weights).
 """
 
@@ -47,6 +53,8 @@ if str(ROOT) not in sys.path:
 
 from bench._bench_common import admit_synthetic, finish_all, fmt_tokens, sync  # noqa: E402
 from bench.bench_long_context import memory_setup, model_config, model_defaults, plan_for  # noqa: E402
+from bench.kernel_count import count_syncs  # noqa: E402
+from bench.spec_step_split import SpecStepSplit, split_line  # noqa: E402
 from dsv4_backend import Engine  # noqa: E402
 
 
@@ -78,10 +86,22 @@ def timed(eng: Engine, steps: int) -> tuple[float, int]:
     return 1e3 * (time.perf_counter() - t0) / steps, tokens
 
 
+SYNC_STEPS = 2       # steps whose host synchronisations are counted (CUDA)
+
+
+def steps_per_row(args: argparse.Namespace) -> int:
+    """Engine steps one row runs: warm-up, timed, split, synchronisation count."""
+    return args.warmup + 2 * args.steps + SYNC_STEPS
+
+
+def graph_stats(graphs: Any) -> Optional[dict]:
+    return None if graphs is None else graphs.stats()
+
+
 def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace, lengths: list[Optional[int]]) -> list[dict]:
     """One row per forced acceptance length (None: plain decoding / the MTP's own drafts)."""
     k = args.k
-    per = args.warmup + args.steps
+    per = steps_per_row(args)
     rids = admit_synthetic(eng, ctx, batch, max_new_tokens=per * (k + 1) * len(lengths) + 8)
     rows = []
     graphs = eng.runner.cuda_graphs
@@ -94,13 +114,26 @@ def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace, lengths
             replays = graphs.replays if graphs is not None else 0
             mtp_graphs = spec.mtp_graphs if spec is not None else None
             mtp_replays = mtp_graphs.replays if mtp_graphs is not None else 0
+            for g in (graphs, mtp_graphs):
+                if g is not None:
+                    g.reset_stats()
             ms, tokens = timed(eng, args.steps)
-            rows.append({"context": ctx, "batch": batch, "accept_length": L, "ms_per_step": ms,
-                         "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / (ms * args.steps) * 1e3,
-                         "graph_replays_per_step": ((graphs.replays if graphs is not None else 0) - replays)
-                         / args.steps,
-                         "mtp_replays_per_step": ((mtp_graphs.replays if mtp_graphs is not None else 0) - mtp_replays)
-                         / args.steps})
+            row = {"context": ctx, "batch": batch, "accept_length": L, "ms_per_step": ms,
+                   "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / (ms * args.steps) * 1e3,
+                   "graph_replays_per_step": ((graphs.replays if graphs is not None else 0) - replays)
+                   / args.steps,
+                   "mtp_replays_per_step": ((mtp_graphs.replays if mtp_graphs is not None else 0) - mtp_replays)
+                   / args.steps,
+                   # means per replay over the timed steps: host preparation, the replay's GPU time
+                   "target_graph_stats": graph_stats(graphs), "mtp_graph_stats": graph_stats(mtp_graphs)}
+            with SpecStepSplit(eng) as split:
+                for _ in range(args.steps):
+                    split.step()
+            row["split_ms"] = split.means()
+            syncs = count_syncs(eng, SYNC_STEPS)
+            row["syncs_per_step"] = sum(syncs.values()) / SYNC_STEPS if eng.device.type == "cuda" else None
+            row["syncs_by_line"] = syncs
+            rows.append(row)
     finally:
         finish_all(eng, rids)
     return rows
@@ -152,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args.prefill_contexts, args.prefill_long, args.max_batch, args.cpu_pool_tokens = [], 0, max(args.batches), 0
     args.mixed_prefill = 0
     cfg = model_config(args)
-    headroom = (args.warmup + args.steps) * (args.k + 1) * (args.k + 2) + 64
+    headroom = steps_per_row(args) * (args.k + 1) * (args.k + 2) + 64
     mem = memory_setup(cfg, args, torch.device(args.device), headroom)
     print("\n".join(mem.notes), flush=True)
     report: dict[str, Any] = {"k": args.k, "preset": args.preset, "experts": cfg.n_routed_experts,
@@ -207,6 +240,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                           f"{row['ms_per_step']:8.2f} ms/step  {row['tokens_per_s']:9.1f} tok/s  "
                           f"replays/step {row['graph_replays_per_step']:.2f} target, {row['mtp_replays_per_step']:.2f} MTP",
                           flush=True)
+                    syncs = "" if row["syncs_per_step"] is None else f"; {row['syncs_per_step']:.1f} host syncs/step"
+                    print(f"{'':>9}{split_line(row['split_ms'])}{syncs}", flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1))
         if k is not None and graphs:

@@ -37,7 +37,10 @@ class _Row:
 
 class MTPDraftGraphs(DecodeGraphs):
     """Replays the MTP draft passes of one :class:`~dsv4_backend.mtp.MTPDraftLayer`.
-    ``capture=False`` runs the static path eagerly (the CPU tests)."""
+    ``capture=False`` runs the static path eagerly (the CPU tests). The MTP block is
+    window-only: a pass builds and fills no compressed metadata (``window_only``)."""
+
+    window_only = True
 
     def __init__(self, runner: Any, mtp: Any, max_bs: int, **kw: Any):
         super().__init__(runner, max_bs, **kw)

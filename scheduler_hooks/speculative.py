@@ -17,11 +17,16 @@ One decode step of a request with ``n = kv_len`` ids in the pools and its last t
    ``d_1 .. d_i`` (penalties included); ``d_{i+1}`` is accepted iff it equals that token. The
    a accepted drafts and the next token ("bonus") are emitted, a + 1 tokens;
 4. **roll back**: the compressed state of the rejected rows is put back
-   (``VerifySnapshot.restore``), the allocator is truncated to ``n + a + 1``;
+   (``VerifySnapshot.restore``);
 5. **MTP extend**: the MTP layer runs over every position the target model kept this step
    (prefill chunks too), with the target's final streams and the next ids, writing its own
-   KV rows; its last row gives draft 1 of the next step. Only then are SWA pages evicted (the
+   KV rows; its last kept row gives draft 1 of the next step. When every request verified the
+   same k it replays a graph over all k + 1 verify rows (``MTPDraftGraphs.rows``), so the
+   allocator is truncated to ``n + a + 1`` only after it. Only then are SWA pages evicted (the
    MTP's positions lag the target's by the step's length).
+
+Host reads per step (greedy requests, graphs on): the drafts once, the acceptance once (one
+``sample`` over every greedy request's rows), draft 1 of the next step once.
 
 A request that samples (temperature > 0 and top_k != 1) verifies its drafts by rejection
 sampling (``scheduler_hooks/rejection.py``): its tokens are distributed as without speculation,

@@ -9,10 +9,11 @@ drafts accepted whatever they are): a step then drafts K tokens (K - 1 MTP passe
 K + 1 rows per request, rolls back, and runs the MTP pass over the L kept positions. Each row
 reports ms per step and the tokens/s that acceptance length gives (batch x L per step), beside
 plain decoding; both with CUDA graphs on (the engine's default: plain decode steps and verify
-steps replay graphs, the MTP passes, snapshot and rollback run eagerly), and the speculative
-engine once more with graphs off at L = 1 and K + 1 (what the graphs save). Each row says how
-many target-forward graph replays a step made (1.00: every step's verify or decode replayed) and
-how many MTP draft-pass replays. Per context and
+steps replay graphs, so do the MTP draft passes and the MTP pass over the kept positions; the
+snapshot, the restore and sampling run eagerly), and the speculative engine once more with
+graphs off at L = 1 and K + 1 (what the graphs save). Each row says how many target-forward
+graph replays a step made (1.00: every step's verify or decode replayed) and how many MTP
+replays (K with graphs: K - 1 drafts and the kept pass). Per context and
 batch it also prints the break-even acceptance length (the smallest L whose tokens/s beats
 plain decoding with graphs).
 
@@ -24,7 +25,7 @@ plain decoding with graphs).
 
 What is measured: wall time of ``Engine.step()`` (synchronised) over ``--steps`` steps after
 ``--warmup`` untimed ones (Triton compiles and graphs are captured there), per configuration.
-Then, per row, ``--steps`` more steps with the step split (bench/spec_step_split.py: each phase
+Then, per row, ``--split-steps`` more steps (default 3; 0: none) with the step split (bench/spec_step_split.py: each phase
 timed between device synchronisations: MTP drafts, snapshot, the target forward (the verify
 replay), sampling / acceptance, restore, the MTP pass over the kept positions, truncation, the
 rest; shares, since the synchronisations remove the overlap), the target and MTP graphs' own
@@ -91,7 +92,7 @@ SYNC_STEPS = 2       # steps whose host synchronisations are counted (CUDA)
 
 def steps_per_row(args: argparse.Namespace) -> int:
     """Engine steps one row runs: warm-up, timed, split, synchronisation count."""
-    return args.warmup + 2 * args.steps + SYNC_STEPS
+    return args.warmup + args.steps + args.split_steps + SYNC_STEPS
 
 
 def graph_stats(graphs: Any) -> Optional[dict]:
@@ -126,10 +127,11 @@ def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace, lengths
                    / args.steps,
                    # means per replay over the timed steps: host preparation, the replay's GPU time
                    "target_graph_stats": graph_stats(graphs), "mtp_graph_stats": graph_stats(mtp_graphs)}
-            with SpecStepSplit(eng) as split:
-                for _ in range(args.steps):
-                    split.step()
-            row["split_ms"] = split.means()
+            if args.split_steps:
+                with SpecStepSplit(eng) as split:
+                    for _ in range(args.split_steps):
+                        split.step()
+                row["split_ms"] = split.means()
             syncs = count_syncs(eng, SYNC_STEPS)
             row["syncs_per_step"] = sum(syncs.values()) / SYNC_STEPS if eng.device.type == "cuda" else None
             row["syncs_by_line"] = syncs
@@ -172,6 +174,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--k", type=int, default=3, help="speculative_num_steps (drafts per verify)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--split-steps", type=int, default=3,
+                    help="steps per row timed phase by phase (bench/spec_step_split.py); 0: no split")
     ap.add_argument("--mem-fraction", type=float, default=0.92)
     ap.add_argument("--reserve-gb", type=float, default=14.0)
     ap.add_argument("--time-budget", type=float, default=260.0,
@@ -241,7 +245,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                           f"replays/step {row['graph_replays_per_step']:.2f} target, {row['mtp_replays_per_step']:.2f} MTP",
                           flush=True)
                     syncs = "" if row["syncs_per_step"] is None else f"; {row['syncs_per_step']:.1f} host syncs/step"
-                    print(f"{'':>9}{split_line(row['split_ms'])}{syncs}", flush=True)
+                    if "split_ms" in row or syncs:
+                        split = split_line(row["split_ms"]) if "split_ms" in row else ""
+                        print(f"{'':>9}{split}{syncs}", flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1))
         if k is not None and graphs:

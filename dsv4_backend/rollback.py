@@ -64,12 +64,12 @@ class VerifySnapshot:
         from ``keep_lens`` are left alone: finished ones free everything anyway). A masked
         write of the whole snapshot (entries kept are written back with their current
         contents), so its kernels and shapes do not depend on the acceptance."""
-        if not self.saved:
-            return
-        dev = self.saved[0].position.device
-        keep = upload(torch.tensor([keep_lens.get(rid, -1) for rid in self.rids], dtype=torch.int64), dev)
+        keep: torch.Tensor | None = None
         masks: dict[int, torch.Tensor] = {}
         for s in self.saved:
+            if keep is None:
+                keep = upload(torch.tensor([keep_lens.get(rid, -1) for rid in self.rids], dtype=torch.int64),
+                              s.position.device)
             m = masks.get(id(s.position))
             if m is None:
                 k = keep[s.req]

@@ -25,8 +25,9 @@ One decode step of a request with ``n = kv_len`` ids in the pools and its last t
    allocator is truncated to ``n + a + 1`` only after it. Only then are SWA pages evicted (the
    MTP's positions lag the target's by the step's length).
 
-Host reads per step (greedy requests, graphs on): the drafts once, the acceptance once (one
-``sample`` over every greedy request's rows), draft 1 of the next step once.
+Host reads per step (greedy requests, graphs on): two. The drafts once (draft 1, left on the
+device by the previous step's MTP pass, with the chain's), the acceptance once (one ``sample``
+over every greedy request's rows).
 
 A request that samples (temperature > 0 and top_k != 1) verifies its drafts by rejection
 sampling (``scheduler_hooks/rejection.py``): its tokens are distributed as without speculation,
@@ -101,9 +102,11 @@ class SpeculativeConfig:
 
 @dataclass
 class _DraftState:
-    """What the last MTP pass left for a request: draft 1 and the streams that continue the chain."""
+    """What the last MTP pass left for a request: draft 1 and the streams that continue the chain.
+    The token stays on the device (a 0-d tensor) until the next step's drafts are read back
+    with it; a benchmark's stand-in state holds an int."""
 
-    token: int
+    token: int | torch.Tensor
     hidden: torch.Tensor   # [hc, D]
 
 
@@ -150,31 +153,37 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def draft(self, verifies: list[tuple[Any, int, int]]) -> dict[str, list[int]]:
         """Chained drafts for ``[(r, req_slot, k), ...]`` (k >= 1): ``{rid: [d_1 .. d_k]}``.
-        Each pass's argmax stays on the device as the next pass's tokens; the drafts come back
-        to the host in one read after the last pass."""
-        drafts = {r.rid: [self.states[r.rid].token] for r, _, _ in verifies}
-        hidden = {r.rid: self.states[r.rid].hidden for r, _, _ in verifies}
-        last_tok: dict[str, torch.Tensor] = {}      # rid -> its latest draft, a device scalar
-        chain: dict[str, list[torch.Tensor]] = {r.rid: [] for r, _, _ in verifies}
+        Draft 1 (left on the device by the last MTP pass) and each pass's argmax stay on the
+        device as the next pass's tokens; all drafts come back to the host in one read after
+        the last pass."""
         dev = self.runner.device
+        first = [self.states[r.rid].token for r, _, _ in verifies]
+        if all(isinstance(t, torch.Tensor) for t in first):
+            d1 = torch.stack(first)
+        else:   # stand-in states (ints), possibly beside real ones
+            host = upload(torch.tensor([t if isinstance(t, int) else 0 for t in first], dtype=torch.int64), dev)
+            d1 = torch.stack([t if isinstance(t, torch.Tensor) else host[i] for i, t in enumerate(first)])
+        hidden = {r.rid: self.states[r.rid].hidden for r, _, _ in verifies}
+        chain: dict[str, list[torch.Tensor]] = {r.rid: [d1[i]] for i, (r, _, _) in enumerate(verifies)}
+        prev: Optional[tuple[list[str], torch.Tensor]] = None     # the last pass's requests and tokens
         for j in range(2, max((k for _, _, k in verifies), default=0) + 1):
             step = [(r, slot) for r, slot, k in verifies if k >= j]
             batch = ForwardBatch([slot for _, slot in step], [r.kv_len + j - 2 for r, _ in step], [1] * len(step))
-            if j == 2:
-                ids = upload(torch.tensor([drafts[r.rid][-1] for r, _ in step], dtype=torch.int64), dev)
+            rids = [r.rid for r, _ in step]
+            if j == 2 and len(step) == len(verifies):
+                ids = d1
+            elif prev is not None and prev[0] == rids:
+                ids = prev[1]
             else:
-                ids = torch.stack([last_tok[r.rid] for r, _ in step])
-            Y, lg = self._draft_pass(torch.stack([hidden[r.rid] for r, _ in step]), ids, batch)
+                ids = torch.stack([chain[rid][-1] for rid in rids])
+            Y, lg = self._draft_pass(torch.stack([hidden[rid] for rid in rids]), ids, batch)
             toks = lg.argmax(dim=-1)
-            for i, (r, _) in enumerate(step):
-                last_tok[r.rid] = toks[i]
-                chain[r.rid].append(toks[i])
-                hidden[r.rid] = Y[i]
-        flat = [t for r, _, _ in verifies for t in chain[r.rid]]
-        if flat:
-            got = iter(torch.stack(flat).tolist())
-            for r, _, _ in verifies:
-                drafts[r.rid] += [int(next(got)) for _ in chain[r.rid]]
+            prev = (rids, toks)
+            for i, rid in enumerate(rids):
+                chain[rid].append(toks[i])
+                hidden[rid] = Y[i]
+        got = iter(torch.stack([t for r, _, _ in verifies for t in chain[r.rid]]).tolist())
+        drafts = {r.rid: [int(next(got)) for _ in chain[r.rid]] for r, _, _ in verifies}
         if self.draft_override is not None:
             for r, _, k in verifies:
                 drafts[r.rid] = [int(t) for t in self.draft_override(r.rid, r.kv_len, list(drafts[r.rid]))][:k]
@@ -252,7 +261,8 @@ class SpeculativeDecoder:
                    rows: Optional[list[int]] = None) -> None:
         """The MTP pass over what the target kept: ``[(r, req_slot, start, token offset), ...]``
         covers positions ``start .. r.kv_len - 1`` whose target streams are ``hidden[offset ..]``.
-        Requests now ready to decode get their next draft state.
+        Requests now ready to decode get their next draft state (nothing is read back: draft 1
+        stays on the device).
 
         ``rows`` (one per span): how many rows span i ran in the target step (its verify's
         k + 1; positions ``start .. start + rows - 1`` must still be mapped). When every span
@@ -304,9 +314,9 @@ class SpeculativeDecoder:
         at = upload(torch.tensor([row for _, row in ready], dtype=torch.int64), Y.device)
         last = Y[at]
         lg = self.mtp.logits(last) if logits is None else logits[at]
-        toks = lg.argmax(dim=-1).tolist()
+        toks = lg.argmax(dim=-1)           # stays on the device: read with the next step's drafts
         for j, (r, _) in enumerate(ready):
-            self.states[r.rid] = _DraftState(int(toks[j]), last[j])
+            self.states[r.rid] = _DraftState(toks[j], last[j])
 
     def forget(self, live: set[str]) -> None:
         """Drop the draft state of requests that left the running set."""

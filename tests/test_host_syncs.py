@@ -156,11 +156,11 @@ def _replay_stand_in(obj, name: str) -> None:
     setattr(obj, name, wrapped)
 
 
-def test_speculative_step_reads_three_times():
+def test_speculative_step_reads_twice():
     """A speculative step of three greedy verifies (K = 3, forced acceptance 1, 3, 4) outside its
-    graph replays: the drafts' ids once (after the chain), the acceptance once (all requests'
-    rows in one sampling call), the next draft once (the MTP pass over the kept positions); the
-    snapshot and the restore of every CSA / HCA layer none. (Before, commit 5cd467a, this test
+    graph replays: the drafts once (after the chain, draft 1 from the previous step's MTP pass
+    with them), the acceptance once (all requests' rows in one sampling call); the MTP pass over
+    the kept positions, the snapshot and the restore of every CSA / HCA layer none. (Before, commit 5cd467a, this test
     counted 30 a step: the row pools' slot checks 24 (4 per row read or write and layer), the
     acceptance 3 (once per request), the drafts 2 (once per pass), the MTP pass 1; plus, not
     visible here (their index tensors were made on the host), one ``nonzero`` per ratio in the
@@ -199,7 +199,7 @@ def test_speculative_step_reads_three_times():
     finally:
         DeviceMemory.paused = False
         eng.shutdown()
-    assert len(where) == 2 * 3, where
+    assert len(where) == 2 * 2, where
     assert all(w.startswith(("scheduler_hooks/speculative.py", "scheduler_hooks/sampling.py")) for w in where), where
 
 
@@ -222,9 +222,9 @@ def test_cuda_decode_step_syncs_once():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
-def test_cuda_speculative_step_syncs_three_times():
-    """On CUDA with graphs (verify, drafts and the kept pass replayed): three synchronising
-    calls per speculative step of two greedy verifies, the reads of test_speculative_step_reads_three_times."""
+def test_cuda_speculative_step_syncs_twice():
+    """On CUDA with graphs (verify, drafts and the kept pass replayed): two synchronising calls
+    per speculative step of two greedy verifies, the reads of test_speculative_step_reads_twice."""
     from dsv4_backend import Engine
     eng = Engine(preset="tiny", device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
                  config_overrides={"vocab_size": 1024}, max_total_tokens=8192, max_running_requests=2,
@@ -244,4 +244,4 @@ def test_cuda_speculative_step_syncs_three_times():
     finally:
         eng.shutdown()
     assert replays == (2, 2 * 3), replays   # per step: the verify; 2 draft passes and the kept pass
-    assert sum(syncs.values()) == 2 * 3 and all(k.startswith(("sampling.py", "speculative.py")) for k in syncs), syncs
+    assert sum(syncs.values()) == 2 * 2 and all(k.startswith(("sampling.py", "speculative.py")) for k in syncs), syncs

@@ -17,7 +17,7 @@ replays (K with graphs: K - 1 drafts and the kept pass). Per context and
 batch it also prints the break-even acceptance length (the smallest L whose tokens/s beats
 plain decoding with graphs).
 
-    # one H200, <= 5 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3; a time guard
+    # one H200, ~5-6 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3; a time guard
     # skips what would start after --time-budget seconds, default 260, and lists it)
     PYTHONUNBUFFERED=1 python3 bench/bench_speculative.py --out $OUT/spec.json
     # the code path on the CPU, tiny stand-in
@@ -25,12 +25,12 @@ plain decoding with graphs).
 
 What is measured: wall time of ``Engine.step()`` (synchronised) over ``--steps`` steps after
 ``--warmup`` untimed ones (Triton compiles and graphs are captured there), per configuration.
-Then, per row, ``--split-steps`` more steps (default 3; 0: none) with the step split (bench/spec_step_split.py: each phase
-timed between device synchronisations: MTP drafts, snapshot, the target forward (the verify
-replay), sampling / acceptance, restore, the MTP pass over the kept positions, truncation, the
-rest; shares, since the synchronisations remove the overlap), the target and MTP graphs' own
-host preparation and replay GPU time, and on CUDA the host synchronisations per step by source
-line (``kernel_count.count_syncs``, 2 steps).
+Then, per row, ``--split-steps`` more steps (default 3; 0: none) with the step split
+(bench/spec_step_split.py: each phase timed between device synchronisations: MTP drafts,
+snapshot, the target forward (the verify replay), sampling / acceptance, restore, the MTP pass
+over the kept positions, truncation, the rest; shares, since the synchronisations remove the
+overlap), the target and MTP graphs' own host preparation and replay GPU time, and on CUDA the
+host synchronisations per step by source line (``kernel_count.count_syncs``, 2 steps).
 Not measured: a real acceptance rate (needs the release's weights).
 """
 

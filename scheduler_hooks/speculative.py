@@ -191,7 +191,8 @@ class SpeculativeDecoder:
                     raise ValueError(f"draft_override gave {len(drafts[r.rid])} drafts for {r.rid}, expected {k}")
         return drafts
 
-    def _draft_pass(self, hidden: torch.Tensor, ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_pass(self, hidden: torch.Tensor, ids: torch.Tensor,
+                    batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """One chained MTP pass, one row per request, ``ids`` on the device: (streams, logits);
         a graph replay where it can."""
         graphs = self.mtp_graphs
@@ -305,7 +306,8 @@ class SpeculativeDecoder:
         self._set_states([(r, i * q + r.kv_len - s - 1) for i, (r, _, s, _) in enumerate(spans)], Y, logits)
         return True
 
-    def _set_states(self, last_rows: list[tuple[Any, int]], Y: torch.Tensor, logits: Optional[torch.Tensor] = None) -> None:
+    def _set_states(self, last_rows: list[tuple[Any, int]], Y: torch.Tensor,
+                    logits: Optional[torch.Tensor] = None) -> None:
         """Draft 1 and its streams for the requests now ready to decode: row ``last_rows[i][1]``
         of the pass's streams ``Y`` (and logits, computed here when not given)."""
         ready = [(r, row) for r, row in last_rows if r.remaining == 1]

@@ -10,8 +10,11 @@ lengths between them, and plain decode steps in between (a speculative engine ke
 graphs too). Both runs do the same operations on the same values in the same order (the static
 ring write precedes the in-place read only where no candidate is overwritten:
 ``static_max_rows``), so logits, final streams and every pool must be bit-identical. The MTP
-draft passes' graphs (``MTPDraftGraphs``) are checked the same way. ~45 s CPU time (the
-interpreter).
+draft passes' graphs (``MTPDraftGraphs``) are checked the same way, and so is the MTP pass over
+a verify's kept positions through its graph path (all k + 1 rows of each verify), with a float64
+check that the rows past the kept ones change nothing kept; last, a whole speculative engine
+through the static path against the same engine eager. ~45 s CPU time (the interpreter), plus
+~100 s for the engine comparison.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dsv4_backend.cuda_graph import DecodeGraphs
 from dsv4_backend.model_runner import ForwardRequest, ModelRunner
 from dsv4_backend.mtp import MTPDraftLayer
 from dsv4_backend.mtp_graph import MTPDraftGraphs
+from dsv4_backend.triton_backend import TritonDSV4Backend
 from dsv4_backend.weights import random_weights
 from memory.allocator import KVAllocator
 from memory.configurator import DSV4PoolConfigurator
@@ -251,3 +255,42 @@ def test_mtp_rows_past_the_kept_ones_change_nothing_kept():
     idx = torch.tensor(slots)
     assert torch.equal(read_row_bytes(pool_kept, idx), read_row_bytes(pool_all, idx))
     assert not torch.equal(pool_kept, pool_all)      # the extra rows did write (past the kept positions)
+
+
+def test_engine_through_the_static_path_equals_the_eager_engine():
+    """A speculative engine (float32, Triton under the interpreter) whose verify steps, draft
+    passes and kept-position MTP passes take the static path (``capture=False``) against the
+    same engine run eagerly. ``accept_override`` forces acceptance lengths 4, 1, 3, 2 whatever the
+    drafts are, so the emitted tokens are the MTP's own drafts: a wrong kept-pass row, a draft
+    state given to the wrong request or a truncation before the kept pass changes them."""
+    import itertools
+
+    from dsv4_backend import Engine
+    prompts = [torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 9)]
+
+    def run(static: bool):
+        eng = Engine(preset="tiny", dtype="float32", config_overrides={"vocab_size": 512}, skip_tokenizer_init=True,
+                     max_running_requests=2, max_total_tokens=2048, chunked_prefill_size=64,
+                     speculative_algorithm="EAGLE", speculative_num_steps=Q - 1, speculative_eagle_topk=1,
+                     speculative_num_draft_tokens=Q)
+        with eng:
+            spec = eng.scheduler.spec
+            # the Triton backend in both runs (the engine picks the torch one on the CPU)
+            eng.runner.backend = spec.mtp.backend = TritonDSV4Backend(eng.config, eng.pools, eng.allocator,
+                                                                      dtype=torch.float32)
+            if static:
+                eng.runner.cuda_graphs = DecodeGraphs(eng.runner, max_bs=2, capture=False, min_context=512)
+                spec.mtp_graphs = MTPDraftGraphs(eng.runner, spec.mtp, 2, capture=False, min_context=512)
+            accepted = itertools.cycle([3, 0, 2, 1])
+            spec.accept_override = lambda rid, k: next(accepted)
+            outs = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 11,
+                                                                   "ignore_eos": True})
+            graphs = (eng.runner.cuda_graphs, spec.mtp_graphs)
+            return [o["output_ids"] for o in outs], graphs, spec.stats()
+
+    ref, none, _ = run(False)
+    assert none == (None, None)
+    got, (target, mtp), stats = run(True)
+    assert got == ref
+    assert stats["num_verify"] >= 6 and target.replays >= 3
+    assert {1, Q} <= {key[2] for key in mtp._graphs}        # draft passes and kept passes replayed

@@ -9,14 +9,15 @@ drafts accepted whatever they are): a step then drafts K tokens (K - 1 MTP passe
 K + 1 rows per request, rolls back, and runs the MTP pass over the L kept positions. Each row
 reports ms per step and the tokens/s that acceptance length gives (batch x L per step), beside
 plain decoding; both with CUDA graphs on (the engine's default: plain decode steps and verify
-steps replay graphs, the MTP passes, snapshot and rollback run eagerly), and the speculative
-engine once more with graphs off at L = 1 and K + 1 (what the graphs save). Each row says how
-many target-forward graph replays a step made (1.00: every step's verify or decode replayed) and
-how many MTP draft-pass replays. Per context and
+steps replay graphs, so do the MTP draft passes and the MTP pass over the kept positions; the
+snapshot, the restore and sampling run eagerly), and the speculative engine once more with
+graphs off at L = 1 and K + 1 (what the graphs save). Each row says how many target-forward
+graph replays a step made (1.00: every step's verify or decode replayed) and how many MTP
+replays (K with graphs: K - 1 drafts and the kept pass). Per context and
 batch it also prints the break-even acceptance length (the smallest L whose tokens/s beats
 plain decoding with graphs).
 
-    # one H200, <= 5 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3; a time guard
+    # one H200, ~5-6 minutes (two model builds, 4K and 128K x batch 1 and 32, K = 3; a time guard
     # skips what would start after --time-budget seconds, default 260, and lists it)
     PYTHONUNBUFFERED=1 python3 bench/bench_speculative.py --out $OUT/spec.json
     # the code path on the CPU, tiny stand-in
@@ -24,6 +25,12 @@ plain decoding with graphs).
 
 What is measured: wall time of ``Engine.step()`` (synchronised) over ``--steps`` steps after
 ``--warmup`` untimed ones (Triton compiles and graphs are captured there), per configuration.
+Then, per row, ``--split-steps`` more steps (default 3; 0: none) with the step split
+(bench/spec_step_split.py: each phase timed between device synchronisations: MTP drafts,
+snapshot, the target forward (the verify replay), sampling / acceptance, restore, the MTP pass
+over the kept positions, truncation, the rest; shares, since the synchronisations remove the
+overlap), the target and MTP graphs' own host preparation and replay GPU time, and on CUDA the
+host synchronisations per step by source line (``kernel_count.count_syncs``, 2 steps).
 Not measured: a real acceptance rate (needs the release's weights).
 """
 
@@ -47,6 +54,8 @@ if str(ROOT) not in sys.path:
 
 from bench._bench_common import admit_synthetic, finish_all, fmt_tokens, sync  # noqa: E402
 from bench.bench_long_context import memory_setup, model_config, model_defaults, plan_for  # noqa: E402
+from bench.kernel_count import count_syncs  # noqa: E402
+from bench.spec_step_split import SpecStepSplit, split_line  # noqa: E402
 from dsv4_backend import Engine  # noqa: E402
 
 
@@ -78,10 +87,22 @@ def timed(eng: Engine, steps: int) -> tuple[float, int]:
     return 1e3 * (time.perf_counter() - t0) / steps, tokens
 
 
+SYNC_STEPS = 2       # steps whose host synchronisations are counted (CUDA)
+
+
+def steps_per_row(args: argparse.Namespace) -> int:
+    """Engine steps one row runs: warm-up, timed, split, synchronisation count."""
+    return args.warmup + args.steps + args.split_steps + SYNC_STEPS
+
+
+def graph_stats(graphs: Any) -> Optional[dict]:
+    return None if graphs is None else graphs.stats()
+
+
 def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace, lengths: list[Optional[int]]) -> list[dict]:
     """One row per forced acceptance length (None: plain decoding / the MTP's own drafts)."""
     k = args.k
-    per = args.warmup + args.steps
+    per = steps_per_row(args)
     rids = admit_synthetic(eng, ctx, batch, max_new_tokens=per * (k + 1) * len(lengths) + 8)
     rows = []
     graphs = eng.runner.cuda_graphs
@@ -94,13 +115,27 @@ def measure(eng: Engine, ctx: int, batch: int, args: argparse.Namespace, lengths
             replays = graphs.replays if graphs is not None else 0
             mtp_graphs = spec.mtp_graphs if spec is not None else None
             mtp_replays = mtp_graphs.replays if mtp_graphs is not None else 0
+            for g in (graphs, mtp_graphs):
+                if g is not None:
+                    g.reset_stats()
             ms, tokens = timed(eng, args.steps)
-            rows.append({"context": ctx, "batch": batch, "accept_length": L, "ms_per_step": ms,
-                         "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / (ms * args.steps) * 1e3,
-                         "graph_replays_per_step": ((graphs.replays if graphs is not None else 0) - replays)
-                         / args.steps,
-                         "mtp_replays_per_step": ((mtp_graphs.replays if mtp_graphs is not None else 0) - mtp_replays)
-                         / args.steps})
+            row = {"context": ctx, "batch": batch, "accept_length": L, "ms_per_step": ms,
+                   "tokens_per_step": tokens / args.steps, "tokens_per_s": tokens / (ms * args.steps) * 1e3,
+                   "graph_replays_per_step": ((graphs.replays if graphs is not None else 0) - replays)
+                   / args.steps,
+                   "mtp_replays_per_step": ((mtp_graphs.replays if mtp_graphs is not None else 0) - mtp_replays)
+                   / args.steps,
+                   # means per replay over the timed steps: host preparation, the replay's GPU time
+                   "target_graph_stats": graph_stats(graphs), "mtp_graph_stats": graph_stats(mtp_graphs)}
+            if args.split_steps:
+                with SpecStepSplit(eng) as split:
+                    for _ in range(args.split_steps):
+                        split.step()
+                row["split_ms"] = split.means()
+            syncs = count_syncs(eng, SYNC_STEPS)
+            row["syncs_per_step"] = sum(syncs.values()) / SYNC_STEPS if eng.device.type == "cuda" else None
+            row["syncs_by_line"] = syncs
+            rows.append(row)
     finally:
         finish_all(eng, rids)
     return rows
@@ -139,6 +174,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--k", type=int, default=3, help="speculative_num_steps (drafts per verify)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--split-steps", type=int, default=3,
+                    help="steps per row timed phase by phase (bench/spec_step_split.py); 0: no split")
     ap.add_argument("--mem-fraction", type=float, default=0.92)
     ap.add_argument("--reserve-gb", type=float, default=14.0)
     ap.add_argument("--time-budget", type=float, default=260.0,
@@ -152,7 +189,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args.prefill_contexts, args.prefill_long, args.max_batch, args.cpu_pool_tokens = [], 0, max(args.batches), 0
     args.mixed_prefill = 0
     cfg = model_config(args)
-    headroom = (args.warmup + args.steps) * (args.k + 1) * (args.k + 2) + 64
+    headroom = steps_per_row(args) * (args.k + 1) * (args.k + 2) + 64
     mem = memory_setup(cfg, args, torch.device(args.device), headroom)
     print("\n".join(mem.notes), flush=True)
     report: dict[str, Any] = {"k": args.k, "preset": args.preset, "experts": cfg.n_routed_experts,
@@ -207,6 +244,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                           f"{row['ms_per_step']:8.2f} ms/step  {row['tokens_per_s']:9.1f} tok/s  "
                           f"replays/step {row['graph_replays_per_step']:.2f} target, {row['mtp_replays_per_step']:.2f} MTP",
                           flush=True)
+                    syncs = "" if row["syncs_per_step"] is None else f"; {row['syncs_per_step']:.1f} host syncs/step"
+                    if "split_ms" in row or syncs:
+                        split = split_line(row["split_ms"]) if "split_ms" in row else ""
+                        print(f"{'':>9}{split}{syncs}", flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1))
         if k is not None and graphs:

@@ -119,7 +119,10 @@ class DecodeGraphs:
     """Replays pure-decode steps of one :class:`~dsv4_backend.model_runner.ModelRunner`.
 
     ``capture=False`` runs the same static path eagerly (no graph): how the CPU tests check
-    the static tables against the ordinary step."""
+    the static tables against the ordinary step. ``window_only`` (a subclass's): the body runs
+    window-only layers, so the step's compressed metadata and tables are neither built nor filled."""
+
+    window_only = False
 
     def __init__(self, runner: Any, max_bs: int, capture: bool = True, max_graphs: int = 24,
                  min_context: int = MIN_CONTEXT_BUCKET):
@@ -182,7 +185,7 @@ class DecodeGraphs:
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [q] * len(reqs))
         # the ordinary layout, without the events (the static tables derive their own) and
         # without the per-layer Triton tables (the static ones replace them)
-        meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False)
+        meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False, compressed=not self.window_only)
         ids = upload(torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64), runner.device)
         bs = next(b for b in self.buckets if b >= len(reqs))
         ctx = context_bucket(max(meta.host.seq_lens), self.min_context)
@@ -214,7 +217,10 @@ class DecodeGraphs:
         return meta, logits[:T], hidden[:T]
 
     def _fill(self, meta: Any, ids: torch.Tensor, st: Any, count_tokens: bool = True) -> None:
-        self.runner.backend.fill_static_decode(meta, ids, st, count_tokens=count_tokens)
+        if self.window_only:
+            self.runner.backend.fill_static_decode(meta, ids, st, count_tokens=count_tokens, compressed=False)
+        else:
+            self.runner.backend.fill_static_decode(meta, ids, st, count_tokens=count_tokens)
 
     def _body(self, st: Any) -> tuple[torch.Tensor, torch.Tensor]:
         model, backend = self.runner.model, self.runner.backend

@@ -223,11 +223,13 @@ class _StaticDecodeMixin:
 
     @torch.no_grad()
     def fill_static_decode(self, meta: ForwardMetadata, input_ids: torch.Tensor, st: StaticDecode,
-                           count_tokens: bool = True) -> None:
+                           count_tokens: bool = True, compressed: bool = True) -> None:
         """Copy a step of ``st.q`` tokens per request (``meta`` from
         :meth:`TorchDSV4Backend.init_forward_metadata`) into ``st``. ``count_tokens=False`` gives
         every row an online-C128 token count of 0: the warm-up before a capture then leaves the
-        online state untouched (every other write of the step is idempotent)."""
+        online state untouched (every other write of the step is idempotent).
+        ``compressed=False`` fills only the window part (the MTP layer's static steps; the
+        compressed tables keep what they held and must not be read)."""
         B, T, q, dev = len(meta.token_offsets) - 1, meta.num_tokens, st.q, self.device
         if (B > st.bs or any(n != q for n in meta.host.extend_lens) or max(meta.host.seq_lens) > st.ctx):
             raise ValueError(f"a step of {B} requests x {sorted(set(meta.host.extend_lens))} rows, contexts <= "
@@ -254,7 +256,7 @@ class _StaticDecodeMixin:
         else:
             window = meta.window_slots[g]
             st.plan.window_slots.copy_(window)
-        for m in self.ratios:
+        for m in self.ratios if compressed else ():
             cm = meta.compressed[m]
             rows = cm.rows[greq]                                     # [bs * q, blocks so far]
             block = pos // m

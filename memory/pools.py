@@ -1,7 +1,10 @@
 """The physical pools: the only place in memory/ that holds KV bytes and compressor state.
 
-Every pool is a dict ``{layer_id: tensor}`` keyed by the layer's index in the model. A
-speculative plan adds one ``swa_kv`` tensor per MTP layer (window-only, the draft layer of
+Every pool is a dict ``{layer_id: tensor}`` keyed by the layer's index in the model. The
+compressed kinds (every kind but ``swa_kv``) are allocated as one tensor per kind stacked over
+their layers, ``stacked[kind]`` ``[num_layers, ...]`` in increasing layer order, and the dict holds
+its per-layer views: a speculative step's rollback (dsv4_backend/rollback.py) reads and writes
+one kind in all layers with one indexing kernel. A speculative plan adds one ``swa_kv`` tensor per MTP layer (window-only, the draft layer of
 speculative decoding) at its model index ``num_hidden_layers + j``; other plans hold none.
 Shapes come from :meth:`PoolPlan.pool_shapes`; each pool ends with
 one dummy page / slot that padded writes may target (the ``dummy_*`` properties give its index):
@@ -73,6 +76,8 @@ class DSV4KVPools:
         self.device = torch.device(device)
         self.state_dtype = plan.state_dtype if state_dtype is None else state_dtype
         shapes = plan.pool_shapes()
+        # kind -> (tensor [num_layers, ...], its layer ids in order); the dict entries are its views
+        self.stacked: dict[str, tuple[torch.Tensor, list[int]]] = {}
         for kind in _KINDS:
             pool: dict[int, torch.Tensor] = {}
             if kind in shapes:
@@ -85,7 +90,12 @@ class DSV4KVPools:
                 dims = shape.shape
                 if kind in _KV_KINDS:
                     dims = (dims[0], -(-dims[1] // page_align) * page_align)
-                pool = {i: torch.zeros(dims, dtype=dtype, device=self.device) for i in ids}
+                if kind == "swa_kv":
+                    pool = {i: torch.zeros(dims, dtype=dtype, device=self.device) for i in ids}
+                else:
+                    stack = torch.zeros((len(ids),) + tuple(dims), dtype=dtype, device=self.device)
+                    self.stacked[kind] = (stack, list(ids))
+                    pool = {i: stack[j] for j, i in enumerate(ids)}
                 if kind == "swa_kv" and plan.speculative and not plan.dense:
                     # the MTP draft layers are window-only: an SWA pool each, at their model index
                     n_main, n_mtp = len(ratios), int(getattr(model_config, "num_nextn_predict_layers", 0))
@@ -98,6 +108,7 @@ class DSV4KVPools:
             self.hisparse = HiSparsePool(self.c4_kv, plan.c4_indexer_rows, plan.c4_rows, plan.max_running_requests,
                                          hisparse, int(model_config.index_topk), page_bytes, self.device)
             self.c4_kv = self.hisparse.host   # every writer that addresses full rows writes the host copy
+            self.stacked.pop("c4_kv", None)
 
     # ---- dummy targets for padded writes ---------------------------------------------
 

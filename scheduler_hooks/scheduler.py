@@ -316,11 +316,8 @@ class Scheduler:
         """Speculative steps: accept the verifies' tokens, roll back what their rejected rows
         wrote, run the MTP layer over what the target kept, then evict SWA pages."""
         spec, outputs, keep = self.spec, [], {}
-        for ch, lg in zip(batch, logits):
-            r = ch.req
-            if not ch.num_drafts:
-                continue
-            toks, res = spec.accept(r, drafts[r.rid], lg)
+        verified = [(ch.req, drafts[ch.req.rid], lg) for ch, lg in zip(batch, logits) if ch.num_drafts]
+        for (r, _, lg), (toks, res) in zip(verified, spec.accept_all(verified)):
             bad = next((e for e in res.errors[:len(toks)] if e is not None), None)
             if bad is not None:
                 outputs.append(self._fail(r, bad))
@@ -333,20 +330,22 @@ class Scheduler:
                 outputs.append(self._fail(r, f"processing the new tokens failed: {type(e).__name__}: {e}"))
         if snapshot is not None:
             snapshot.restore(keep)
-        alloc = self.hooks.allocator
-        for rid, n in keep.items():
-            if rid in alloc:
-                alloc.truncate(rid, n)
         token_offsets = torch.cumsum(torch.tensor([0] + [ch.num_tokens for ch in batch]), 0).tolist()
-        live = [(ch.req, slot, start, off) for ch, slot, start, off in zip(batch, slots, starts, token_offsets)
-                if ch.req.state is ReqState.RUNNING]
+        running = [i for i, ch in enumerate(batch) if ch.req.state is ReqState.RUNNING]
+        live = [(batch[i].req, slots[i], starts[i], token_offsets[i]) for i in running]
+        # before the truncation: a graph pass runs over every verify row (they stay mapped)
+        rows = [batch[i].num_tokens if batch[i].num_drafts else 0 for i in running]
         try:
-            spec.extend_mtp(live, self.runner.last_hidden)
+            spec.extend_mtp(live, self.runner.last_hidden, rows)
         except Exception:
             # drafts only decide speed, never tokens: these requests decode without drafts until
             # a later MTP pass succeeds
             logger.exception("the MTP pass failed; its requests decode without drafts for now")
             spec.forget({r.rid for r in self.running} - {r.rid for r, _, _, _ in live})
+        alloc = self.hooks.allocator
+        for rid, n in keep.items():
+            if rid in alloc:
+                alloc.truncate(rid, n)
         self.hooks.after_forward(r.rid for r, _, _, _ in live)
         spec.forget({r.rid for r in self.running})
         return outputs

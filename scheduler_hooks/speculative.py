@@ -17,11 +17,17 @@ One decode step of a request with ``n = kv_len`` ids in the pools and its last t
    ``d_1 .. d_i`` (penalties included); ``d_{i+1}`` is accepted iff it equals that token. The
    a accepted drafts and the next token ("bonus") are emitted, a + 1 tokens;
 4. **roll back**: the compressed state of the rejected rows is put back
-   (``VerifySnapshot.restore``), the allocator is truncated to ``n + a + 1``;
+   (``VerifySnapshot.restore``);
 5. **MTP extend**: the MTP layer runs over every position the target model kept this step
    (prefill chunks too), with the target's final streams and the next ids, writing its own
-   KV rows; its last row gives draft 1 of the next step. Only then are SWA pages evicted (the
+   KV rows; its last kept row gives draft 1 of the next step. When every request verified the
+   same k it replays a graph over all k + 1 verify rows (``MTPDraftGraphs.rows``), so the
+   allocator is truncated to ``n + a + 1`` only after it. Only then are SWA pages evicted (the
    MTP's positions lag the target's by the step's length).
+
+Host reads per step (greedy requests, graphs on): two. The drafts once (draft 1, left on the
+device by the previous step's MTP pass, with the chain's), the acceptance once (one ``sample``
+over every greedy request's rows).
 
 A request that samples (temperature > 0 and top_k != 1) verifies its drafts by rejection
 sampling (``scheduler_hooks/rejection.py``): its tokens are distributed as without speculation,
@@ -49,9 +55,10 @@ from dsv4_backend.cuda_graph import GraphUnavailable
 from dsv4_backend.mtp import MTPDraftLayer
 from dsv4_backend.mtp_graph import MTPDraftGraphs
 from dsv4_backend.rollback import MAX_DRAFT_TOKENS, VerifySnapshot, snapshot_for_verify
+from memory.upload import upload
 
 from .rejection import accept_sampled
-from .sampling import SampleInput, sample
+from .sampling import SampleInput, SampleOutput, sample
 
 ALGORITHMS = ("EAGLE", "NEXTN")
 
@@ -95,9 +102,11 @@ class SpeculativeConfig:
 
 @dataclass
 class _DraftState:
-    """What the last MTP pass left for a request: draft 1 and the streams that continue the chain."""
+    """What the last MTP pass left for a request: draft 1 and the streams that continue the chain.
+    The token stays on the device (a 0-d tensor) until the next step's drafts are read back
+    with it; a benchmark's stand-in state holds an int."""
 
-    token: int
+    token: int | torch.Tensor
     hidden: torch.Tensor   # [hc, D]
 
 
@@ -143,18 +152,38 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def draft(self, verifies: list[tuple[Any, int, int]]) -> dict[str, list[int]]:
-        """Chained drafts for ``[(r, req_slot, k), ...]`` (k >= 1): ``{rid: [d_1 .. d_k]}``."""
-        drafts = {r.rid: [self.states[r.rid].token] for r, _, _ in verifies}
+        """Chained drafts for ``[(r, req_slot, k), ...]`` (k >= 1): ``{rid: [d_1 .. d_k]}``.
+        Draft 1 (left on the device by the last MTP pass) and each pass's argmax stay on the
+        device as the next pass's tokens; all drafts come back to the host in one read after
+        the last pass."""
+        dev = self.runner.device
+        first = [self.states[r.rid].token for r, _, _ in verifies]
+        if all(isinstance(t, torch.Tensor) for t in first):
+            d1 = torch.stack(first)
+        else:   # stand-in states (ints), possibly beside real ones
+            host = upload(torch.tensor([t if isinstance(t, int) else 0 for t in first], dtype=torch.int64), dev)
+            d1 = torch.stack([t if isinstance(t, torch.Tensor) else host[i] for i, t in enumerate(first)])
         hidden = {r.rid: self.states[r.rid].hidden for r, _, _ in verifies}
+        chain: dict[str, list[torch.Tensor]] = {r.rid: [d1[i]] for i, (r, _, _) in enumerate(verifies)}
+        prev: Optional[tuple[list[str], torch.Tensor]] = None     # the last pass's requests and tokens
         for j in range(2, max((k for _, _, k in verifies), default=0) + 1):
             step = [(r, slot) for r, slot, k in verifies if k >= j]
             batch = ForwardBatch([slot for _, slot in step], [r.kv_len + j - 2 for r, _ in step], [1] * len(step))
-            last = [drafts[r.rid][-1] for r, _ in step]
-            Y, lg = self._draft_pass(torch.stack([hidden[r.rid] for r, _ in step]), last, batch)
-            toks = lg.argmax(dim=-1).tolist()
-            for i, (r, _) in enumerate(step):
-                drafts[r.rid].append(int(toks[i]))
-                hidden[r.rid] = Y[i]
+            rids = [r.rid for r, _ in step]
+            if j == 2 and len(step) == len(verifies):
+                ids = d1
+            elif prev is not None and prev[0] == rids:
+                ids = prev[1]
+            else:
+                ids = torch.stack([chain[rid][-1] for rid in rids])
+            Y, lg = self._draft_pass(torch.stack([hidden[rid] for rid in rids]), ids, batch)
+            toks = lg.argmax(dim=-1)
+            prev = (rids, toks)
+            for i, rid in enumerate(rids):
+                chain[rid].append(toks[i])
+                hidden[rid] = Y[i]
+        got = iter(torch.stack([t for r, _, _ in verifies for t in chain[r.rid]]).tolist())
+        drafts = {r.rid: [int(next(got)) for _ in chain[r.rid]] for r, _, _ in verifies}
         if self.draft_override is not None:
             for r, _, k in verifies:
                 drafts[r.rid] = [int(t) for t in self.draft_override(r.rid, r.kv_len, list(drafts[r.rid]))][:k]
@@ -162,15 +191,17 @@ class SpeculativeDecoder:
                     raise ValueError(f"draft_override gave {len(drafts[r.rid])} drafts for {r.rid}, expected {k}")
         return drafts
 
-    def _draft_pass(self, hidden: torch.Tensor, ids: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chained MTP pass, one row per request: (streams, logits); a graph replay where it can."""
+    def _draft_pass(self, hidden: torch.Tensor, ids: torch.Tensor,
+                    batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained MTP pass, one row per request, ``ids`` on the device: (streams, logits);
+        a graph replay where it can."""
         graphs = self.mtp_graphs
-        if graphs is not None and graphs.enabled and len(ids) <= graphs.max_bs:
+        if graphs is not None and graphs.enabled and len(batch.req_slots) <= graphs.max_bs:
             try:
                 return graphs.draft(hidden, ids, batch)
             except GraphUnavailable:
                 pass     # logged; eager from now on
-        Y = self.mtp.forward(hidden, torch.tensor(ids, dtype=torch.int64, device=self.runner.device), batch)
+        Y = self.mtp.forward(hidden, ids, batch)
         return Y, self.mtp.logits(Y)
 
     def snapshot(self, verifies: list[tuple[Any, int, int]]) -> VerifySnapshot:
@@ -184,47 +215,110 @@ class SpeculativeDecoder:
         bonus token, plus the ``SampleOutput`` of the rows (logprobs, errors). Greedy requests
         accept a draft iff it is row i's argmax; sampling ones by rejection sampling
         (``scheduler_hooks/rejection.py``)."""
-        k = len(drafts)
-        inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids + drafts[:i], r.generator,
-                              r.greq.top_logprobs_num, r.greq.return_logprob) for i in range(k + 1)]
-        if self.accept_override is not None:
-            res = sample(logits, inputs)
-            a = max(0, min(k, int(self.accept_override(r.rid, k))))
-            toks = drafts[:a] + [res.token_ids[a]]
-        elif not r.params.greedy:
-            toks, res = accept_sampled(logits, drafts, inputs)
-        else:
-            res = sample(logits, inputs)
-            toks = []
-            for i in range(k + 1):
-                toks.append(res.token_ids[i])
-                if res.errors[i] is not None or i == k or res.token_ids[i] != drafts[i]:
-                    break
-        self.num_verify += 1
-        self.num_draft_tokens += k
-        self.accept_hist[len(toks)] += 1
-        return toks, res
+        return self.accept_all([(r, drafts, logits)])[0]
+
+    def accept_all(self, verifies: list[tuple[Any, list[int], torch.Tensor]]) -> list[tuple[list[int], Any]]:
+        """:meth:`accept` for a step's verifies ``[(r, drafts, logits [k + 1, V]), ...]``. The
+        rows of every greedy request (and of every request under ``accept_override``) are
+        sampled by one ``sample`` call: one device read for all of them; a sampling request
+        runs its rejection sampling alone (its own reads)."""
+        out: list[Any] = [None] * len(verifies)
+        plain = [i for i, (r, _, _) in enumerate(verifies) if self.accept_override is not None or r.params.greedy]
+        if plain:
+            inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids + drafts[:j], r.generator,
+                                  r.greq.top_logprobs_num, r.greq.return_logprob)
+                      for r, drafts, _ in (verifies[i] for i in plain) for j in range(len(drafts) + 1)]
+            lgs = [verifies[i][2] for i in plain]
+            res = sample(lgs[0] if len(lgs) == 1 else torch.cat(lgs), inputs)
+            at = 0
+            for i in plain:
+                r, drafts, _ = verifies[i]
+                k = len(drafts)
+                rows = SampleOutput(*(field[at:at + k + 1] for field in res))
+                at += k + 1
+                if self.accept_override is not None:
+                    a = max(0, min(k, int(self.accept_override(r.rid, k))))
+                    toks = drafts[:a] + [rows.token_ids[a]]
+                else:
+                    toks = []
+                    for j in range(k + 1):
+                        toks.append(rows.token_ids[j])
+                        if rows.errors[j] is not None or j == k or rows.token_ids[j] != drafts[j]:
+                            break
+                out[i] = (toks, rows)
+        for i, (r, drafts, logits) in enumerate(verifies):
+            if out[i] is None:
+                inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids + drafts[:j], r.generator,
+                                      r.greq.top_logprobs_num, r.greq.return_logprob) for j in range(len(drafts) + 1)]
+                out[i] = accept_sampled(logits, drafts, inputs)
+        for (_, drafts, _), (toks, _) in zip(verifies, out):
+            self.num_verify += 1
+            self.num_draft_tokens += len(drafts)
+            self.accept_hist[len(toks)] += 1
+        return out
 
     @torch.inference_mode()
-    def extend_mtp(self, spans: list[tuple[Any, int, int, int]], hidden: torch.Tensor) -> None:
+    def extend_mtp(self, spans: list[tuple[Any, int, int, int]], hidden: torch.Tensor,
+                   rows: Optional[list[int]] = None) -> None:
         """The MTP pass over what the target kept: ``[(r, req_slot, start, token offset), ...]``
         covers positions ``start .. r.kv_len - 1`` whose target streams are ``hidden[offset ..]``.
-        Requests now ready to decode get their next draft state."""
-        spans = [s for s in spans if s[0].kv_len > s[2]]
+        Requests now ready to decode get their next draft state (nothing is read back: draft 1
+        stays on the device).
+
+        ``rows`` (one per span): how many rows span i ran in the target step (its verify's
+        k + 1; positions ``start .. start + rows - 1`` must still be mapped). When every span
+        is a verify of the same k + 1 rows the pass replays an MTP graph over all of them
+        (:meth:`MTPDraftGraphs.rows`), its shapes independent of the acceptance."""
+        keep = [i for i, s in enumerate(spans) if s[0].kv_len > s[2]]
+        spans = [spans[i] for i in keep]
         if not spans:
             return
-        rows = torch.cat([torch.arange(o, o + r.kv_len - s, device=hidden.device) for r, _, s, o in spans])
+        dev = hidden.device
+        q = rows[keep[0]] if rows is not None else 0
+        if q > 1 and all(rows[i] == q for i in keep) and self._kept_pass_graph(spans, hidden, q):
+            return
+        index = upload(torch.tensor([o + j for r, _, s, o in spans for j in range(r.kv_len - s)], dtype=torch.int64),
+                       dev)
         ids = [t for r, _, s, _ in spans for t in r.ids_between(s + 1, r.kv_len + 1)]
         batch = ForwardBatch([slot for _, slot, _, _ in spans], [s for _, _, s, _ in spans],
                              [r.kv_len - s for r, _, s, _ in spans])
-        Y = self.mtp.forward(hidden[rows], torch.tensor(ids, dtype=torch.int64, device=hidden.device), batch)
+        Y = self.mtp.forward(hidden[index], upload(torch.tensor(ids, dtype=torch.int64), dev), batch)
         ends = torch.cumsum(torch.tensor(batch.extend_lens), 0) - 1
-        ready = [(i, r) for i, (r, _, _, _) in enumerate(spans) if r.remaining == 1]
-        if ready:
-            last = Y[ends[[i for i, _ in ready]].to(Y.device)]
-            toks = self.mtp.logits(last).argmax(dim=-1).tolist()
-            for j, (_, r) in enumerate(ready):
-                self.states[r.rid] = _DraftState(int(toks[j]), last[j])
+        self._set_states([(r, int(ends[i])) for i, (r, _, _, _) in enumerate(spans)], Y)
+
+    def _kept_pass_graph(self, spans: list[tuple[Any, int, int, int]], hidden: torch.Tensor, q: int) -> bool:
+        """:meth:`extend_mtp` as one graph replay over all q rows of each verify; False where
+        there is no graph for it (then the eager pass runs)."""
+        graphs = self.mtp_graphs
+        if graphs is None or not graphs.enabled or len(spans) > graphs.max_bs or q > graphs.max_rows:
+            return False
+        index = upload(torch.tensor([o + j for _, _, _, o in spans for j in range(q)], dtype=torch.int64),
+                       hidden.device)
+        ids = []
+        for r, _, s, _ in spans:
+            kept = r.ids_between(s + 1, r.kv_len + 1)
+            ids += kept + kept[-1:] * (q - len(kept))    # rows past the kept ones: any token
+        batch = ForwardBatch([slot for _, slot, _, _ in spans], [s for _, _, s, _ in spans], [q] * len(spans))
+        try:
+            Y, logits = graphs.rows(hidden[index], ids, batch)
+        except GraphUnavailable:
+            return False     # logged; eager from now on
+        self._set_states([(r, i * q + r.kv_len - s - 1) for i, (r, _, s, _) in enumerate(spans)], Y, logits)
+        return True
+
+    def _set_states(self, last_rows: list[tuple[Any, int]], Y: torch.Tensor,
+                    logits: Optional[torch.Tensor] = None) -> None:
+        """Draft 1 and its streams for the requests now ready to decode: row ``last_rows[i][1]``
+        of the pass's streams ``Y`` (and logits, computed here when not given)."""
+        ready = [(r, row) for r, row in last_rows if r.remaining == 1]
+        if not ready:
+            return
+        at = upload(torch.tensor([row for _, row in ready], dtype=torch.int64), Y.device)
+        last = Y[at]
+        lg = self.mtp.logits(last) if logits is None else logits[at]
+        toks = lg.argmax(dim=-1)           # stays on the device: read with the next step's drafts
+        for j, (r, _) in enumerate(ready):
+            self.states[r.rid] = _DraftState(toks[j], last[j])
 
     def forget(self, live: set[str]) -> None:
         """Drop the draft state of requests that left the running set."""

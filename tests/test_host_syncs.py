@@ -16,6 +16,8 @@ bookkeeping: it is compared here with what ``full_to_swa`` itself says. About 5 
 from __future__ import annotations
 
 import random
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,24 +31,39 @@ from scheduler_hooks.io import SamplingParams
 from scheduler_hooks.sampling import SampleInput, sample
 
 CFG = DSV4Config.preset("tiny", vocab_size=512, num_hidden_layers=3, compress_ratios=(0, 4, 128, 0), index_topk=4)
+ROOT = Path(__file__).resolve().parents[1]
 HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero",
               "argwhere", "unique", "unique_consecutive", "masked_select", "repeat_interleave"}
 
 
 class DeviceMemory(torch.Tensor):
-    """A CPU tensor standing for one in device memory; ``reads`` lists the host reads of it."""
+    """A CPU tensor standing for one in device memory; ``reads`` lists the host reads of it,
+    ``where`` the innermost line of this repository (outside tests/) that asked for each."""
 
     reads: list[str] = []
+    where: list[str] = []
+    paused = False          # True while a stand-in for a graph replay runs (its own reads are not counted)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.paused:
+            return super().__torch_function__(func, types, args, kwargs or {})
         name = getattr(func, "__name__", "")
         bool_index = name in ("__getitem__", "__setitem__") and any(
             isinstance(a, torch.Tensor) and a.dtype == torch.bool
             for a in (args[1] if isinstance(args[1], tuple) else (args[1],)))
         if name in HOST_READS or bool_index:
             cls.reads.append(name)
+            cls.where.append(_caller())
         return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _caller() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        path = Path(frame.filename).resolve()
+        if ROOT in path.parents and "site-packages" not in path.parts and path.parent.name != "tests":
+            return f"{path.relative_to(ROOT)}:{frame.lineno}"
+    return "?"
 
 
 @pytest.fixture
@@ -123,6 +140,69 @@ def test_a_window_position_without_an_swa_slot_is_named(runner):
         runner.backend.init_forward_metadata(ForwardBatch([slot], [200], [1]))     # position 200: not extended
 
 
+def _replay_stand_in(obj, name: str) -> None:
+    """``obj.name`` with its reads uncounted and its tensor outputs in device memory: on CUDA
+    it is a graph replay (the verify, the MTP passes), which reads nothing back."""
+    fn = getattr(obj, name)
+
+    def wrapped(*a, **kw):
+        DeviceMemory.paused = True
+        try:
+            out = fn(*a, **kw)
+        finally:
+            DeviceMemory.paused = False
+        dev = lambda t: t.as_subclass(DeviceMemory) if isinstance(t, torch.Tensor) else t   # noqa: E731
+        return [dev(t) for t in out] if isinstance(out, list) else dev(out)
+    setattr(obj, name, wrapped)
+
+
+def test_speculative_step_reads_twice():
+    """A speculative step of three greedy verifies (K = 3, forced acceptance 1, 3, 4) outside its
+    graph replays: the drafts once (after the chain, draft 1 from the previous step's MTP pass
+    with them), the acceptance once (all requests' rows in one sampling call); the MTP pass over
+    the kept positions, the snapshot and the restore of every CSA / HCA layer none. (Before, commit 5cd467a, this test
+    counted 30 a step: the row pools' slot checks 24 (4 per row read or write and layer), the
+    acceptance 3 (once per request), the drafts 2 (once per pass), the MTP pass 1; plus, not
+    visible here (their index tensors were made on the host), one ``nonzero`` per ratio in the
+    snapshot and per saved entry in the restore: 8 more a step on a GPU; with Flash's 21 CSA
+    and 20 HCA layers 126 of these and up to 252 slot checks.)"""
+    from dsv4_backend import Engine
+    eng = Engine(preset="tiny", device="cpu", dtype="float32", skip_tokenizer_init=True,
+                 config_overrides={"vocab_size": 512}, max_total_tokens=4096, max_running_requests=4,
+                 speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
+                 speculative_num_draft_tokens=4)
+    try:
+        rids = admit_synthetic(eng, 300, 3, 40)
+        spec, alloc, pools = eng.scheduler.spec, eng.allocator, eng.runner.pools
+        accepted = iter([0, 2, 3] * 4)
+        spec.accept_override = lambda rid, k: next(accepted)
+        eng.step()
+        alloc.req_pool.req_to_token = alloc.req_pool.req_to_token.as_subclass(DeviceMemory)
+        alloc._full_to_swa = alloc._full_to_swa.as_subclass(DeviceMemory)
+        for kind in ("c4_kv", "c4_indexer", "c4_ring", "c4_indexer_ring", "c128_kv", "c128_ring"):
+            pool = getattr(pools, kind)
+            for layer in pool:
+                pool[layer] = pool[layer].as_subclass(DeviceMemory)
+        stacked = getattr(pools, "stacked", {})
+        for kind, (t, ids) in list(stacked.items()):
+            stacked[kind] = (t.as_subclass(DeviceMemory), ids)
+        _replay_stand_in(eng.runner, "forward")
+        _replay_stand_in(spec.mtp, "forward")
+        _replay_stand_in(spec.mtp, "logits")
+        DeviceMemory.reads, DeviceMemory.where = [], []
+        for _ in range(2):
+            before = spec.num_verify
+            eng.step()
+            assert spec.num_verify == before + 3
+        where = list(DeviceMemory.where)
+        finish_all(eng, rids)
+    finally:
+        DeviceMemory.paused = False
+        eng.shutdown()
+    assert len(where) == 2 * 2, where
+    assert all(w.startswith(("scheduler_hooks/speculative.py", "scheduler_hooks/sampling.py")) for w in where), where
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
 def test_cuda_decode_step_syncs_once():
     from dsv4_backend import Engine
@@ -139,3 +219,29 @@ def test_cuda_decode_step_syncs_once():
     finally:
         eng.shutdown()
     assert sum(syncs.values()) == 4 and all(k.startswith("sampling.py") for k in syncs), syncs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
+def test_cuda_speculative_step_syncs_twice():
+    """On CUDA with graphs (verify, drafts and the kept pass replayed): two synchronising calls
+    per speculative step of two greedy verifies, the reads of test_speculative_step_reads_twice."""
+    from dsv4_backend import Engine
+    eng = Engine(preset="tiny", device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
+                 config_overrides={"vocab_size": 1024}, max_total_tokens=8192, max_running_requests=2,
+                 random_weights_on_device=True, speculative_algorithm="EAGLE", speculative_num_steps=3,
+                 speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    try:
+        spec = eng.scheduler.spec
+        accepted = iter([0, 2, 3, 1] * 8)
+        spec.accept_override = lambda rid, k: next(accepted)
+        rids = admit_synthetic(eng, 300, 2, 40)
+        for _ in range(3):
+            eng.step()                      # captures (verify, drafts, kept pass), then replays
+        replays = eng.runner.cuda_graphs.replays, spec.mtp_graphs.replays
+        syncs = count_syncs(eng, 2)
+        replays = eng.runner.cuda_graphs.replays - replays[0], spec.mtp_graphs.replays - replays[1]
+        finish_all(eng, rids)
+    finally:
+        eng.shutdown()
+    assert replays == (2, 2 * 3), replays   # per step: the verify; 2 draft passes and the kept pass
+    assert sum(syncs.values()) == 2 * 2 and all(k.startswith(("sampling.py", "speculative.py")) for k in syncs), syncs

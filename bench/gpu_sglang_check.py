@@ -398,7 +398,6 @@ def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g, ratio: 
     what = "indexer" if indexer else f"C{ratio} attention"
     case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV,
                              ratio=ratio)
-    case = C.compressor_case(pool, torch.Generator().manual_seed(seed), indexer, seq_lens, device=DEV)
     label = f"backend {what} compressor, decode ({name}, {bs} requests, {len(case['dest'])} closing)"
     try:
         assert torch.equal(case["state"], case["want_state"]), "state ring"

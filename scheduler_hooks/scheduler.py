@@ -750,6 +750,8 @@ class Scheduler:
             out.output_top_logprobs = [entries(t) for t in r.output_top]
 
     def _maybe_idle_check(self) -> None:
+        if self.idle:
+            self.overlap.in_flight = None    # only rows of finished requests can be left in it
         if self._was_busy and self.idle:
             self.hooks.check_integrity()
             self._was_busy = False

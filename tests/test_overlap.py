@@ -296,6 +296,34 @@ def test_chunked_prefill_mixed_with_decodes():
     assert_same(sync, ov, ["long", "short", "mid", "seeded", "late"], tol=EXACT_TOL)
 
 
+def test_a_late_finish_leaves_the_prefix_cache_as_a_synchronous_one():
+    """The row decoded after the stop token is the position that completes a full page (256): cut
+    before the finish, the cache gets the pages a synchronous finish leaves, not one more."""
+    for n in range(250, 240, -1):                 # a prompt whose greedy token at 255 - n is new
+        prompt = prompts([n], seed=n)[0]
+        g = greedy_ids(prompt, 256 - n)
+        k = 255 - n                               # the stop token's position is n + k = 255
+        if g[k] not in g[:k]:
+            break
+    else:
+        pytest.fail("no prompt length found")
+
+    def reqs():
+        return [GenerateRequest(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[g[k]]),
+                                rid="a")]
+
+    cached = []
+    for overlap in (False, True):
+        with make_engine(overlap) as eng:
+            run = Run(eng, reqs(), {}, {})
+            cached.append(eng.pool_usage()["full"]["cached"])
+            eng.flush_cache()
+            eng.check_integrity()
+        runs = run if overlap else None
+    assert runs.ids("a") == g[:k + 1] and runs.stats["overlap"]["discarded_rows"] == 1
+    assert cached[1] == cached[0] == 0, cached     # seq_len 255 at the finish: no whole page
+
+
 # ---- aborts and retraction -----------------------------------------------------------------------
 
 def test_aborts_mid_stream():

@@ -34,6 +34,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from memory.upload import upload
+
 from .io import SamplingParams
 
 
@@ -117,7 +119,7 @@ def draw_tokens(logits: torch.Tensor, inputs: list[SampleInput]) -> torch.Tensor
     dev, f64, V = logits.device, torch.float64, logits.shape[-1]
 
     def col(values: list[float], dtype: torch.dtype = f64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype)[:, None].to(dev, non_blocking=True)
+        return upload(torch.tensor(values, dtype=dtype)[:, None], dev)
 
     u = col([float(torch.rand((), generator=inp.generator, dtype=f64)) for inp in inputs])
     probs = torch.softmax(logits.double() / col([inp.params.temperature for inp in inputs]), dim=-1)
@@ -218,6 +220,11 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return buf
 
 
+def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on ``device`` (a list index would be copied there from pageable memory: a sync)."""
+    return upload(torch.tensor(rows, dtype=torch.int64), device)
+
+
 def sample_async(logits: torch.Tensor, inputs: list[SampleInput]) -> PendingSample:
     """Queue one token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
     assert logits.shape[0] == len(inputs), (logits.shape, len(inputs))
@@ -237,7 +244,8 @@ def sample_async(logits: torch.Tensor, inputs: list[SampleInput]) -> PendingSamp
     drawn = [i for i, inp in enumerate(inputs) if not inp.params.greedy and errors[i] is None]
     if drawn:
         try:
-            token_ids[drawn] = draw_tokens(work[drawn], [inputs[i] for i in drawn])
+            rows = _rows(drawn, token_ids.device)
+            token_ids[rows] = draw_tokens(work[rows], [inputs[i] for i in drawn])
         except Exception:  # find the rows that fail and fail only them
             for i in drawn:
                 try:
@@ -251,7 +259,8 @@ def sample_async(logits: torch.Tensor, inputs: list[SampleInput]) -> PendingSamp
     logprobs: tuple = ()
     if want:
         top_n = max(inputs[i].top_logprobs_num for i in want)
-        chosen, vals, idx = _logprob_tensors(logits[want], token_ids[want], top_n)
+        rows = _rows(want, token_ids.device)
+        chosen, vals, idx = _logprob_tensors(logits[rows], token_ids[rows], top_n)
         logprobs = (chosen,) if vals is None else (chosen, vals, idx)
     return PendingSample(inputs, token_ids, packed, errors, want, logprobs)
 

@@ -32,6 +32,13 @@ batch is retracted (its outputs so far kept, as for a memory retraction) and bec
 forward raises is finished with the error; one that passes runs normally again. A batch of
 one fails its request directly.
 
+With the overlap schedule (on unless the engine turns it off, ``scheduler_hooks/overlap.py``) a
+step is launched before the previous step's tokens are read: a request's token sampled on the
+device and not read yet is *in flight* (``Req.in_flight``); the request then decodes it as a
+placeholder id, and the tokens a ``step()`` returns are the previous launch's. A request that
+finishes on a token read this way drops the row launched after it (``truncate``) before it
+finishes.
+
 Finished, aborted and retracted requests give back everything at once (``hooks.release``);
 SWA pages that left the window are given back after every forward (``hooks.after_forward``).
 The allocator's ``check_integrity()`` runs whenever the scheduler becomes idle.

@@ -33,8 +33,10 @@ once) where the host needs the token before the next launch, decided per step:
 - a request with a token in flight samples with repetition / frequency / presence penalties,
   built from its host-side output ids (``penalties``);
 - always, under speculative decoding (drafts, verification and the MTP pass need the accepted
-  tokens), HiSparse (its host pool is written and read on the host), tensor / expert parallel
-  ranks (rank 0 broadcasts host ids), and while suspects of a failed forward run alone.
+  tokens), HiSparse (the GPU reads its host pool in place, through mapped pinned memory, and
+  host-side writes to that pool are not ordered after a step in flight: not verified, so kept
+  synchronous), tensor / expert parallel ranks (rank 0 broadcasts each step's host ids), and
+  while suspects of a failed forward run alone.
 
 Unseeded drawn requests share the engine's generator, so a discarded row's draw moves the other
 unseeded requests' draws: their tokens are equally distributed but not those of a synchronous run.

@@ -47,13 +47,20 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from dsv4_backend.input_ids import placeholder
 
 from .sampling import PendingSample
+
+
+class InFlightToken(NamedTuple):
+    """A request's token sampled on the device and not read yet: row ``row`` of step ``step``'s samples."""
+
+    step: int
+    row: int
 
 
 @dataclass
@@ -107,9 +114,8 @@ class OverlapSchedule:
 
     def input_id(self, req: Any) -> int:
         """The placeholder for ``req``'s token in flight (a row of the step in flight's samples)."""
-        number, row = req.in_flight
-        assert self.in_flight is not None and number == self.in_flight.number, (req.rid, req.in_flight)
-        return placeholder(row)
+        assert self.in_flight is not None and req.in_flight.step == self.in_flight.number, (req.rid, req.in_flight)
+        return placeholder(req.in_flight.row)
 
     def prev_ids(self) -> torch.Tensor:
         """The step in flight's sampled ids, on the device."""

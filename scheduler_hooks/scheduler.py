@@ -68,7 +68,7 @@ from dsv4_backend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .hooks import SchedulerHooks
 from .io import GenerateRequest, LogprobEntry, RequestOutput
-from .overlap import LaunchedStep, OverlapSchedule
+from .overlap import InFlightToken, LaunchedStep, OverlapSchedule
 from .sampling import SampleInput, TokenLogprob, logprob_entries, sample_async
 
 logger = logging.getLogger(__name__)
@@ -121,8 +121,7 @@ class Req:
     captured: dict[int, torch.Tensor] = field(default_factory=dict)   # position -> logits [V]
     synthetic: bool = False              # benchmark request: admitted without a prefill forward
     cached_tokens: int = 0               # ids taken from the prefix cache at the latest admission
-    # (step number, row): a token sampled on the device in that step, not read yet (overlap.py)
-    in_flight: Optional[tuple[int, int]] = None
+    in_flight: Optional[InFlightToken] = None   # a token sampled on the device, not read yet (overlap.py)
 
     @property
     def all_ids(self) -> list[int]:
@@ -360,7 +359,7 @@ class Scheduler:
                                   ch.req.greq.top_logprobs_num, ch.req.greq.return_logprob) for ch in sampled]
             sample = sample_async(torch.stack([lg[-1] for ch, lg in zip(batch, logits) if id(ch) in rows]), inputs)
             for i, ch in enumerate(sampled):
-                ch.req.in_flight = (number, i)
+                ch.req.in_flight = InFlightToken(number, i)
         return LaunchedStep(number, batch, starts, slots, drafts, snapshot, logits, sampled, sample)
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
@@ -380,7 +379,7 @@ class Scheduler:
             res = step.sample.result()
             for i, ch in enumerate(step.sampled):
                 r = ch.req
-                if r.in_flight == (step.number, i):
+                if r.in_flight == InFlightToken(step.number, i):
                     r.in_flight = None
                 if r.state is ReqState.FINISHED:
                     continue

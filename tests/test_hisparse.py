@@ -334,7 +334,7 @@ def _engine(hisparse, **kw) -> Engine:
     # output under it would hold one token less (its token in flight is dropped)
     args = dict(preset="tiny", dtype="float64", skip_tokenizer_init=True, config_overrides=OVERRIDES,
                 capture_logits=True, max_total_tokens=TOKENS, max_running_requests=2, chunked_prefill_size=64,
-                disable_overlap_schedule=True)
+                disable_overlap_schedule=hisparse is None)
     args.update(kw)
     if hisparse is not None:
         args.update(enable_hisparse=True, hisparse_config=hisparse)

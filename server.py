@@ -92,6 +92,7 @@ class ServerArgs:
     enable_hisparse: bool = False
     hisparse_config: Optional[str] = None
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
     speculative_algorithm: Optional[str] = None
     speculative_num_steps: Optional[int] = None
     speculative_eagle_topk: Optional[int] = None
@@ -139,6 +140,8 @@ class ServerArgs:
             kw["hisparse_config"] = self.hisparse_config
         if self.disable_radix_cache:
             kw["disable_radix_cache"] = True
+        if self.disable_overlap_schedule:
+            kw["disable_overlap_schedule"] = True
         for name in SPECULATIVE_FLAGS:
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -190,6 +193,9 @@ def parse_args(argv: Optional[list[str]] = None) -> ServerArgs:
                    help='JSON: {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 2} (the defaults)')
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="turn the prefix cache off (every request is prefilled from its first token)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read every step's sampled ids before scheduling the next (by default the next "
+                        "step is launched first)")
     spec = p.add_argument_group("speculative decoding (the MTP layer drafts; chain, top-1)")
     spec.add_argument("--speculative-algorithm", default=d.speculative_algorithm,
                       help="EAGLE (NEXTN is an alias): draft with the MTP layer, verify in one step")

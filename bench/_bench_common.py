@@ -387,9 +387,19 @@ class DecodeTiming:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def tokens_in_flight(engine: Any) -> int:
+    """Tokens sampled by the step the overlap schedule has in flight (launched, not read yet)."""
+    step = getattr(getattr(engine.scheduler, "overlap", None), "in_flight", None)
+    return len(step.sampled) if step is not None else 0
+
+
 def timed_decode_steps(engine: Any, steps: int, batch: int) -> DecodeTiming:
-    """Run ``steps`` engine steps in which each of the ``batch`` running requests gains a token."""
+    """Run ``steps`` engine steps in which each of the ``batch`` running requests gains a token.
+    With the overlap schedule a step returns the previous step's tokens: the tokens counted are
+    those the timed steps sampled (read ones, plus those in flight at the end, minus those in
+    flight at the start)."""
     sync(engine.device)
+    before = tokens_in_flight(engine)
     t0 = time.perf_counter()
     tokens = 0
     for _ in range(steps):
@@ -397,6 +407,7 @@ def timed_decode_steps(engine: Any, steps: int, batch: int) -> DecodeTiming:
         tokens += sum(len(o.delta_ids) for o in outs)
     sync(engine.device)
     dt = time.perf_counter() - t0
+    tokens += tokens_in_flight(engine) - before
     if tokens != steps * batch:
         raise RuntimeError(f"expected {steps * batch} tokens from {steps} decode steps of batch {batch}, "
                            f"got {tokens}: a request finished, was retracted or never decoded")

@@ -34,6 +34,10 @@ skipped or run with fewer steps, and the output says so.
     # FlashMLA and Triton side by side (one run each, the budget split between them)
     python3 bench/bench_long_context.py --attention-kernel flashmla,triton --modes compressed
 
+Decode steps run under the engine's overlap schedule (step N + 1 launched before step N's tokens
+are read, scheduler_hooks/overlap.py); ``--disable-overlap-schedule`` times synchronous steps (the
+JSON's ``meta.overlap_schedule`` says which; each decode row counts its overlapped steps).
+
 ``--attention-kernel`` takes one kernel or a comma list (``auto``, ``flashmla``, ``triton``); with
 several, the whole measurement runs once per kernel within an equal share of ``--time-budget``
 (JSON: ``--out`` gets a ``.<kernel>`` suffix per run), and a last table sets their decode
@@ -97,6 +101,7 @@ class DecodeRow:
     graph: Optional[dict[str, float]] = None  # CUDA-graph steps: host prep and replay GPU ms / step
     floor: Optional[dict[str, Any]] = None    # bench/_floor.StepFloor.to_dict(copy GB/s): the byte floor
     kernels: Optional[dict[str, Any]] = None  # bench/kernel_count.report of one eager step
+    overlap_steps: int = 0               # timed steps launched before the previous step's tokens were read
 
     @property
     def floor_ms(self) -> float:
@@ -264,7 +269,8 @@ def build_engine(cfg: DSV4Config, mode: str, mem: MemorySetup, args: argparse.Na
                               skip_tokenizer_init=True, random_seed=args.seed, max_running_requests=mem.max_running,
                               chunked_prefill_size=args.prefill_chunk, context_length=mem.context_length,
                               swa_ratio=0.1, config_overrides=overrides, attention_kernel=args.attention_kernel,
-                              random_weights_on_device=torch.device(args.device).type == "cuda")
+                              random_weights_on_device=torch.device(args.device).type == "cuda",
+                              disable_overlap_schedule=args.disable_overlap_schedule)
     if mem.mem_fraction is not None:
         kw["mem_fraction_static"] = mem.mem_fraction
     else:   # the CPU: the same plan by its token count
@@ -310,8 +316,10 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
         if graphs is not None:
             graphs.stats()
             graphs.reset_stats()
+        overlapped = eng.scheduler.overlap.overlap_steps
         timing = timed_decode_steps(eng, steps, row.batch)
         row.steps, row.ms_per_step, row.tokens_per_s = steps, timing.ms_per_step, timing.tokens_per_s
+        row.overlap_steps = eng.scheduler.overlap.overlap_steps - overlapped
         if graphs is not None:
             st = graphs.stats()
             if st["replays"]:
@@ -492,7 +500,8 @@ def run(args: argparse.Namespace) -> Report:
     gbps = copy_gbps(device)
     rep.meta = {
         "preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": args.dtype, "attention_kernel": args.attention_kernel, "torch": torch.__version__, "python": platform.python_version(),
+        "dtype": args.dtype, "attention_kernel": args.attention_kernel,
+        "overlap_schedule": not args.disable_overlap_schedule, "torch": torch.__version__, "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
         "layers": cfg.num_hidden_layers, "compress_ratios": list(cfg.layer_ratios),
         "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
@@ -567,7 +576,8 @@ def run(args: argparse.Namespace) -> Report:
             sync(device)
             say(f"  built in {time.perf_counter() - t0:.1f} s, backend {eng.runner.backend_name} "
                 f"({eng.runner.attention_kernel_reason}), pools "
-                f"{fmt_bytes(eng.plan.total_bytes)}, max_total_tokens {eng.max_total_tokens:,}")
+                f"{fmt_bytes(eng.plan.total_bytes)}, max_total_tokens {eng.max_total_tokens:,}, overlap schedule "
+                f"{'on' if eng.scheduler.overlap.enabled else 'off (' + str(eng.scheduler.overlap.off_reason) + ')'}")
             for row in mine:
                 bar.set_postfix_str(f"{mode} {fmt_tokens(row.context)} x {row.batch}")
                 row.floor = decode_step_floor(cfg, row.context, row.batch, DTYPES[args.dtype],
@@ -589,6 +599,7 @@ def run(args: argparse.Namespace) -> Report:
                     + (f"  floor {row.floor_ms:.2f} ms = {row.floor['weight_bytes'] / 1e9:.2f} GB weights + "
                        f"{row.floor['kv_bytes'] / 1e9:.3f} GB KV ({row.x_floor:.1f}x)" if row.x_floor else "")
                     + (f"  [{row.note}]" if row.note else "")
+                    + (f"  (overlap {row.overlap_steps}/{row.steps} steps)" if row.status == "ok" else "")
                     + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
                        f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
                 if row.breakdown:
@@ -898,6 +909,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--attention-kernel", type=lambda v: [k for k in v.split(",") if k], default=["auto"],
                     help="auto, flashmla, triton, or a comma list run one after the other (default auto)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="synchronous steps: read each step's sampled ids before scheduling the next "
+                         "(default: the overlap schedule, as the engine's)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the memory setup, plans and runs; measure nothing")
     ap.add_argument("--out", type=Path, default=None)

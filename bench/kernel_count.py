@@ -152,7 +152,8 @@ def report_text(rep: dict[str, Any], names: bool = True) -> str:
 def count_syncs(engine: Any, steps: int) -> dict[str, int]:
     """Host synchronisations in ``steps`` engine steps, by the source line that asked for them
     (``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing CUDA call warns). A decode
-    step should have one: reading the sampled ids. Empty off CUDA."""
+    step should have at most one: waiting for the sampled ids (an event after page-locked copies,
+    ``sampling.PendingSample``; with the overlap schedule after the next step's launch). Empty off CUDA."""
     import traceback
     import warnings
     if engine.device.type != "cuda":

@@ -47,9 +47,9 @@ from typing import Any, Optional
 import torch
 
 from memory.configurator import FULL_PAGE
-from memory.upload import upload
 
 from .backend import ForwardBatch, TorchDSV4Backend
+from .input_ids import device_input_ids
 
 logger = logging.getLogger(__name__)
 
@@ -174,9 +174,11 @@ class DecodeGraphs:
         n = max(self._timed, 1)
         return {"replays": self._timed, "host_prep_ms": 1e3 * self._prep_s / n, "replay_gpu_ms": self._gpu_ms / n}
 
-    def run(self, reqs: list) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def run(self, reqs: list, prev_ids: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """One step of :meth:`can_run`'s kind: (the step's metadata, logits [T, vocab], the final
-        streams [T, hc, D]), T = B * q rows in request order; both buffers are the graph's own."""
+        streams [T, hc, D]), T = B * q rows in request order; both buffers are the graph's own.
+        ``prev_ids``: resolves placeholder input ids on the device (``input_ids.py``) before they
+        are copied into the static input buffer."""
         t0 = time.perf_counter()
         self._collect()
         runner = self.runner
@@ -186,7 +188,7 @@ class DecodeGraphs:
         # the ordinary layout, without the events (the static tables derive their own) and
         # without the per-layer Triton tables (the static ones replace them)
         meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False, compressed=not self.window_only)
-        ids = upload(torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64), runner.device)
+        ids = device_input_ids([t for r in reqs for t in r.input_ids], runner.device, prev_ids)
         bs = next(b for b in self.buckets if b >= len(reqs))
         ctx = context_bucket(max(meta.host.seq_lens), self.min_context)
         entry = self._graphs.get((bs, ctx, q))

@@ -27,6 +27,7 @@ from . import triton_backend  # noqa: F401  (registers "triton"; triton itself l
 from .flashmla_backend import FLASHMLA_PAGE_ALIGN, resolve_attention_kernel  # registers "flashmla"
 from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
 from .checkpoint import WeightStream
+from .input_ids import device_input_ids
 from .cuda_graph import DecodeGraphs, GraphUnavailable, cuda_graph_default, graphs_supported
 from .config import DSV4Config
 from .model import DSV4Model, hi_dtype
@@ -145,7 +146,9 @@ class ModelRunner:
         return self.pools.plan
 
     @torch.inference_mode()
-    def forward(self, reqs: list[ForwardRequest]) -> list[torch.Tensor]:
+    def forward(self, reqs: list[ForwardRequest], prev_ids: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+        """``prev_ids``: the previous step's sampled ids on the device, for input ids that are
+        placeholders (``dsv4_backend/input_ids.py``); None when there are none."""
         if not reqs:
             return []
         for r in reqs:
@@ -156,7 +159,7 @@ class ModelRunner:
                                  f"got {r.logits!r}")
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
             try:
-                meta, logits, hidden = self.cuda_graphs.run(reqs)
+                meta, logits, hidden = self.cuda_graphs.run(reqs, prev_ids)
             except GraphUnavailable:
                 pass     # logged; this step and the next run eagerly
             else:
@@ -173,7 +176,7 @@ class ModelRunner:
                              [len(r.input_ids) for r in reqs], rollback)
         meta = self.backend.init_forward_metadata(batch)
         self.last_metadata = meta
-        ids = upload(torch.tensor([t for r in reqs for t in r.input_ids], dtype=torch.int64), self.device)
+        ids = device_input_ids([t for r in reqs for t in r.input_ids], self.device, prev_ids)
         X = self.model(ids, meta.positions.to(self.device), self.backend, meta)          # [T, hc, D]
         self.last_hidden = X
         pick, counts = [], []

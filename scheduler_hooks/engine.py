@@ -130,6 +130,9 @@ class Engine:
     A checkpoint (``model_path``) is checked, then streamed into the model tensor by tensor; an
     FP8 release (``quantization_config`` in its config.json) stays quantised (FP8 linears, FP4
     experts). ``weight_stream`` gives any such stream instead (benchmarks that synthesise weights).
+    ``disable_overlap_schedule=True`` (SGLang's name) turns the overlap schedule off: by default step
+    N + 1 is scheduled and launched before the host reads step N's tokens (scheduler_hooks/overlap.py;
+    ``stats()["overlap"]`` counts the steps and says why it is off where it is).
     ``enable_hisparse`` keeps every C4 row in host memory and a hot pool of ``1 / host_to_device_ratio``
     of them on the device (memory/hisparse.py); ``hisparse_config`` is SGLang's JSON (or a dict).
     """
@@ -167,6 +170,7 @@ class Engine:
         tp_size: int = 1,
         ep_size: int = 1,
         mixed_chunk_tokens: int = DEFAULT_MIXED_CHUNK_TOKENS,
+        disable_overlap_schedule: bool = False,
     ):
         engine_args = {k: v for k, v in locals().items() if k != "self"}   # what each rank process rebuilds
         if dtype not in DTYPES:
@@ -179,6 +183,7 @@ class Engine:
         if mixed_chunk_tokens < 0:
             raise ValueError(f"mixed_chunk_tokens must be >= 0 (0: no cap), got {mixed_chunk_tokens}")
         self.mixed_chunk_tokens = mixed_chunk_tokens
+        self.disable_overlap_schedule = disable_overlap_schedule
         self.dtype = DTYPES[dtype]
         torch.manual_seed(random_seed)
         self.speculative = SpeculativeConfig.from_flags(speculative_algorithm, speculative_num_steps,
@@ -280,12 +285,18 @@ class Engine:
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             context_length=self.context_length, eos_token_id=self.config.eos_token_id,
             capture_logits=capture_logits, random_seed=random_seed,
-            mixed_chunk_tokens=self.mixed_chunk_tokens), self.tokenizer)
+            mixed_chunk_tokens=self.mixed_chunk_tokens), self.tokenizer,
+            overlap=not self.disable_overlap_schedule)
         self.max_queued_requests = max_queued_requests
         self.dense = dense
         self.scheduler.synthetic_fill = fill
         if spec is not None:
             self.scheduler.spec = SpeculativeDecoder(spec, self.runner, self.allocator)
+        # where the host needs every step's tokens before the next launch (scheduler_hooks/overlap.py)
+        for reason, on in (("speculative decoding", spec is not None), ("HiSparse", self.pools.hisparse is not None),
+                           ("tensor / expert parallel ranks", self.ranks is not None)):
+            if on and self.scheduler.overlap.enabled:
+                self.scheduler.overlap.turn_off(reason)
         self._synthetic_ids = torch.Generator(device="cpu").manual_seed(random_seed + 1)
 
         self._lock = threading.RLock()           # the scheduler is driven by one thread at a time
@@ -631,6 +642,8 @@ class Engine:
             "num_retractions": s.num_retractions,
             "attention_kernel": self.attention_kernel,
             "num_failed": s.num_failed,
+            "overlap_steps": s.overlap.overlap_steps,
+            "overlap": s.overlap.stats(),
             "pools": self.pool_usage(),
             **({"hisparse": self.pools.hisparse.stats()} if self.pools.hisparse is not None else {}),
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,

@@ -9,6 +9,8 @@
                                least recently used pages are evicted first)
     after_forward(rids)     -> records restore points, then frees the SWA pages that left the
                                window of each request
+    truncate(rid, new_len)  -> drops the request's positions from new_len on (a row the overlap
+                               schedule launched after the request's last token)
     finish(rid)             -> a normal finish: the request's pages go to the prefix cache, then
                                it releases them
     release(rid)            -> frees everything the request holds (abort, retract, failure)
@@ -58,6 +60,11 @@ class SchedulerHooks:
             if self.prefix is not None:
                 self.prefix.after_forward(rid)
             self.allocator.evict_swa(rid)
+
+    def truncate(self, rid: str, new_len: int) -> None:
+        """Give back the pages of ``rid``'s positions from ``new_len`` on (none a restore point holds:
+        restore points are made after a step, at lengths the request had then)."""
+        self.allocator.truncate(rid, new_len)
 
     def finish(self, rid: str) -> None:
         """A request completed: its pages stay in the prefix cache; it gives back its own hold."""

@@ -17,7 +17,8 @@ row takes one uniform number from its generator on the CPU (so a seed gives the 
 any device); the token is then found on the logits' device for all drawn rows at once
 (:func:`draw_tokens`: the inverse CDF of the filtered probabilities), and the step's token ids
 come back to the host in one read (one device sync per step, whatever the batch's sampling
-parameters).
+parameters). :func:`sample_async` queues all of it and returns a :class:`PendingSample` whose
+device ids the next step can use before the host reads them (the overlap scheduler).
 
 Logprobs are ``log_softmax`` of the raw logits (before penalties and temperature), as SGLang
 reports them.
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
+
+from memory.upload import upload
 
 from .io import SamplingParams
 
@@ -116,7 +119,7 @@ def draw_tokens(logits: torch.Tensor, inputs: list[SampleInput]) -> torch.Tensor
     dev, f64, V = logits.device, torch.float64, logits.shape[-1]
 
     def col(values: list[float], dtype: torch.dtype = f64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype)[:, None].to(dev, non_blocking=True)
+        return upload(torch.tensor(values, dtype=dtype)[:, None], dev)
 
     u = col([float(torch.rand((), generator=inp.generator, dtype=f64)) for inp in inputs])
     probs = torch.softmax(logits.double() / col([inp.params.temperature for inp in inputs]), dim=-1)
@@ -136,23 +139,94 @@ def draw_tokens(logits: torch.Tensor, inputs: list[SampleInput]) -> torch.Tensor
     return (order.gather(1, idx) if filtering else idx).squeeze(1)
 
 
+def _logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Device tensors of :func:`logprob_entries`: chosen [N], top values and ids [N, k] (None if top_n <= 0)."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    chosen = lp.gather(1, token_ids.view(-1, 1).to(lp.device)).squeeze(1)
+    if top_n <= 0:
+        return chosen, None, None
+    vals, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+    return chosen, vals, idx
+
+
+def _top_lists(vals: list[list[float]], idx: list[list[int]]) -> list[list[TokenLogprob]]:
+    return [[TokenLogprob(v, i) for v, i in zip(vr, ir)] for vr, ir in zip(vals, idx)]
+
+
 def logprob_entries(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
                     ) -> tuple[list[float], list[Optional[list[TokenLogprob]]]]:
     """Logprobs of ``token_ids`` under raw ``logits`` and the top ``top_n`` per row.
 
     logits: [N, V]; token_ids: [N] -> ([N] floats, [N] lists or Nones)
     """
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    chosen = lp.gather(1, token_ids.view(-1, 1).to(lp.device)).squeeze(1).tolist()
-    if top_n <= 0:
-        return chosen, [None] * len(chosen)
-    vals, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
-    tops = [[TokenLogprob(v, i) for v, i in zip(vr, ir)] for vr, ir in zip(vals.tolist(), idx.tolist())]
-    return chosen, tops
+    chosen, vals, idx = _logprob_tensors(logits, token_ids, top_n)
+    if vals is None:
+        return chosen.tolist(), [None] * chosen.shape[0]
+    return chosen.tolist(), _top_lists(vals.tolist(), idx.tolist())
 
 
-def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
-    """One token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
+class PendingSample:
+    """A step's sampling, queued on the logits' device; :meth:`result` reads it on the host.
+
+    ``token_ids`` ([N] int64, on the device) is there at once: the next step may take its input
+    ids from it without the host seeing them (``scheduler_hooks/overlap.py``). On CUDA the values
+    the host needs (ids, non-finite flags, logprobs) are copied into page-locked buffers without
+    a sync and an event marks their arrival; :meth:`result` waits for that event only, not for
+    work queued after it."""
+
+    def __init__(self, inputs: list[SampleInput], token_ids: torch.Tensor, packed: torch.Tensor,
+                 errors: list[Optional[str]], want: list[int], logprobs: tuple) -> None:
+        self.inputs, self.token_ids, self.errors, self.want = inputs, token_ids, errors, want
+        self._host = [_to_host(t) for t in (packed, *logprobs)]
+        self._event = None
+        if token_ids.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._result: Optional[SampleOutput] = None
+
+    def result(self) -> SampleOutput:
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()    # the host read of the step (its only sync)
+        packed, *lp = self._host
+        tokens, bad = packed.tolist()
+        errors = list(self.errors)
+        for i in range(len(self.inputs)):
+            if bad[i] and errors[i] is None:
+                errors[i] = "the model produced non-finite logits"
+        logprobs: list[Optional[float]] = [None] * len(self.inputs)
+        tops: list[Optional[list[TokenLogprob]]] = [None] * len(self.inputs)
+        if self.want:
+            chosen = lp[0].tolist()
+            top = _top_lists(lp[1].tolist(), lp[2].tolist()) if len(lp) == 3 else None
+            for j, i in enumerate(self.want):
+                if errors[i] is not None:
+                    continue
+                logprobs[i] = chosen[j]
+                n = self.inputs[i].top_logprobs_num
+                tops[i] = top[j][:n] if n > 0 else None
+        self._result = SampleOutput(tokens, logprobs, tops, errors)
+        return self._result
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: itself on the CPU, else a page-locked copy queued without a sync."""
+    if t.device.type == "cpu":
+        return t
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=True)
+    return buf
+
+
+def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on ``device`` (a list index would be copied there from pageable memory: a sync)."""
+    return upload(torch.tensor(rows, dtype=torch.int64), device)
+
+
+def sample_async(logits: torch.Tensor, inputs: list[SampleInput]) -> PendingSample:
+    """Queue one token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
     assert logits.shape[0] == len(inputs), (logits.shape, len(inputs))
     errors: list[Optional[str]] = [None] * len(inputs)
     work = logits
@@ -170,7 +244,8 @@ def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
     drawn = [i for i, inp in enumerate(inputs) if not inp.params.greedy and errors[i] is None]
     if drawn:
         try:
-            token_ids[drawn] = draw_tokens(work[drawn], [inputs[i] for i in drawn])
+            rows = _rows(drawn, token_ids.device)
+            token_ids[rows] = draw_tokens(work[rows], [inputs[i] for i in drawn])
         except Exception:  # find the rows that fail and fail only them
             for i in drawn:
                 try:
@@ -178,19 +253,18 @@ def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
                 except Exception as e:
                     errors[i] = f"sampling failed: {type(e).__name__}: {e}"
     non_finite = (~torch.isfinite(logits).all(dim=-1)).to(token_ids.dtype)
-    tokens, bad = torch.stack([token_ids, non_finite]).tolist()
-    for i in range(len(inputs)):
-        if bad[i]:
-            errors[i] = "the model produced non-finite logits"
-    logprobs: list[Optional[float]] = [None] * len(inputs)
-    tops: list[Optional[list[TokenLogprob]]] = [None] * len(inputs)
+    packed = torch.stack([token_ids, non_finite])
+    # logprobs of the rows that ask, from the device ids (rows found non-finite are dropped on reading)
     want = [i for i, inp in enumerate(inputs) if inp.return_logprob and errors[i] is None]
+    logprobs: tuple = ()
     if want:
         top_n = max(inputs[i].top_logprobs_num for i in want)
-        ids = torch.tensor([tokens[i] for i in want])
-        chosen, top = logprob_entries(logits[want], ids, top_n)
-        for j, i in enumerate(want):
-            logprobs[i] = chosen[j]
-            n = inputs[i].top_logprobs_num
-            tops[i] = top[j][:n] if n > 0 else None
-    return SampleOutput(tokens, logprobs, tops, errors)
+        rows = _rows(want, token_ids.device)
+        chosen, vals, idx = _logprob_tensors(logits[rows], token_ids[rows], top_n)
+        logprobs = (chosen,) if vals is None else (chosen, vals, idx)
+    return PendingSample(inputs, token_ids, packed, errors, want, logprobs)
+
+
+def sample(logits: torch.Tensor, inputs: list[SampleInput]) -> SampleOutput:
+    """One token per request. logits: [B, V] raw (one row per entry of ``inputs``)."""
+    return sample_async(logits, inputs).result()

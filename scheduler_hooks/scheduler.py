@@ -32,6 +32,13 @@ batch is retracted (its outputs so far kept, as for a memory retraction) and bec
 forward raises is finished with the error; one that passes runs normally again. A batch of
 one fails its request directly.
 
+With the overlap schedule (on unless the engine turns it off, ``scheduler_hooks/overlap.py``) a
+step is launched before the previous step's tokens are read: a request's token sampled on the
+device and not read yet is *in flight* (``Req.in_flight``); the request then decodes it as a
+placeholder id, and the tokens a ``step()`` returns are the previous launch's. A request that
+finishes on a token read this way drops the row launched after it (``truncate``) before it
+finishes.
+
 Finished, aborted and retracted requests give back everything at once (``hooks.release``);
 SWA pages that left the window are given back after every forward (``hooks.after_forward``).
 The allocator's ``check_integrity()`` runs whenever the scheduler becomes idle.
@@ -61,7 +68,8 @@ from dsv4_backend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from .hooks import SchedulerHooks
 from .io import GenerateRequest, LogprobEntry, RequestOutput
-from .sampling import SampleInput, TokenLogprob, logprob_entries, sample
+from .overlap import InFlightToken, LaunchedStep, OverlapSchedule
+from .sampling import SampleInput, TokenLogprob, logprob_entries, sample_async
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +121,7 @@ class Req:
     captured: dict[int, torch.Tensor] = field(default_factory=dict)   # position -> logits [V]
     synthetic: bool = False              # benchmark request: admitted without a prefill forward
     cached_tokens: int = 0               # ids taken from the prefix cache at the latest admission
+    in_flight: Optional[InFlightToken] = None   # a token sampled on the device, not read yet (overlap.py)
 
     @property
     def all_ids(self) -> list[int]:
@@ -132,9 +141,14 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_ids_sampled(self) -> int:
+        """Ids including a token in flight (sampled on the device, not read yet)."""
+        return self.num_ids + (self.in_flight is not None)
+
+    @property
     def remaining(self) -> int:
         """Ids not yet in the pools; 1 means the next step is a decode."""
-        return self.num_ids - self.kv_len
+        return self.num_ids_sampled - self.kv_len
 
     @property
     def params(self):
@@ -152,14 +166,14 @@ class ScheduledChunk:
 
     @property
     def completes(self) -> bool:
-        return self.req.kv_len + self.num_tokens - self.num_drafts == self.req.num_ids
+        return self.req.kv_len + self.num_tokens - self.num_drafts == self.req.num_ids_sampled
 
 
 class Scheduler:
     """Owns the waiting queue and the running set; ``step()`` runs one forward."""
 
     def __init__(self, runner: Any, hooks: SchedulerHooks, cfg: SchedulerConfig,
-                 tokenizer: Optional[Tokenizer] = None):
+                 tokenizer: Optional[Tokenizer] = None, overlap: bool = True):
         self.runner = runner
         self.hooks = hooks
         self.cfg = cfg
@@ -186,6 +200,8 @@ class Scheduler:
         self._synthetic_outputs: list[RequestOutput] = []
         # speculative decoding (scheduler_hooks/speculative.py), set by the engine; None: off
         self.spec: Optional[Any] = None
+        # the overlap schedule (scheduler_hooks/overlap.py); the engine turns it off where it cannot be exact
+        self.overlap = OverlapSchedule(overlap)
 
     # ---- requests in and out --------------------------------------------------------
 
@@ -230,17 +246,35 @@ class Scheduler:
         return out
 
     def _fail(self, r: Req, message: str) -> RequestOutput:
-        """Finish a running request with an error; it gives back everything it holds."""
+        """Finish a request with an error; it gives back everything it holds. (A waiting one: a
+        request retracted while its token was in flight, failing when that token is read.)"""
         logger.error("request %s failed: %s", r.rid, message)
-        self.running.remove(r)
-        self.hooks.release(r.rid)
+        running = r.state is ReqState.RUNNING
         self._finish(r, {"type": "abort", "message": message})
+        self._remove(r, running, completed=False)
         out = self._output(r, [])
         out.error = message
-        del self.reqs[r.rid]
         self.suspects.discard(r.rid)
         self.num_failed += 1
         return out
+
+    def _remove(self, r: Req, running: bool, completed: bool) -> None:
+        """Take a finished request out: a running one gives back its pages (``completed``: to the
+        prefix cache first, without a row launched after its last token), a waiting one holds none."""
+        if running:
+            self.running.remove(r)
+            if completed:
+                if r.in_flight is not None:    # the overlap schedule decoded its final token: cut it
+                    r.kv_len -= 1
+                    self.hooks.truncate(r.rid, r.kv_len)
+                    self.overlap.discarded += 1
+                self.hooks.finish(r.rid)
+            else:
+                self.hooks.release(r.rid)
+        else:
+            self.waiting.remove(r)
+        r.in_flight = None
+        del self.reqs[r.rid]
 
     @property
     def idle(self) -> bool:
@@ -249,56 +283,106 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; returns an output for every request that moved."""
+        """Schedule and launch one forward and its sampling, then read a step's tokens: the
+        previous step's while this one runs (the overlap schedule, scheduler_hooks/overlap.py),
+        else this one's. Returns an output for every request that moved."""
+        ov = self.overlap
+        outputs: list[RequestOutput] = []
+        if ov.in_flight is not None and (why := ov.must_read_first()) is not None:
+            ov.fallbacks[why] += 1
+            outputs += self._read(ov.take())
         batch = self._schedule()
-        synthetic_outs, self._synthetic_outputs = self._synthetic_outputs, []
+        outputs = self._synthetic_outputs + outputs
+        self._synthetic_outputs = []
         if not batch:
+            if ov.in_flight is not None:
+                outputs += self._read(ov.take())
             self._maybe_idle_check()
-            return synthetic_outs
+            return outputs
         self._was_busy = True
         self.num_steps += 1
+        overlapped = ov.in_flight is not None
+        try:
+            launched = self._launch(batch)
+        except Exception as e:
+            if ov.in_flight is not None:
+                outputs += self._read(ov.take())
+            live = [ch for ch in batch if ch.req.state is ReqState.RUNNING]
+            return outputs + (self._forward_failed(live, e) if live else [])
+        if overlapped:
+            ov.overlap_steps += 1
+            outputs += self._read(ov.take())       # step N's tokens, while step N + 1 runs
+        else:
+            ov.sync_steps += 1
+        if self.spec is None:
+            self.hooks.after_forward(ch.req.rid for ch in batch if ch.req.state is ReqState.RUNNING)
+        if ov.may_stay_in_flight(bool(self.suspects)):
+            ov.in_flight = launched
+        else:
+            outputs += self._read(launched)
+        self._maybe_idle_check()
+        return outputs
+
+    def _launch(self, batch: list[ScheduledChunk]) -> LaunchedStep:
+        """Queue the forward over ``batch`` and the sampling of the requests it completes."""
+        ov = self.overlap
         starts = [ch.req.kv_len for ch in batch]
         slots = [self.hooks.req_slot(ch.req.rid) for ch in batch]
         verifies = [(ch.req, slot, ch.num_drafts) for ch, slot in zip(batch, slots) if ch.num_drafts]
-        try:
-            drafts = self.spec.draft(verifies) if verifies else {}
-            fwd = []
-            for ch, slot in zip(batch, slots):
-                r = ch.req
-                ids = r.ids_between(r.kv_len, r.kv_len + ch.num_tokens - ch.num_drafts) + drafts.get(r.rid, [])
-                fwd.append(ForwardRequest(req_slot=slot, prefix_len=r.kv_len, input_ids=ids,
-                                          logits=self._logits_mode(ch),
-                                          rollback_len=r.kv_len + 1 if ch.num_drafts else None))
-            snapshot = self.spec.snapshot(verifies) if verifies else None
-            logits = self.runner.forward(fwd)
-        except Exception as e:
-            return synthetic_outs + self._forward_failed(batch, e)
-        if self.spec is None:
-            self.hooks.after_forward(ch.req.rid for ch in batch)
-        self.suspects.difference_update(ch.req.rid for ch in batch)
-
-        outputs: list[RequestOutput] = synthetic_outs
-        sampled: list[tuple[Req, torch.Tensor]] = []
-        for ch, lg in zip(batch, logits):
+        drafts = self.spec.draft(verifies) if verifies else {}
+        fwd, placeholders = [], False
+        for ch, slot in zip(batch, slots):
             r = ch.req
+            end = r.kv_len + ch.num_tokens - ch.num_drafts
+            ids = r.ids_between(r.kv_len, min(end, r.num_ids))
+            if end > r.num_ids:                    # its token in flight: taken on the device
+                ids.append(ov.input_id(r))
+                placeholders = True
+            fwd.append(ForwardRequest(req_slot=slot, prefix_len=r.kv_len, input_ids=ids + drafts.get(r.rid, []),
+                                      logits=self._logits_mode(ch),
+                                      rollback_len=r.kv_len + 1 if ch.num_drafts else None))
+        snapshot = self.spec.snapshot(verifies) if verifies else None
+        logits = self.runner.forward(fwd, ov.prev_ids()) if placeholders else self.runner.forward(fwd)
+        self.suspects.difference_update(ch.req.rid for ch in batch)
+        sampled = []
+        for ch in batch:
             if ch.num_drafts:
-                continue       # a speculative verify: accepted after this loop
-            completes = ch.completes
+                continue       # a speculative verify: accepted when the step is read
+            if ch.completes:
+                sampled.append(ch)
+            ch.req.kv_len += ch.num_tokens
+        number = self.num_steps
+        sample = None
+        if sampled:
+            rows = {id(ch): i for i, ch in enumerate(sampled)}
+            inputs = [SampleInput(ch.req.params, ch.req.prompt_ids, ch.req.output_ids, ch.req.generator,
+                                  ch.req.greq.top_logprobs_num, ch.req.greq.return_logprob) for ch in sampled]
+            sample = sample_async(torch.stack([lg[-1] for ch, lg in zip(batch, logits) if id(ch) in rows]), inputs)
+            for i, ch in enumerate(sampled):
+                ch.req.in_flight = InFlightToken(number, i)
+        return LaunchedStep(number, batch, starts, slots, drafts, snapshot, logits, sampled, sample)
+
+    def _read(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens on the host and process them. A request finished since
+        the launch (its row decoded a token after its last) is skipped: that token is never shown;
+        one retracted since keeps its token (and records no logits: its recompute does)."""
+        outputs: list[RequestOutput] = []
+        for ch, lg, start in zip(step.batch, step.logits, step.starts):
+            r = ch.req
+            if ch.num_drafts or r.state is not ReqState.RUNNING or lg.shape[0] != ch.num_tokens:
+                continue
             try:
-                if lg.shape[0] == ch.num_tokens:      # every position's logits came back
-                    self._record_positions(r, r.kv_len, lg)
+                self._record_positions(r, start, lg)     # every position's logits came back
             except Exception as e:
                 outputs.append(self._fail(r, f"computing input logprobs failed: {type(e).__name__}: {e}"))
-                continue
-            r.kv_len += ch.num_tokens
-            if completes:
-                sampled.append((r, lg[-1]))
-
-        if sampled:
-            inputs = [SampleInput(r.params, r.prompt_ids, r.output_ids, r.generator,
-                                  r.greq.top_logprobs_num, r.greq.return_logprob) for r, _ in sampled]
-            res = sample(torch.stack([lg for _, lg in sampled]), inputs)
-            for i, (r, _) in enumerate(sampled):
+        if step.sample is not None:
+            res = step.sample.result()
+            for i, ch in enumerate(step.sampled):
+                r = ch.req
+                if r.in_flight == InFlightToken(step.number, i):
+                    r.in_flight = None
+                if r.state is ReqState.FINISHED:
+                    continue
                 if res.errors[i] is not None:
                     outputs.append(self._fail(r, res.errors[i]))
                     continue
@@ -307,8 +391,8 @@ class Scheduler:
                 except Exception as e:
                     outputs.append(self._fail(r, f"processing the new token failed: {type(e).__name__}: {e}"))
         if self.spec is not None:
-            outputs += self._finish_speculative(batch, logits, starts, slots, drafts, snapshot)
-        self._maybe_idle_check()
+            outputs += self._finish_speculative(step.batch, step.logits, step.starts, step.slots, step.drafts,
+                                                step.snapshot)
         return outputs
 
     def _finish_speculative(self, batch: list[ScheduledChunk], logits: list[torch.Tensor], starts: list[int],
@@ -402,8 +486,8 @@ class Scheduler:
         self._retracted_this_step = False
         while True:
             batch = self._try_schedule()
-            if batch or self._synthetic_outputs:
-                return batch
+            if batch or self._synthetic_outputs or self.overlap.in_flight is not None:
+                return batch       # (with a step in flight: read it, then schedule again)
             if self.running:
                 # running requests exist but none could move: prefills block each other
                 self._retract(self.running[-1])
@@ -416,7 +500,7 @@ class Scheduler:
         if self.suspects:
             return self._schedule_suspect()
         batch: list[ScheduledChunk] = []
-        decodes = [r for r in self.running if r.remaining == 1]
+        decodes = [r for r in self.running if r.remaining == 1 and not self._last_token_in_flight(r)]
         for r in decodes:
             if r.state is not ReqState.RUNNING:
                 continue   # retracted while making room for an older one
@@ -482,6 +566,11 @@ class Scheduler:
         r.state = ReqState.RUNNING
         self.running.append(r)
         return [ScheduledChunk(r, n)]
+
+    def _last_token_in_flight(self, r: Req) -> bool:
+        """Whether ``r``'s token in flight finishes it by length (known without reading it)."""
+        return r.in_flight is not None and (len(r.output_ids) + 1 >= r.params.max_new_tokens
+                                            or r.num_ids + 1 >= self.cfg.context_length)
 
     def _max_cached(self, r: Req) -> int:
         """Ids of ``r`` that may come from the prefix cache: all but the last (its logits give the
@@ -558,7 +647,7 @@ class Scheduler:
         """Append tokens in order until one finishes the request; one output for all of them.
         ``rows = (position, logits [n, V])``: token i came from the logits of position + i,
         recorded (captured logits) only for the tokens appended."""
-        done = []
+        done, running = [], r.state is ReqState.RUNNING
         for i, (tok, lp, top) in enumerate(zip(toks, logprobs, tops)):
             if rows is not None:
                 self._record_positions(r, rows[0] + i, rows[1][i:i + 1])
@@ -568,9 +657,7 @@ class Scheduler:
                 break
         out = self._output(r, done)
         if r.state is ReqState.FINISHED:
-            self.running.remove(r)
-            self.hooks.finish(r.rid)
-            del self.reqs[r.rid]
+            self._remove(r, running, completed=True)
         return out
 
     def _push_token(self, r: Req, tok: int, logprob: Optional[float], top: Optional[list[TokenLogprob]]) -> None:
@@ -668,6 +755,8 @@ class Scheduler:
             out.output_top_logprobs = [entries(t) for t in r.output_top]
 
     def _maybe_idle_check(self) -> None:
+        if self.idle:
+            self.overlap.in_flight = None    # only rows of finished requests can be left in it
         if self._was_busy and self.idle:
             self.hooks.check_integrity()
             self._was_busy = False

@@ -91,14 +91,16 @@ def test_synthetic_admission_equals_prefill_and_frees(dense, online, monkeypatch
         for layer, t in syn.pools.c128_online.items():
             assert (t[syn.allocator.req_slot(rid), 1] > 0).all()    # running sums are positive
 
-    steps = 0
+    steps, launched = 0, syn.scheduler.num_steps
     while syn.scheduler.reqs:                       # 8 decode steps: two C4 blocks complete
         outs = syn.step()
         steps += 1
         assert all(o.rid == rid for o in outs)
         if steps < 8:
             assert syn.pool_usage()["full"]["used"] > 0
-    assert steps == 8 and outs[-1].finished and len(outs[-1].output_ids) == 9
+    # the overlap schedule reads the last step's token in one more call (that launches nothing)
+    assert syn.scheduler.num_steps - launched == 8 and steps == 8 + syn.scheduler.overlap.enabled
+    assert outs[-1].finished and len(outs[-1].output_ids) == 9
     assert_all_free(syn)
     real.shutdown()
 
@@ -135,6 +137,7 @@ def test_layer_timer_splits_the_step_and_removes_itself():
     eng = make_engine(max_running_requests=1)
     eng.add_synthetic_request(600, greedy(6))
     eng.step()
+    eng.step()                 # a decode: with the overlap schedule each later step reads one token
     runner_forward = eng.runner.forward
     with LayerTimer(eng) as lt:
         for _ in range(2):
@@ -165,6 +168,7 @@ def test_kernel_breakdown_runs_and_cleans_up():
     eng = make_engine()
     eng.add_synthetic_request(600, greedy(4))
     eng.step()
+    eng.step()                 # a decode: with the overlap schedule each later step reads one token
     eng.runner.cuda_graphs = DecodeGraphs(eng.runner, max_bs=2, capture=False)   # switched off inside
     with KernelBreakdown(eng) as kb:
         assert eng.runner.cuda_graphs.enabled is False

@@ -20,6 +20,7 @@ import torch
 from dsv4_backend.backend import TorchDSV4Backend
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.cuda_graph import DecodeGraphs, batch_buckets, context_bucket
+from dsv4_backend.input_ids import placeholder
 from dsv4_backend.model_runner import ModelRunner, ForwardRequest
 from dsv4_backend.weights import random_weights
 
@@ -47,9 +48,12 @@ def _prompt(n, seed):
     return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(weights, static: bool, dense=False, online=False, max_bs=4, capture=False, twin=False, hisparse=None):
+def _run(weights, static: bool, dense=False, online=False, max_bs=4, capture=False, twin=False, hisparse=None,
+         placeholders=False):
     """One schedule of three requests; ``twin`` adds a fourth, "a2", a copy of "a" (same prompt,
-    same steps): an ordinary batch with the rows a padded static batch has."""
+    same steps): an ordinary batch with the rows a padded static batch has. ``placeholders``: each
+    decode's input id is a placeholder for a row of a stand-in "previous step's sampled ids" (the
+    rows reversed, one extra), as the overlap schedule passes them."""
     runner = ModelRunner.build(CFG, dtype=torch.float32, weights=weights, backend="triton", dense=dense,
                                max_total_tokens=2048, max_running_requests=4, online_compress=online,
                                cuda_graph=False, hisparse_config=hisparse)
@@ -77,7 +81,13 @@ def _run(weights, static: bool, dense=False, online=False, max_bs=4, capture=Fal
             p = n + step
             assert alloc.extend(rid, p + 1).ok
             reqs.append(ForwardRequest(alloc.req_slot(rid), p, [seqs[rid][p]], "last"))
-        for rid, lg in zip(lens, runner.forward(reqs)):
+        prev = None
+        if placeholders:
+            real = [r.input_ids[0] for r in reqs]
+            prev = torch.tensor(real[::-1] + [CFG.vocab_size - 1])
+            for i, r in enumerate(reqs):
+                r.input_ids = [placeholder(len(reqs) - 1 - i)]
+        for rid, lg in zip(lens, runner.forward(reqs, prev)):
             out[rid].append(lg)
         for rid in lens:
             alloc.evict_swa(rid)
@@ -143,6 +153,16 @@ def test_static_decode_equals_ordinary_steps(weights, dense, online, monkeypatch
     for rid in ref:
         assert torch.equal(got[rid], twin_ref[rid]), f"request {rid}: logits differ"
     assert torch.equal(twin_ref["a2"], twin_ref["a"])
+
+
+def test_placeholder_input_ids_resolve_on_the_device(weights):
+    """Decode input ids given as placeholders for rows of the previous step's ids: the static
+    path (the ids land in the graph's input buffer) and the eager path compute what real ids give."""
+    eager, ref = _eager(weights)
+    for static in (True, False):
+        _, got = _run(weights, static=static, max_bs=3, placeholders=True)
+        for rid in ref:
+            assert torch.equal(got[rid], ref[rid]), f"static={static}, request {rid}: logits differ"
 
 
 def test_failed_capture_falls_back_to_eager_steps(weights, caplog):

@@ -120,9 +120,9 @@ class StepLog:
         self.steps: list[list[tuple[int, int]]] = []
         inner = eng.runner.forward
 
-        def forward(reqs):
+        def forward(reqs, *args):      # args: the previous step's ids (the overlap schedule)
             self.steps.append([(r.req_slot, len(r.input_ids)) for r in reqs])
-            return inner(reqs)
+            return inner(reqs, *args)
 
         eng.runner.forward = forward
 

@@ -372,8 +372,11 @@ def test_logits_equal_hisparse_off(weights64, monkeypatch, online, state, data):
 # ---- through the Engine: retraction, aborts, SGLang's failures --------------------------------
 
 def _engine(hisparse, **kw) -> Engine:
+    # synchronous steps on both sides: HiSparse turns the overlap schedule off, and an abort's
+    # output under it would hold one token less (its token in flight is dropped)
     args = dict(preset="tiny", dtype="float64", skip_tokenizer_init=True, config_overrides=OVERRIDES,
-                capture_logits=True, max_total_tokens=TOKENS, max_running_requests=2, chunked_prefill_size=64)
+                capture_logits=True, max_total_tokens=TOKENS, max_running_requests=2, chunked_prefill_size=64,
+                disable_overlap_schedule=hisparse is None)
     args.update(kw)
     if hisparse is not None:
         args.update(enable_hisparse=True, hisparse_config=hisparse)
@@ -435,6 +438,7 @@ def test_engine_retraction_and_abort(weights64):
         assert on.scheduler.num_retractions == off.scheduler.num_retractions
         _same_logits(on, off, f_on, f_off)
         assert on.stats()["hisparse"]["swapped_rows"] > 0
+        assert on.stats()["overlap"]["off_reason"] == "HiSparse"
         _all_free(on)
 
 

@@ -7,7 +7,8 @@ index, ``nonzero``, ...: on a GPU each waits for the stream) is recorded. The st
 (the allocator's table updates, ``init_forward_metadata``, the static decode tables a CUDA
 graph reads) must record none and sampling exactly one. Host-to-device copies cannot be told
 apart on the CPU; on CUDA the last test counts the synchronising calls of whole engine steps
-with ``torch.cuda.set_sync_debug_mode`` (``bench/kernel_count.count_syncs``).
+with ``torch.cuda.set_sync_debug_mode`` (``bench/kernel_count.count_syncs``): none but the wait
+for the sampled ids, which the overlap schedule makes after the next step's launch.
 
 The missing-SWA-slot check, formerly a device read, now runs on the allocator's page
 bookkeeping: it is compared here with what ``full_to_swa`` itself says. About 5 s on the CPU.
@@ -203,22 +204,39 @@ def test_speculative_step_reads_twice():
     assert all(w.startswith(("scheduler_hooks/speculative.py", "scheduler_hooks/sampling.py")) for w in where), where
 
 
+def _event_wait_line() -> str:
+    """``sampling.py:N``, the line where a step's sampled ids are waited for (``PendingSample.result``)."""
+    import inspect
+    from scheduler_hooks import sampling
+    lines, start = inspect.getsourcelines(sampling.PendingSample.result)
+    n = next(start + i for i, text in enumerate(lines) if "self._event.synchronize()" in text)
+    return f"sampling.py:{n}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")
-def test_cuda_decode_step_syncs_once():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_decode_step_syncs_once(overlap):
+    """Graph decode steps synchronise nowhere but where the host waits for a step's sampled ids
+    (an event, after page-locked copies: the debug mode may or may not report it), at most once a
+    step; with the overlap schedule that wait comes after the next step's launch."""
     from dsv4_backend import Engine
     eng = Engine(preset="tiny", device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
                  config_overrides={"vocab_size": 1024}, max_total_tokens=8192, max_running_requests=2,
-                 random_weights_on_device=True)
+                 random_weights_on_device=True, disable_overlap_schedule=not overlap)
     try:
         assert eng.runner.cuda_graphs is not None
         rids = admit_synthetic(eng, 300, 2, 12)
         eng.step()
         eng.step()                          # captured and replayed once
+        before = eng.scheduler.overlap.overlap_steps
         syncs = count_syncs(eng, 4)
+        overlapped = eng.scheduler.overlap.overlap_steps - before
         finish_all(eng, rids)
     finally:
         eng.shutdown()
-    assert sum(syncs.values()) == 4 and all(k.startswith("sampling.py") for k in syncs), syncs
+    assert set(syncs) <= {_event_wait_line()} and sum(syncs.values()) <= 4, syncs
+    assert overlapped == (4 if overlap else 0)
+
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations")

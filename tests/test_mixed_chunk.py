@@ -38,7 +38,7 @@ def _run(cap: int, short: list[int], long: list[int]) -> tuple[Engine, list[list
     eng = _engine(cap)
     steps: list[list[tuple[int, int]]] = []
     inner = eng.runner.forward
-    eng.runner.forward = lambda reqs: steps.append([(r.req_slot, len(r.input_ids)) for r in reqs]) or inner(reqs)
+    eng.runner.forward = lambda reqs, *a: steps.append([(r.req_slot, len(r.input_ids)) for r in reqs]) or inner(reqs, *a)
     a = GenerateRequest(short, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
     b = GenerateRequest(long, SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
     eng.scheduler.add(a)
@@ -91,7 +91,7 @@ def test_zero_is_the_old_policy_and_a_lone_prefill_is_not_capped(case):
     try:   # no decode running: the full chunked_prefill_size
         seen = []
         inner = eng.runner.forward
-        eng.runner.forward = lambda reqs: seen.append([len(r.input_ids) for r in reqs]) or inner(reqs)
+        eng.runner.forward = lambda reqs, *a: seen.append([len(r.input_ids) for r in reqs]) or inner(reqs, *a)
         eng.generate(input_ids=long, sampling_params={"max_new_tokens": 1, "temperature": 0})
         assert seen == [[300]]
     finally:

@@ -108,8 +108,8 @@ def test_a_request_failing_mid_stream_ends_with_an_error_event_and_others_finish
     real = eng.runner.forward
     victim_prompt = [77, 78, 79, 80, 81]
 
-    def forward(reqs):
-        logits = real(reqs)
+    def forward(reqs, *args):
+        logits = real(reqs, *args)
         for fr, lg in zip(reqs, logits):
             if fr.prefix_len == len(victim_prompt) + 1 and len(fr.input_ids) == 1 and victim_in(fr):
                 with torch.inference_mode():

@@ -77,7 +77,7 @@ class Injector:
     def __exit__(self, *exc):
         self.eng.runner.forward = self.real
 
-    def forward(self, reqs):
+    def forward(self, reqs, *args):
         try:
             slot = self.eng.allocator.req_slot(self.victim)
         except Exception:
@@ -87,7 +87,7 @@ class Injector:
         if mine and self.mode == "raise":
             self.hits += 1
             raise RuntimeError("injected forward failure")
-        logits = self.real(reqs)
+        logits = self.real(reqs, *args)
         for i in mine:
             self.hits += 1
             logits[i][-1] = float("nan")

@@ -102,6 +102,7 @@ class DecodeRow:
     floor: Optional[dict[str, Any]] = None    # bench/_floor.StepFloor.to_dict(copy GB/s): the byte floor
     kernels: Optional[dict[str, Any]] = None  # bench/kernel_count.report of one eager step
     overlap_steps: int = 0               # timed steps launched before the previous step's tokens were read
+    sync_ms_per_step: Optional[float] = None  # --overlap-ab: the same row, same engine, synchronous steps
 
     @property
     def floor_ms(self) -> float:
@@ -296,7 +297,7 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
     """Admit ``row.batch`` synthetic requests, warm up, time decode steps, optionally split one."""
     bd_steps = args.breakdown_steps if breakdown else 0
     count = breakdown and args.kernel_count
-    max_new = args.warmup + args.steps + bd_steps + 3 * count + 4
+    max_new = args.warmup + args.steps + bd_steps + 3 * count + 4 + (args.steps + 1 if args.overlap_ab else 0)
     t0 = time.perf_counter()
     rids = admit_synthetic(eng, row.context, row.batch, max_new)
     try:
@@ -320,6 +321,15 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
         timing = timed_decode_steps(eng, steps, row.batch)
         row.steps, row.ms_per_step, row.tokens_per_s = steps, timing.ms_per_step, timing.tokens_per_s
         row.overlap_steps = eng.scheduler.overlap.overlap_steps - overlapped
+        ov = eng.scheduler.overlap
+        if args.overlap_ab and ov.enabled:
+            # the same requests, synchronous steps: one step to drain the one in flight, then timed
+            ov.enabled = False
+            try:
+                timed_decode_steps(eng, 1, row.batch)
+                row.sync_ms_per_step = timed_decode_steps(eng, steps, row.batch).ms_per_step
+            finally:
+                ov.enabled = True
         if graphs is not None:
             st = graphs.stats()
             if st["replays"]:
@@ -600,6 +610,9 @@ def run(args: argparse.Namespace) -> Report:
                        f"{row.floor['kv_bytes'] / 1e9:.3f} GB KV ({row.x_floor:.1f}x)" if row.x_floor else "")
                     + (f"  [{row.note}]" if row.note else "")
                     + (f"  (overlap {row.overlap_steps}/{row.steps} steps)" if row.status == "ok" else "")
+                    + (f"  synchronous steps {row.sync_ms_per_step:.2f} ms/step "
+                       f"(overlap / synchronous {row.ms_per_step / row.sync_ms_per_step:.2f})"
+                       if row.sync_ms_per_step else "")
                     + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
                        f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
                 if row.breakdown:
@@ -912,6 +925,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--disable-overlap-schedule", action="store_true",
                     help="synchronous steps: read each step's sampled ids before scheduling the next "
                          "(default: the overlap schedule, as the engine's)")
+    ap.add_argument("--overlap-ab", action="store_true",
+                    help="time each decode row again with synchronous steps, same engine and requests")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="print the memory setup, plans and runs; measure nothing")
     ap.add_argument("--out", type=Path, default=None)

@@ -297,7 +297,8 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
     """Admit ``row.batch`` synthetic requests, warm up, time decode steps, optionally split one."""
     bd_steps = args.breakdown_steps if breakdown else 0
     count = breakdown and args.kernel_count
-    max_new = args.warmup + args.steps + bd_steps + 3 * count + 4 + (args.steps + 1 if args.overlap_ab else 0)
+    ab = getattr(args, "overlap_ab", False)      # callers' namespaces may lack it (bench_quant_model)
+    max_new = args.warmup + args.steps + bd_steps + 3 * count + 4 + (args.steps + 1 if ab else 0)
     t0 = time.perf_counter()
     rids = admit_synthetic(eng, row.context, row.batch, max_new)
     try:
@@ -322,7 +323,7 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
         row.steps, row.ms_per_step, row.tokens_per_s = steps, timing.ms_per_step, timing.tokens_per_s
         row.overlap_steps = eng.scheduler.overlap.overlap_steps - overlapped
         ov = eng.scheduler.overlap
-        if args.overlap_ab and ov.enabled:
+        if ab and ov.enabled:
             # the same requests, synchronous steps: one step to drain the one in flight, then timed
             ov.enabled = False
             try:

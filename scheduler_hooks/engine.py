@@ -38,7 +38,7 @@ from dsv4_backend.parallel import RankShard
 from dsv4_backend.weights import ModelTensor, RandomWeightStream, model_tensors, random_weights
 from memory.allocator import KVAllocator
 from memory.configurator import COMPRESSED_PAGE, SWA_PAGE, DSV4PoolConfigurator, PoolPlan
-from memory.hisparse import HiSparseConfig
+from memory.hisparse import HiSparseConfig, copy_rows_torch
 from memory.layout import (INDEXER_ROW_BYTES, KV_ROW_BYTES, write_indexer_rows,
                            write_kv_rows)
 from memory.pools import DSV4KVPools
@@ -292,8 +292,14 @@ class Engine:
         self.scheduler.synthetic_fill = fill
         if spec is not None:
             self.scheduler.spec = SpeculativeDecoder(spec, self.runner, self.allocator)
-        # where the host needs every step's tokens before the next launch (scheduler_hooks/overlap.py)
-        for reason, on in (("speculative decoding", spec is not None), ("HiSparse", self.pools.hisparse is not None),
+        # where the host needs every step's tokens before the next launch (scheduler_hooks/overlap.py).
+        # HiSparse overlaps where its rows move by kernel (stream-ordered, like every other pool
+        # write); its host-side torch copy on a GPU (no mapped pinned memory) reads and writes the
+        # pinned pool from the host at launch time, before a step in flight has finished.
+        hs = self.pools.hisparse
+        hs_host_copy = hs is not None and hs.device.type == "cuda" and hs.copy_rows is copy_rows_torch
+        for reason, on in (("speculative decoding", spec is not None),
+                           ("HiSparse with the host-side row copy", hs_host_copy),
                            ("tensor / expert parallel ranks", self.ranks is not None)):
             if on and self.scheduler.overlap.enabled:
                 self.scheduler.overlap.turn_off(reason)
@@ -753,6 +759,10 @@ class SyntheticContextFiller:
         """Fill what ``rid`` holds for its positions ``0 .. num_tokens - 1``."""
         alloc, pools, plan = self.allocator, self.pools, self.pools.plan
         slot, dev = alloc.req_slot(rid), self.device
+        if pools.hisparse is not None and dev.type == "cuda":
+            # the host pool is written from the host below; under the overlap schedule a step may
+            # still be in flight whose kernels write rows of pages just freed and reused here
+            torch.cuda.synchronize(dev)
         full_slots = alloc.req_to_token[slot, :num_tokens].to(dev)
         swa_pages = [p for k in range(-(-num_tokens // SWA_PAGE)) if (p := alloc.swa_page_of(rid, k)) is not None]
         swa_pages_t = torch.tensor(swa_pages, dtype=torch.int64, device=dev)

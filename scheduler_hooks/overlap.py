@@ -33,9 +33,10 @@ once) where the host needs the token before the next launch, decided per step:
 - a request with a token in flight samples with repetition / frequency / presence penalties,
   built from its host-side output ids (``penalties``);
 - always, under speculative decoding (drafts, verification and the MTP pass need the accepted
-  tokens), HiSparse (the GPU reads its host pool in place, through mapped pinned memory, and
-  host-side writes to that pool are not ordered after a step in flight: not verified, so kept
-  synchronous), tensor / expert parallel ranks (rank 0 broadcasts each step's host ids), and
+  tokens), HiSparse where its rows move by the host-side torch copy on a GPU (that copy reads
+  and writes the pinned host pool at launch time, not in stream order; with the row-copy kernel,
+  the default on CUDA, every pool write is a kernel on the stream and HiSparse overlaps),
+  tensor / expert parallel ranks (rank 0 broadcasts each step's host ids), and
   while suspects of a failed forward run alone.
 
 Unseeded drawn requests share the engine's generator, so a discarded row's draw moves the other

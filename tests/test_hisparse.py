@@ -372,11 +372,10 @@ def test_logits_equal_hisparse_off(weights64, monkeypatch, online, state, data):
 # ---- through the Engine: retraction, aborts, SGLang's failures --------------------------------
 
 def _engine(hisparse, **kw) -> Engine:
-    # synchronous steps on both sides: HiSparse turns the overlap schedule off, and an abort's
-    # output under it would hold one token less (its token in flight is dropped)
+    # the overlap schedule on both sides (the engine's default; on the CPU HiSparse's rows move
+    # by torch copies between CPU tensors, in program order)
     args = dict(preset="tiny", dtype="float64", skip_tokenizer_init=True, config_overrides=OVERRIDES,
-                capture_logits=True, max_total_tokens=TOKENS, max_running_requests=2, chunked_prefill_size=64,
-                disable_overlap_schedule=hisparse is None)
+                capture_logits=True, max_total_tokens=TOKENS, max_running_requests=2, chunked_prefill_size=64)
     args.update(kw)
     if hisparse is not None:
         args.update(enable_hisparse=True, hisparse_config=hisparse)
@@ -438,7 +437,7 @@ def test_engine_retraction_and_abort(weights64):
         assert on.scheduler.num_retractions == off.scheduler.num_retractions
         _same_logits(on, off, f_on, f_off)
         assert on.stats()["hisparse"]["swapped_rows"] > 0
-        assert on.stats()["overlap"]["off_reason"] == "HiSparse"
+        assert on.stats()["overlap"]["enabled"] and on.stats()["overlap_steps"] > 0
         _all_free(on)
 
 

@@ -229,8 +229,8 @@ class HiSparsePool:
         if self.lookup is not None:      # the same decisions in one kernel
             dest, copy_dst = self.lookup(self.table[layer], self.last_used[layer], sel, owners, self.tick,
                                          self.counts, self.buffer_size)
-            self.copy_rows(self.host[layer], sel.to(torch.int64).clamp_min(0).reshape(-1), self.device_kv[layer],
-                           copy_dst.reshape(-1))
+            # the row-copy kernel clamps a -1 source itself, and reads int32 or int64 rows
+            self.copy_rows(self.host[layer], sel.reshape(-1), self.device_kv[layer], copy_dst.reshape(-1))
             return dest.to(sel.dtype)
         B, cols = self.buffer_size, self._cols
         table, used = self.table[layer], self.last_used[layer]

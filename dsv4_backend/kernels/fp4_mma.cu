@@ -1,0 +1,213 @@
+// Routed FP4 (e2m1) experts at decode sizes on the tensor cores, with weights stored in MMA
+// fragment order (dsv4_backend/kernels/fp4_mma.py says why, and how the order is built).
+//
+// part[split, pair, n] = sum over this split's K of act[pair / row_div] . w[e][n], e = ids[pair],
+// for every pair whose expert is valid; fp32, the contract of fp4_moe_decode.fp4_gemv.
+//
+// One warp owns one 16-row weight tile of one expert and streams it over its K split; a CTA is
+// four such warps (64 rows). CTA (x, pair b, split) runs only when b is the first pair routed to
+// its expert, and then serves every pair of that expert, eight at a time (the MMA's N side).
+//
+// Per 32-deep scale group a lane holds two 32-bit words of weights (eight e2m1 nibbles each, one
+// m16n8k16 A fragment) and eight e4m3 activation bytes (two B fragments). Each nibble becomes an
+// fp16 by moving its bits (value x 2^-14), each activation pair by the hardware's e4m3x2 -> f16x2
+// conversion (exact). The two MMAs of a group sum 32 exact products in fp32; the group's sum is
+// then multiplied by the weight scale 2^(s - 127) times 2^14 (exact: a power of two), and each
+// 128-deep chunk's sum by the activation's 1x128 scale.
+//
+// Compiled at run time by NVRTC (torch.cuda._compile_kernel): no headers, plain C types.
+
+typedef unsigned int u32;
+
+__device__ __forceinline__ u32 f16x2_from_e4m3x2(unsigned short v) {
+    u32 out;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(v));
+    return out;
+}
+
+// Nibble pair p of a packed word -> an fp16x2 register: the low half from bits 12-15 of
+// (word << 4p), the high half from bits 28-31; sign bit kept, exponent and mantissa bits moved
+// down by three into the fp16's low exponent bits and top mantissa bit.
+__device__ __forceinline__ u32 e2m1x2_to_f16x2(u32 w) {
+    return (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u);
+}
+
+__device__ __forceinline__ void mma_16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One word's A fragment times one B fragment pair, accumulated into d.
+__device__ __forceinline__ void mma_word(float* d, u32 w, u32 b0, u32 b1) {
+    u32 a0 = e2m1x2_to_f16x2(w);
+    u32 a1 = e2m1x2_to_f16x2(w << 4);
+    u32 a2 = e2m1x2_to_f16x2(w << 8);
+    u32 a3 = e2m1x2_to_f16x2(w << 12);
+    mma_16816(d, a0, a1, a2, a3, b0, b1);
+}
+
+// 2^(s - 127) * 2^14 for an e8m0 byte s <= 240 (fp4_mma.py checks the bound at packing).
+__device__ __forceinline__ float group_scale(u32 s) {
+    return __int_as_float((int)((s + 14u) << 23));
+}
+
+__device__ __forceinline__ int pair_expert(const void* ids, int ids64, int j) {
+    return ids64 ? (int)((const long long*)ids)[j] : ((const int*)ids)[j];
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Chunks in flight per warp: each 1 KiB of weights and 64 B of scales, copied to the warp's own
+// shared-memory ring (no register cost; the copies of STAGES - 1 chunks overlap the math).
+#ifndef STAGES
+#define STAGES 4
+#endif
+
+struct WarpRing {
+    uint4 w[STAGES][64];
+    u32 s[STAGES][16];
+};
+
+// Starts the copy of chunk c into ring slot c % STAGES (an empty group past the split's end, so
+// that the wait below always counts STAGES - 1 groups).
+__device__ __forceinline__ void fetch_chunk(WarpRing& ring, const uint4* __restrict__ wtile,
+                                            const u32* __restrict__ stile, int c, int c_hi, int lane) {
+    if (c < c_hi) {
+        const int slot = c % STAGES;
+        // the lane's two 16-byte halves go 32 slots apart, so that reading them back is free of
+        // bank conflicts
+        cp_async16(&ring.w[slot][lane], wtile + (size_t)c * 64 + 2 * lane);
+        cp_async16(&ring.w[slot][32 + lane], wtile + (size_t)c * 64 + 2 * lane + 1);
+        if (lane < 16) cp_async4(&ring.s[slot][lane], stile + (size_t)c * 16 + lane);
+    }
+    cp_async_commit();
+}
+
+// The K loop of one warp for one group of up to eight pairs (cols[0 .. n)).
+__device__ __forceinline__ void tile_pairs(
+    WarpRing& ring, const uint4* __restrict__ wtile, const u32* __restrict__ stile,
+    const unsigned char* __restrict__ act, const float* __restrict__ act_s, float* __restrict__ part,
+    const int* cols, int n, int row_div, int N, int K, int P, int row0, int c_lo, int c_hi, int split,
+    int lane) {
+    const int g = lane >> 2, tig = lane & 3;
+    const int KS = K >> 7;
+    // this lane's B column (pair cols[g]) and its two C columns (pairs cols[2 tig], cols[2 tig + 1])
+    const int pb = cols[g < n ? g : n - 1];
+    const int c0 = 2 * tig, c1 = 2 * tig + 1;
+    const int p0 = cols[c0 < n ? c0 : n - 1], p1 = cols[c1 < n ? c1 : n - 1];
+    const unsigned char* arow = act + (size_t)(pb / row_div) * K + 8 * tig;
+    const float* s0row = act_s + (size_t)(p0 / row_div) * KS;
+    const float* s1row = act_s + (size_t)(p1 / row_div) * KS;
+
+    for (int s = 0; s < STAGES - 1; ++s) fetch_chunk(ring, wtile, stile, c_lo + s, c_hi, lane);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int c = c_lo; c < c_hi; ++c) {
+        cp_async_wait<STAGES - 2>();  // chunk c has landed (this lane's copies) ...
+        __syncwarp();                 // ... and every lane's
+        const int slot = c % STAGES;
+        const uint4 wa = ring.w[slot][lane], wb = ring.w[slot][32 + lane];
+        const u32 slo = ring.s[slot][g], shi = ring.s[slot][g + 8];
+        __syncwarp();  // the slot refilled next was read by every lane one iteration ago
+        fetch_chunk(ring, wtile, stile, c + STAGES - 1, c_hi, lane);
+        const u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+        float chunk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int G = 0; G < 4; ++G) {
+            const uint2 xa = *(const uint2*)(arow + (size_t)c * 128 + 32 * G);
+            float t[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_word(t, words[2 * G], f16x2_from_e4m3x2((unsigned short)(xa.x & 0xFFFFu)),
+                     f16x2_from_e4m3x2((unsigned short)(xa.x >> 16)));
+            mma_word(t, words[2 * G + 1], f16x2_from_e4m3x2((unsigned short)(xa.y & 0xFFFFu)),
+                     f16x2_from_e4m3x2((unsigned short)(xa.y >> 16)));
+            const float sg = group_scale((slo >> (8 * G)) & 0xFFu);
+            const float sh = group_scale((shi >> (8 * G)) & 0xFFu);
+            chunk[0] += t[0] * sg;
+            chunk[1] += t[1] * sg;
+            chunk[2] += t[2] * sh;
+            chunk[3] += t[3] * sh;
+        }
+        const float x0 = s0row[c], x1 = s1row[c];
+        acc[0] += chunk[0] * x0;
+        acc[1] += chunk[1] * x1;
+        acc[2] += chunk[2] * x0;
+        acc[3] += chunk[3] * x1;
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+    float* base = part + (size_t)split * P * N;
+    if (c0 < n) {
+        base[(size_t)p0 * N + row0 + g] = acc[0];
+        base[(size_t)p0 * N + row0 + g + 8] = acc[2];
+    }
+    if (c1 < n) {
+        base[(size_t)p1 * N + row0 + g] = acc[1];
+        base[(size_t)p1 * N + row0 + g + 8] = acc[3];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
+    const uint4* __restrict__ wp, const u32* __restrict__ sp, const unsigned char* __restrict__ act,
+    const float* __restrict__ act_s, const void* __restrict__ ids, float* __restrict__ part,
+    int P, int E, int N, int K, int row_div, int ids64, int chunks_per_split) {
+    __shared__ int cols[4][8];
+    __shared__ WarpRing rings[4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int b = blockIdx.y, split = blockIdx.z;
+    const int e = pair_expert(ids, ids64, b);
+    if (e < 0 || e >= E) return;
+    // the CTA of the first pair routed to e serves them all
+    bool earlier = false;
+    for (int j = threadIdx.x; j < b; j += blockDim.x) earlier |= pair_expert(ids, ids64, j) == e;
+    if (__syncthreads_or(earlier)) return;
+
+    const int NT = N >> 4, KC = K >> 7;
+    const int tile = blockIdx.x * 4 + warp;
+    if (tile >= NT) return;
+    const int c_lo = split * chunks_per_split;
+    const int c_hi = min(c_lo + chunks_per_split, KC);
+    if (c_lo >= c_hi) return;
+    const uint4* wtile = wp + (size_t)(e * NT + tile) * KC * 64;
+    const u32* stile = sp + (size_t)(e * NT + tile) * KC * 16;
+    const int row0 = tile * 16;
+
+    int cnt = 0;
+    for (int j0 = b; j0 < P; j0 += 32) {
+        const int j = j0 + lane;
+        const bool hit = j < P && pair_expert(ids, ids64, j) == e;
+        u32 m = __ballot_sync(0xFFFFFFFFu, hit);
+        while (m) {
+            const int room = 8 - cnt;
+            const int rank = __popc(m & ((1u << lane) - 1u));
+            if (((m >> lane) & 1u) && rank < room) cols[warp][cnt + rank] = j;
+            const int placed = min(__popc(m), room);
+            for (int i = 0; i < placed; ++i) m &= m - 1u;
+            cnt += placed;
+            __syncwarp();
+            if (cnt == 8) {
+                tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], 8, row_div, N, K, P, row0,
+                           c_lo, c_hi, split, lane);
+                cnt = 0;
+                __syncwarp();
+            }
+        }
+    }
+    if (cnt > 0)
+        tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], cnt, row_div, N, K, P, row0, c_lo, c_hi,
+                   split, lane);
+}

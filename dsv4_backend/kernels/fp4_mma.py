@@ -1,0 +1,207 @@
+"""FP4 experts at decode sizes on the tensor cores: weights stored in MMA fragment order.
+
+Why: the Triton decode GEMVs and grouped kernels of ``fp4_moe`` / ``fp4_moe_decode`` read FP4
+weights at 10-24% of copy bandwidth on the H200, while the same tiles, only loaded, stream at
+55-75% (docs/PERF.md, "FP4 experts on the tensor cores"). The gap is the conversion: each e2m1
+nibble is decoded with several instructions and then moved, through shared memory, into the
+layout the MMA wants. Here the weights are reordered once, at load, so that each lane's loaded
+32-bit word already is its ``mma.m16n8k16`` A fragment: eight nibbles that become four fp16x2
+registers with two bit operations each, no shared memory and no shuffle (the idea of Marlin-style
+kernels; the code and the order are this project's).
+
+The packed order (``pack_fp4_mma``). A weight matrix ``[N, K]`` is cut into 16-row tiles and
+128-deep chunks; a (tile, chunk) is 1 KiB, 32 lanes x 8 words. Lane ``4 g + t`` (g = 0..7,
+t = 0..3) word ``2 G + h`` (scale group G = 0..3 of the chunk, half h) holds the weights of rows
+``g`` and ``g + 8`` at the chunk's columns ``32 G + 8 t + 4 h + {0, 1, 2, 3}``: this permutes K
+inside each 32-deep scale group so that the lane's eight activation bytes of a group are
+contiguous and every MMA stays inside one scale group. Within the word, MMA register p = 0..3
+(rows g, g+8, g, g+8; columns +0/1, +0/1, +2/3, +2/3) takes its low half from bits 12-15 of
+``word << 4p`` and its high half from bits 28-31. Each nibble keeps its e2m1 code
+``s e1 e0 m``; moving ``e1 e0 m`` down three bits gives the fp16 of value x 2^-14 (the e2m1
+subnormal 0.5 becomes the fp16 subnormal 2^-15). The 1x32 e8m0 scales of a (tile, chunk) are
+``[16 rows, 4 groups]`` bytes, read as one 32-bit word per row.
+
+The kernel (``fp4_mma.cu``, compiled at first use by NVRTC through torch) has the contract of
+``fp4_moe_decode.fp4_gemv`` (fp32 partials ``[splits, P, N]`` at each pair's row), so the rest of
+the decode MoE (SwiGLU + act-quant, combine) is unchanged. Numerics are the same W4A8 products:
+every product of an e2m1 weight and an e4m3 activation is exact in fp32; the MMA sums each
+32-deep group in fp32, the group sum is scaled by the weight's power of two and each 128-deep
+chunk by the activation's; only the fp32 sums round (bound: ``tests/bounds.py``). The e8m0 scale
+must be at most 240 (2^113): checked at packing, as the Triton kernels assume the same range.
+
+``emulate_fp4_mma`` recomputes the kernel in float64 from the packed words and the activation
+bytes, following the PTX fragment rules for A, B and C register by register: on the CPU it
+checks the order, the bit moves and the kernel's addressing without a GPU.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+SOURCE = Path(__file__).with_name("fp4_mma.cu")
+MAX_SCALE_BYTE = 240  # group_scale builds 2^(s - 113) from an fp32 exponent field
+ROWS_PER_CTA = 64  # four warps of one 16-row tile each
+
+
+class Fp4MmaPack(NamedTuple):
+    words: torch.Tensor  # int32 [E, N/16, K/128, 32, 8]: the weights in fragment order
+    scales: torch.Tensor  # int32 [E, N/16, K/128, 16]: per row, the chunk's four e8m0 bytes
+    n: int
+    k: int
+
+
+def pack_fp4_mma(w: torch.Tensor, w_scale: torch.Tensor, experts_per_step: int = 16) -> Fp4MmaPack:
+    """Release-format FP4 experts (``w`` uint8 ``[E, N, K/2]``, low nibble = even K; ``w_scale``
+    uint8 e8m0 ``[E, N, K/32]``) -> the fragment order above, on w's device, a few experts at a
+    time (the unpacked codes of one step are ``experts_per_step x N x K`` bytes)."""
+    if w.dtype != torch.uint8 or w_scale.dtype != torch.uint8 or w.dim() != 3:
+        raise ValueError(f"pack_fp4_mma: want uint8 [E, N, K/2] and [E, N, K/32], got {w.dtype} "
+                         f"{tuple(w.shape)} and {w_scale.dtype} {tuple(w_scale.shape)}")
+    E, N, half = w.shape
+    K = 2 * half
+    if N % 16 or K % 128 or tuple(w_scale.shape) != (E, N, K // 32):
+        raise ValueError(f"pack_fp4_mma: N={N} must be a multiple of 16, K={K} of 128, scales "
+                         f"[E, N, K/32]; got scales {tuple(w_scale.shape)}")
+    top = int(w_scale.max()) if w_scale.numel() else 0
+    if top > MAX_SCALE_BYTE:
+        raise ValueError(f"pack_fp4_mma: an e8m0 scale byte is {top}, above {MAX_SCALE_BYTE} "
+                         "(2^113), the range the kernels support")
+    NT, KC = N // 16, K // 128
+    words = torch.empty(E, NT, KC, 32, 8, dtype=torch.int32, device=w.device)
+    # nibble q = 4 bb + 2 rh + a of a word (a: column + a, bb: + 2 bb, rh: row + 8 rh) sits at bit
+    # 12 - 4 p + 16 a with p = rh + 2 bb
+    q = torch.arange(8, device=w.device)
+    shift = (12 - 4 * ((q // 2) % 2 + 2 * (q // 4)) + 16 * (q % 2)).to(torch.int64)
+    for e0 in range(0, E, experts_per_step):
+        blk = w[e0:e0 + experts_per_step].to(torch.int64)
+        codes = torch.stack((blk & 15, blk >> 4), dim=-1).reshape(-1, N, K)  # [e, N, K]
+        # rows = 16 tile + 8 rh + g; K = 128 c + 32 G + 8 t + 4 h + 2 bb + a
+        c = codes.reshape(-1, NT, 2, 8, KC, 4, 4, 2, 2, 2)
+        # -> [e, tile, chunk, g, t, G, h, bb, rh, a]
+        c = c.permute(0, 1, 4, 3, 6, 5, 7, 8, 2, 9).reshape(-1, NT, KC, 32, 8, 8)
+        word = (c << shift).sum(dim=-1)  # < 2^32
+        words[e0:e0 + experts_per_step] = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    scales = (w_scale.reshape(E, NT, 16, KC, 4).permute(0, 1, 3, 2, 4).contiguous()
+              .view(torch.int32).reshape(E, NT, KC, 16))
+    return Fp4MmaPack(words, scales, N, K)
+
+
+# ---- the kernel's arithmetic in float64, register by register (CPU check of the order) -----
+
+def _f16_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 16-bit patterns -> their fp16 values in float64."""
+    return bits.to(torch.int16).view(torch.float16).to(torch.float64)
+
+
+def _a_fragment_values(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., 8] -> float64 [..., 8 words, 4 registers, 2 halves]: the fp16 values the
+    kernel's ``e2m1x2_to_f16x2(word << 4p)`` puts in A register p (x 2^-14)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    regs = []
+    for p in range(4):
+        t = (w << (4 * p)) & 0xFFFFFFFF
+        r = (t & 0x80008000) | ((t >> 3) & 0x0E000E00)
+        regs.append(torch.stack((_f16_bits(r & 0xFFFF), _f16_bits(r >> 16)), dim=-1))
+    return torch.stack(regs, dim=-2)
+
+
+def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def emulate_fp4_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pack: Fp4MmaPack,
+                    row_div: int) -> torch.Tensor:
+    """float64 [P, N]: what ``fp4_gemv_mma`` computes (one split), from the packed words and the
+    activation bytes exactly as the kernel addresses them, with the PTX m16n8k16 fragment rules
+    (A: lane 4 g + t, register r, half x -> row g + 8 (r & 1), column 2 t + x + 8 (r >> 1);
+    B: register j, half x -> column 2 t + x + 8 j of activation column g). Rows of pairs with an
+    invalid expert are 0."""
+    E = pack.words.shape[0]
+    N, K = pack.n, pack.k
+    NT, KC = N // 16, K // 128
+    flat = ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    out = torch.zeros(P, N, dtype=torch.float64)
+    acts = _e4m3_values(act_q.view(torch.uint8).cpu())
+    # the A matrix of each MMA (word 2 G + h): A[row][col] = value of (lane, register, half)
+    row = torch.arange(16).view(16, 1)
+    col = torch.arange(16).view(1, 16)
+    lane = 4 * (row % 8) + (col % 8) // 2
+    reg = row // 8 + 2 * (col // 8)
+    half = col % 2
+    # B: MMA column (= K index within the MMA) col -> the lane's byte 4 h + 2 j + x of the group,
+    # at the group's offset 8 t: byte = 8 t + 4 h + 2 j + x with t = (col % 8) // 2, j = col // 8
+    b_byte_h0 = 8 * ((col % 8) // 2) + 2 * (col // 8) + col % 2  # [1, 16], add 4 h
+    sbytes = pack.scales.cpu().contiguous().view(torch.uint8).reshape(E, NT, KC, 16, 4).to(torch.int64)
+    for p in range(P):
+        e = int(flat[p])
+        if not 0 <= e < E:
+            continue
+        a_vals = _a_fragment_values(pack.words[e].cpu())  # [NT, KC, 32, 8, 4, 2]
+        x = acts[p // row_div]
+        xs = act_s[p // row_div].cpu().to(torch.float64)
+        for c in range(KC):
+            for G in range(4):
+                group = torch.zeros(NT, 16, dtype=torch.float64)
+                for h in range(2):
+                    A = a_vals[:, c, lane, 2 * G + h, reg, half]  # [NT, 16, 16]
+                    B = x[128 * c + 32 * G + 4 * h + b_byte_h0.view(-1)]  # [16]
+                    group += A @ B
+                scale = torch.pow(2.0, (sbytes[e, :, c, :, G] - 113).to(torch.float64))  # [NT, 16]
+                out[p] += (group * scale * xs[c]).reshape(N)
+    return out
+
+
+# ---- the GPU entry point --------------------------------------------------------------------
+
+STAGES = 4  # 1 KiB chunks of weights in flight per warp, less one (the ring in fp4_mma.cu)
+
+
+@lru_cache(maxsize=None)
+def _kernel(device_index: int, stages: int):
+    """The NVRTC-compiled kernel for one device and ring depth (compiled once per process)."""
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(SOURCE.read_text(), "fp4_mma_gemv",
+                                          nvcc_options=[f"-DSTAGES={stages}"])
+
+
+class MmaConfig(NamedTuple):
+    split_k: int = 1  # K splits (whole 128-deep chunks each); partials summed in split order
+    stages: int = STAGES  # ring depth of fp4_mma.cu
+
+
+def mma_splits(K: int, split_k: int) -> tuple[int, int]:
+    """(128-deep chunks per split, number of splits): no empty split."""
+    chunks = K // 128
+    per = -(-chunks // max(1, split_k))
+    return per, -(-chunks // per)
+
+
+def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pack: Fp4MmaPack,
+                 row_div: int, split_k: int = 1, stages: int = STAGES) -> torch.Tensor:
+    """fp32 partials ``[splits, P, N]`` of act . w[e]^T for every valid pair (rows of skipped
+    pairs unset), as ``fp4_moe_decode.fp4_gemv``: act_q e4m3 ``[R, K]`` with 1x128 scales act_s
+    fp32 ``[R, K/128]``, pair p's activation row ``p // row_div``; ids int32 / int64 ``[P]``."""
+    N, K = pack.n, pack.k
+    E = pack.words.shape[0]
+    if act_q.device.type != "cuda":
+        raise RuntimeError("fp4_gemv_mma runs on CUDA; emulate_fp4_mma is its CPU model")
+    if act_q.shape[-1] != K or act_s.shape[-1] != K // 128:
+        raise ValueError(f"fp4_gemv_mma: activations [R, {K}] with scales [R, {K // 128}] wanted, got "
+                         f"{tuple(act_q.shape)} and {tuple(act_s.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fp4_gemv_mma: ids must be int32 or int64, got {ids.dtype}")
+    act_q, act_s, ids = act_q.contiguous(), act_s.contiguous(), ids.reshape(-1).contiguous()
+    P = ids.numel()
+    per, splits = mma_splits(K, split_k)
+    part = torch.empty(splits, P, N, dtype=torch.float32, device=act_q.device)
+    grid = (-(-N // ROWS_PER_CTA), P, splits)
+    _kernel(act_q.device.index or 0, stages)(
+        grid=grid, block=(128, 1, 1),
+        args=[pack.words, pack.scales, act_q.view(torch.uint8), act_s, ids, part,
+              P, E, N, K, row_div, int(ids.dtype == torch.int64), per])
+    return part

@@ -1,0 +1,113 @@
+"""FP4 experts in MMA fragment order (kernels/fp4_mma.py).
+
+On the CPU: the packed order, the kernel's bit moves and its addressing, recomputed register by
+register in float64 (``emulate_fp4_mma``), equal a float64 product of the release-format weights
+(the sums differ only in order: within ``gamma(K, U64)`` of the absolute terms). On CUDA: the
+kernel against that emulation within the fp32 accumulation bound (the MMA's fp32 adds may
+truncate instead of rounding to nearest, hence two units), and the decode MoE with it against the
+Triton decode path.
+"""
+
+import pytest
+import torch
+
+from bounds import U32, U64, assert_within, gamma
+from dsv4_backend.kernels import fp4_mma as F
+from test_fp4_moe import fp4_dequant_sim
+
+E, N, K = 3, 32, 256
+
+
+def _weights(gen, n=N, k=K, experts=E):
+    w = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen, device=gen.device)
+    s = torch.randint(110, 131, (experts, n, k // 32), dtype=torch.uint8, generator=gen, device=gen.device)
+    return w, s
+
+
+def _acts(rows, k, gen):
+    """Random e4m3 codes (no NaN) and power-of-two 1x128 scales."""
+    codes = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=gen, device=gen.device)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)
+    scales = torch.pow(2.0, torch.randint(-6, 3, (rows, k // 128), generator=gen, device=gen.device).float())
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+def _reference(act_q, act_s, ids, w, s, row_div):
+    """float64 [P, N] and the sums of |terms| (for bounds); rows of invalid pairs 0."""
+    x = act_q.view(torch.uint8).cpu().view(torch.float8_e4m3fn).double() \
+        * act_s.cpu().double().repeat_interleave(128, 1)
+    flat = ids.reshape(-1).cpu()
+    out = torch.zeros(flat.numel(), w.shape[1], dtype=torch.float64)
+    mag = torch.zeros_like(out)
+    for p, e in enumerate(flat.tolist()):
+        if 0 <= e < w.shape[0]:
+            wd = fp4_dequant_sim(w[e].cpu(), s[e].cpu())
+            out[p] = wd @ x[p // row_div]
+            mag[p] = wd.abs() @ x[p // row_div].abs()
+    return out, mag
+
+
+@pytest.mark.parametrize("row_div", [1, 2])
+def test_emulation_equals_release_format_product(row_div):
+    gen = torch.Generator().manual_seed(7)
+    w, s = _weights(gen)
+    pack = F.pack_fp4_mma(w, s, experts_per_step=2)
+    ids = torch.tensor([2, 0, -1, 2, 5, 1], dtype=torch.int64)  # -1 and 5: skipped pairs
+    act_q, act_s = _acts(ids.numel() // row_div, K, gen)
+    got = F.emulate_fp4_mma(act_q, act_s, ids, pack, row_div)
+    want, mag = _reference(act_q, act_s, ids, w, s, row_div)
+    assert_within(got, want, gamma(2 * K, U64) * mag, "emulated fragment-order product")
+    assert (want[2] == 0).all() and (got[2] == 0).all() and (got[4] == 0).all()
+
+
+def test_pack_is_a_permutation_of_the_nibbles_and_scales():
+    gen = torch.Generator().manual_seed(3)
+    w, s = _weights(gen, experts=1)
+    pack = F.pack_fp4_mma(w, s)
+    nibbles = lambda t: torch.stack((t & 15, (t >> 4) & 15), -1).flatten()
+    words = pack.words.view(torch.uint8)
+    assert torch.equal(torch.bincount(nibbles(words).long(), minlength=16),
+                       torch.bincount(nibbles(w).long(), minlength=16))
+    assert torch.equal(pack.scales.view(torch.uint8).flatten().sort().values, s.flatten().sort().values)
+    # one changed nibble changes exactly one packed word
+    w2 = w.clone()
+    w2[0, 17, 45] ^= 0x30
+    diff = (F.pack_fp4_mma(w2, s).words != pack.words)
+    assert int(diff.sum()) == 1
+
+
+def test_pack_refuses_out_of_range_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w, s = _weights(gen, experts=1)
+    s[0, 3, 1] = F.MAX_SCALE_BYTE + 1
+    with pytest.raises(ValueError, match="scale byte is 241"):
+        F.pack_fp4_mma(w, s)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        F.pack_fp4_mma(w[:, :24], s[:, :24])
+    with pytest.raises(ValueError, match="uint8"):
+        F.pack_fp4_mma(w.to(torch.int16), s)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("pairs,split,stages", [(6, 1, 4), (6, 4, 2), (40, 2, 3), (40, 1, 6)])
+def test_kernel_equals_emulation(pairs, split, stages):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    n, k, experts = 128, 512, 8
+    w, s = _weights(gen, n, k, experts)
+    pack = F.pack_fp4_mma(w, s)
+    ids = torch.randint(-1, experts, (pairs,), generator=gen, device="cuda")
+    ids[0] = 3
+    ids[1:12:2] = 3  # more than eight pairs of one expert: two MMA column groups
+    act_q, act_s = _acts(pairs, k, gen)
+    part = F.fp4_gemv_mma(act_q, act_s, ids, pack, row_div=1, split_k=split, stages=stages)
+    got = part.double().sum(0).cpu()
+    want, mag = _reference(act_q, act_s, ids, w, s, 1)
+    valid = ((ids >= 0) & (ids < experts)).cpu()
+    assert_within(got[valid], want[valid], (gamma(k, 2 * U32) + gamma(split)) * mag[valid],
+                  "fp4_gemv_mma against the float64 product")
+    emu = F.emulate_fp4_mma(act_q, act_s, ids, pack, 1)
+    assert_within(got[valid], emu[valid], (gamma(k, 2 * U32) + gamma(split)) * mag[valid],
+                  "fp4_gemv_mma against its emulation")

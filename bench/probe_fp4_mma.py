@@ -133,14 +133,14 @@ def main() -> None:
         xq, xs = act_quant_fp8(x)
         for sp, st in shapes:
             check_partials(f"gate-up T={T} split={sp} stages={st}",
-                           mma.fp4_gemv_mma(xq, xs, flat, p13, TOP, sp, st), xq, xs, flat, w13, s13, TOP)
+                           mma.fp4_gemv_mma(xq, xs, flat, p13, TOP, mma.MmaConfig(sp, st)), xq, xs, flat, w13, s13, TOP)
         wts = torch.rand(T, TOP, generator=gen, device=dev)
         part = dec.fp4_gemv(xq, xs, flat, w13, s13, TOP, dec.pick_gemv_configs(T * TOP)[0])
         hq, hs = dec.swiglu_quant(part, flat, wts.reshape(-1).contiguous(), E, LIMIT)
         for sp, st in shapes:
-            check_partials(f"down T={T} split={sp} stages={st}", mma.fp4_gemv_mma(hq, hs, flat, p2, 1, sp, st),
+            check_partials(f"down T={T} split={sp} stages={st}", mma.fp4_gemv_mma(hq, hs, flat, p2, 1, mma.MmaConfig(sp, st)),
                            hq, hs, flat, w2, s2, 1)
-        y_mma = dec.fp4_moe_decode_mma(x, ids, wts, p13, p2, E, LIMIT, mma.MmaConfig(2), mma.MmaConfig(2))
+        y_mma = mma.fp4_moe_mma(x, ids, wts, p13, p2, LIMIT)
         y_ref = moe_ref64(x, ids, wts, w13, s13, w2, s2)
         log(f"  decode MoE T={T}: MMA path vs the float64 contract, max |diff| / max |y| = "
             f"{float((y_mma.double() - y_ref).abs().max() / y_ref.abs().max()):.2e}")
@@ -148,7 +148,7 @@ def main() -> None:
                             config=moe.MoeConfig(decode_max_pairs=1 << 30))
         rel = float((y_mma.float() - y_tri.float()).abs().max() / y_tri.float().abs().max())
         log(f"  decode MoE T={T}: MMA path vs Triton decode path, max |diff| / max |y| = {rel:.2e}")
-        a, b = y_mma.clone(), dec.fp4_moe_decode_mma(x, ids, wts, p13, p2, E, LIMIT, mma.MmaConfig(2), mma.MmaConfig(2))
+        a, b = y_mma.clone(), mma.fp4_moe_mma(x, ids, wts, p13, p2, LIMIT)
         if not torch.equal(a, b):
             FAILS.append(f"deterministic T={T}")
             log(f"  [FAIL] two calls differ at T={T}")
@@ -166,9 +166,9 @@ def main() -> None:
         part = dec.fp4_gemv(xq, xs, flat, w13, s13, TOP, up_cfg)
         hq, hs = dec.swiglu_quant(part, flat, wts, E, LIMIT)
         for proj, fl_b, run_mma, run_tri in (
-                ("gate-up", b_up, lambda sp, st: mma.fp4_gemv_mma(xq, xs, flat, p13, TOP, sp, st),
+                ("gate-up", b_up, lambda sp, st: mma.fp4_gemv_mma(xq, xs, flat, p13, TOP, mma.MmaConfig(sp, st)),
                  lambda: dec.fp4_gemv(xq, xs, flat, w13, s13, TOP, up_cfg)),
-                ("down", b_down, lambda sp, st: mma.fp4_gemv_mma(hq, hs, flat, p2, 1, sp, st),
+                ("down", b_down, lambda sp, st: mma.fp4_gemv_mma(hq, hs, flat, p2, 1, mma.MmaConfig(sp, st)),
                  lambda: dec.fp4_gemv(hq, hs, flat, w2, s2, 1, down_cfg))):
             floor = n_exp * fl_b / (bw * 1e9) * 1e6
             t_tri = bk.cold_replay_us(run_tri)
@@ -187,11 +187,33 @@ def main() -> None:
         wts = torch.rand(T, TOP, generator=gen, device=dev)
         floor = n_exp * (b_up + b_down) / (bw * 1e9) * 1e6
         su, sd = best_split[(T, "gate-up")], best_split[(T, "down")]
-        t_mma = bk.cold_replay_us(lambda: dec.fp4_moe_decode_mma(x, ids, wts, p13, p2, E, LIMIT, mma.MmaConfig(*su), mma.MmaConfig(*sd)))
+        t_mma = bk.cold_replay_us(lambda: mma.fp4_moe_mma(x, ids, wts, p13, p2, LIMIT, mma.MmaConfig(*su), mma.MmaConfig(*sd)))
         t_def = bk.cold_replay_us(lambda: moe.fp4_moe(x, ids, wts, w13, s13, w2, s2, LIMIT))
         log(f"  T={T:3d} {n_exp:3d} experts floor {floor:6.1f} | fp4_moe default {t_def:7.1f} "
             f"({100 * floor / t_def:3.0f}%) | mma path (split/stages {su} {sd}) {t_mma:7.1f} "
             f"({100 * floor / t_mma:3.0f}%)")
+    log("\n== routed mode (the prefill path): correctness at T=64, time at prefill sizes ==")
+    ids = routing(64, gen)
+    flat = ids.reshape(-1).contiguous()
+    x = torch.randn(64, D, generator=gen, device=dev).to(torch.bfloat16)
+    xq, xs = act_quant_fp8(x)
+    for groups in (2, 4):
+        cfg = mma.MmaConfig(1, mma.STAGES, groups, True)
+        check_partials(f"gate-up routed T=64 groups={groups}", mma.fp4_gemv_mma(xq, xs, flat, p13, TOP, cfg),
+                       xq, xs, flat, w13, s13, TOP)
+    for T in (512, 4096):
+        ids = routing(T, gen)
+        x = torch.randn(T, D, generator=gen, device=dev).to(torch.bfloat16)
+        wts = torch.rand(T, TOP, generator=gen, device=dev)
+        flops = 2 * T * TOP * (2 * I * D + D * I)
+        t_def = bk.cold_replay_us(lambda: moe.fp4_moe(x, ids, wts, w13, s13, w2, s2, LIMIT))
+        cells = []
+        for groups in (2, 4, 8):
+            cfg = mma.MmaConfig(1, mma.STAGES, groups, True)
+            t = bk.cold_replay_us(lambda: mma.fp4_moe_mma(x, ids, wts, p13, p2, LIMIT, cfg, cfg))
+            cells.append(f"groups {groups}: {t:8.1f} us ({flops / t / 1e6:5.0f} TFLOP/s)")
+        log(f"  T={T:5d}: fp4_moe grouped {t_def:8.1f} us ({flops / t_def / 1e6:5.0f} TFLOP/s) | mma " + " | ".join(cells))
+
     if FAILS:
         log(f"\nFAILED: {FAILS}")
         sys.exit(1)

@@ -722,6 +722,11 @@ class DSV4Model(nn.Module):
                 elif isinstance(mod, MoE):
                     stack_rows(mod.shared_experts.w1, mod.shared_experts.w3)
 
+    def pack_experts_for_mma(self) -> int:
+        """After loading, on CUDA: every quantised MoE's routed experts repacked for the tensor-core
+        decode kernels (``Fp4ExpertStack.pack_for_mma``); returns how many layers were packed."""
+        return sum(mod.fp4.pack_for_mma() for mod in self.modules() if isinstance(mod, MoE) and mod.fp4 is not None)
+
     @torch.no_grad()
     def load_stream(self, tensors) -> None:
         """Copy ``(name, tensor)`` pairs (e.g. ``CheckpointReader.stream()``) into the model one at a

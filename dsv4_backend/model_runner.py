@@ -112,6 +112,10 @@ class ModelRunner:
             else:
                 self.model.load_stream(_sharded(shard, weights.items(), config))
         self.model.eval()
+        # FP4 experts into MMA fragment order once loaded (CUDA; DSV4_FP4_MMA=0 keeps the release layout)
+        self.fp4_mma_layers = self.model.pack_experts_for_mma() if self.device.type == "cuda" else 0
+        if self.fp4_mma_layers:
+            logger.info("FP4 experts of %d layers repacked for the tensor-core MoE kernels", self.fp4_mma_layers)
         if backend is None:
             backend, why = resolve_attention_kernel(attention_kernel, self.device, dtype, config.num_attention_heads)
             align = getattr(pools, "page_align", 1)

@@ -92,22 +92,48 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel need
 
 
 @cuda
-@pytest.mark.parametrize("pairs,split,stages", [(6, 1, 4), (6, 4, 2), (40, 2, 3), (40, 1, 6)])
-def test_kernel_equals_emulation(pairs, split, stages):
+@pytest.mark.parametrize("pairs,config", [
+    (6, F.MmaConfig(1)), (6, F.MmaConfig(4, 2)), (40, F.MmaConfig(2, 3)), (40, F.MmaConfig(1, 6)),
+    (40, F.MmaConfig(1, 4, 4)), (40, F.MmaConfig(2, 4, 4, True)), (300, F.MmaConfig(1, 4, 2, True))])
+def test_kernel_equals_emulation(pairs, config):
     gen = torch.Generator(device="cuda").manual_seed(11)
     n, k, experts = 128, 512, 8
     w, s = _weights(gen, n, k, experts)
     pack = F.pack_fp4_mma(w, s)
     ids = torch.randint(-1, experts, (pairs,), generator=gen, device="cuda")
     ids[0] = 3
-    ids[1:12:2] = 3  # more than eight pairs of one expert: two MMA column groups
+    ids[1:40:2] = 3  # 21 pairs of one expert: several MMA column groups, passes, routed blocks
     act_q, act_s = _acts(pairs, k, gen)
-    part = F.fp4_gemv_mma(act_q, act_s, ids, pack, row_div=1, split_k=split, stages=stages)
+    part = F.fp4_gemv_mma(act_q, act_s, ids, pack, row_div=1, config=config)
+    split = part.shape[0]
     got = part.double().sum(0).cpu()
     want, mag = _reference(act_q, act_s, ids, w, s, 1)
     valid = ((ids >= 0) & (ids < experts)).cpu()
     assert_within(got[valid], want[valid], (gamma(k, 2 * U32) + gamma(split)) * mag[valid],
                   "fp4_gemv_mma against the float64 product")
+    if pairs > 40:
+        return  # the emulation is slow; the float64 product above already decides
     emu = F.emulate_fp4_mma(act_q, act_s, ids, pack, 1)
     assert_within(got[valid], emu[valid], (gamma(k, 2 * U32) + gamma(split)) * mag[valid],
                   "fp4_gemv_mma against its emulation")
+
+
+@cuda
+@pytest.mark.parametrize("name", ["t1", "empty_experts", "all_to_one", "padded_rows"])
+@pytest.mark.parametrize("routed", [False, True])
+def test_moe_on_packed_weights_meets_the_contract(name, routed):
+    """fp4_moe_mma end to end against test_fp4_moe's float64 contract (exact first projection,
+    ambiguity windows for h, the accumulation bound of the down projection doubled)."""
+    from test_fp4_moe import LIMIT, case_inputs, combine_tol, h_bound, h_reference, y_reference, y_tol
+
+    ids, weights, x, (w13, s13, w2, s2), _ = case_inputs(name)
+    E, I = w13.shape[0], w13.shape[1] // 2
+    c = lambda t: t.cuda()
+    packs = F.pack_fp4_mma(c(w13), c(s13)), F.pack_fp4_mma(c(w2), c(s2))
+    cfg = F.MmaConfig(1, F.STAGES, 2, True) if routed else F.MmaConfig(2)
+    out = F.fp4_moe_mma(c(x), c(ids), c(weights), *packs, LIMIT, cfg, cfg).cpu()
+    bound, deq_ref = h_bound(*h_reference(x, ids, weights, w13, s13, LIMIT))
+    yr, mag, carried = y_reference(deq_ref, bound, ids, w2, s2)
+    ref, tol = combine_tol(yr, y_tol(yr, mag, carried, I, acc_ulps=2.0), ids, E)
+    from test_fp4_moe import assert_within as moe_within
+    moe_within(out, ref, tol, f"fp4_moe_mma {name}")

@@ -40,15 +40,6 @@ __device__ __forceinline__ void mma_16816(float* d, u32 a0, u32 a1, u32 a2, u32 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// One word's A fragment times one B fragment pair, accumulated into d.
-__device__ __forceinline__ void mma_word(float* d, u32 w, u32 b0, u32 b1) {
-    u32 a0 = e2m1x2_to_f16x2(w);
-    u32 a1 = e2m1x2_to_f16x2(w << 4);
-    u32 a2 = e2m1x2_to_f16x2(w << 8);
-    u32 a3 = e2m1x2_to_f16x2(w << 12);
-    mma_16816(d, a0, a1, a2, a3, b0, b1);
-}
-
 // 2^(s - 127) * 2^14 for an e8m0 byte s <= 240 (fp4_mma.py checks the bound at packing).
 __device__ __forceinline__ float group_scale(u32 s) {
     return __int_as_float((int)((s + 14u) << 23));
@@ -99,7 +90,13 @@ __device__ __forceinline__ void fetch_chunk(WarpRing& ring, const uint4* __restr
     cp_async_commit();
 }
 
-// The K loop of one warp for one group of up to eight pairs (cols[0 .. n)).
+#ifndef NB
+#define NB 4  // MMA column groups (of eight pairs) that share each dequantised weight fragment
+#endif
+#define PASS (8 * NB)  // pairs per pass over the weights
+
+// The K loop of one warp for one pass: up to PASS pairs (cols[0 .. n)), ceil(n / 8) MMA column
+// groups, each weight chunk dequantised once for all of them.
 __device__ __forceinline__ void tile_pairs(
     WarpRing& ring, const uint4* __restrict__ wtile, const u32* __restrict__ stile,
     const unsigned char* __restrict__ act, const float* __restrict__ act_s, float* __restrict__ part,
@@ -107,16 +104,23 @@ __device__ __forceinline__ void tile_pairs(
     int lane) {
     const int g = lane >> 2, tig = lane & 3;
     const int KS = K >> 7;
-    // this lane's B column (pair cols[g]) and its two C columns (pairs cols[2 tig], cols[2 tig + 1])
-    const int pb = cols[g < n ? g : n - 1];
-    const int c0 = 2 * tig, c1 = 2 * tig + 1;
-    const int p0 = cols[c0 < n ? c0 : n - 1], p1 = cols[c1 < n ? c1 : n - 1];
-    const unsigned char* arow = act + (size_t)(pb / row_div) * K + 8 * tig;
-    const float* s0row = act_s + (size_t)(p0 / row_div) * KS;
-    const float* s1row = act_s + (size_t)(p1 / row_div) * KS;
+    const int groups = (n + 7) >> 3;
+    // per column group: this lane's B column (pair cols[8 q + g]) and its two C columns
+    const unsigned char* arow[NB];
+    const float* s0row[NB];
+    const float* s1row[NB];
+#pragma unroll
+    for (int q = 0; q < NB; ++q) {
+        const int ib = min(8 * q + g, n - 1), i0 = min(8 * q + 2 * tig, n - 1), i1 = min(8 * q + 2 * tig + 1, n - 1);
+        arow[q] = act + (size_t)(cols[ib] / row_div) * K + 8 * tig;
+        s0row[q] = act_s + (size_t)(cols[i0] / row_div) * KS;
+        s1row[q] = act_s + (size_t)(cols[i1] / row_div) * KS;
+    }
 
     for (int s = 0; s < STAGES - 1; ++s) fetch_chunk(ring, wtile, stile, c_lo + s, c_hi, lane);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float acc[NB][4];
+#pragma unroll
+    for (int q = 0; q < NB; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.f;
     for (int c = c_lo; c < c_hi; ++c) {
         cp_async_wait<STAGES - 2>();  // chunk c has landed (this lane's copies) ...
         __syncwarp();                 // ... and every lane's
@@ -126,56 +130,88 @@ __device__ __forceinline__ void tile_pairs(
         __syncwarp();  // the slot refilled next was read by every lane one iteration ago
         fetch_chunk(ring, wtile, stile, c + STAGES - 1, c_hi, lane);
         const u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-        float chunk[4] = {0.f, 0.f, 0.f, 0.f};
+        float chunk[NB][4];
+#pragma unroll
+        for (int q = 0; q < NB; ++q) chunk[q][0] = chunk[q][1] = chunk[q][2] = chunk[q][3] = 0.f;
 #pragma unroll
         for (int G = 0; G < 4; ++G) {
-            const uint2 xa = *(const uint2*)(arow + (size_t)c * 128 + 32 * G);
-            float t[4] = {0.f, 0.f, 0.f, 0.f};
-            mma_word(t, words[2 * G], f16x2_from_e4m3x2((unsigned short)(xa.x & 0xFFFFu)),
-                     f16x2_from_e4m3x2((unsigned short)(xa.x >> 16)));
-            mma_word(t, words[2 * G + 1], f16x2_from_e4m3x2((unsigned short)(xa.y & 0xFFFFu)),
-                     f16x2_from_e4m3x2((unsigned short)(xa.y >> 16)));
+            u32 a[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) a[h][r] = e2m1x2_to_f16x2(words[2 * G + h] << (4 * r));
             const float sg = group_scale((slo >> (8 * G)) & 0xFFu);
             const float sh = group_scale((shi >> (8 * G)) & 0xFFu);
-            chunk[0] += t[0] * sg;
-            chunk[1] += t[1] * sg;
-            chunk[2] += t[2] * sh;
-            chunk[3] += t[3] * sh;
+#pragma unroll
+            for (int q = 0; q < NB; ++q) {
+                if (q < groups) {  // warp-uniform
+                    const uint2 xa = *(const uint2*)(arow[q] + (size_t)c * 128 + 32 * G);
+                    float t[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma_16816(t, a[0][0], a[0][1], a[0][2], a[0][3],
+                              f16x2_from_e4m3x2((unsigned short)(xa.x & 0xFFFFu)),
+                              f16x2_from_e4m3x2((unsigned short)(xa.x >> 16)));
+                    mma_16816(t, a[1][0], a[1][1], a[1][2], a[1][3],
+                              f16x2_from_e4m3x2((unsigned short)(xa.y & 0xFFFFu)),
+                              f16x2_from_e4m3x2((unsigned short)(xa.y >> 16)));
+                    chunk[q][0] += t[0] * sg;
+                    chunk[q][1] += t[1] * sg;
+                    chunk[q][2] += t[2] * sh;
+                    chunk[q][3] += t[3] * sh;
+                }
+            }
         }
-        const float x0 = s0row[c], x1 = s1row[c];
-        acc[0] += chunk[0] * x0;
-        acc[1] += chunk[1] * x1;
-        acc[2] += chunk[2] * x0;
-        acc[3] += chunk[3] * x1;
+#pragma unroll
+        for (int q = 0; q < NB; ++q) {
+            if (q < groups) {
+                const float x0 = s0row[q][c], x1 = s1row[q][c];
+                acc[q][0] += chunk[q][0] * x0;
+                acc[q][1] += chunk[q][1] * x1;
+                acc[q][2] += chunk[q][2] * x0;
+                acc[q][3] += chunk[q][3] * x1;
+            }
+        }
     }
     cp_async_wait<0>();
     __syncwarp();
     float* base = part + (size_t)split * P * N;
-    if (c0 < n) {
-        base[(size_t)p0 * N + row0 + g] = acc[0];
-        base[(size_t)p0 * N + row0 + g + 8] = acc[2];
-    }
-    if (c1 < n) {
-        base[(size_t)p1 * N + row0 + g] = acc[1];
-        base[(size_t)p1 * N + row0 + g + 8] = acc[3];
+#pragma unroll
+    for (int q = 0; q < NB; ++q) {
+        const int i0 = 8 * q + 2 * tig, i1 = i0 + 1;
+        if (i0 < n) {
+            base[(size_t)cols[i0] * N + row0 + g] = acc[q][0];
+            base[(size_t)cols[i0] * N + row0 + g + 8] = acc[q][2];
+        }
+        if (i1 < n) {
+            base[(size_t)cols[i1] * N + row0 + g] = acc[q][1];
+            base[(size_t)cols[i1] * N + row0 + g + 8] = acc[q][3];
+        }
     }
 }
 
+// CTA (x, b, split). Scan mode (routed == 0): b is a pair; the CTA runs only when b is the first
+// pair routed to its expert, and then serves every pair of that expert, PASS at a time. Routed
+// mode: b is a row block of fp4_moe.route(ids, E, PASS): up to PASS sorted pairs of one expert.
 extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
     const uint4* __restrict__ wp, const u32* __restrict__ sp, const unsigned char* __restrict__ act,
     const float* __restrict__ act_s, const void* __restrict__ ids, float* __restrict__ part,
-    int P, int E, int N, int K, int row_div, int ids64, int chunks_per_split) {
-    __shared__ int cols[4][8];
+    int P, int E, int N, int K, int row_div, int ids64, int chunks_per_split, int routed,
+    const long long* __restrict__ order, const long long* __restrict__ blk_e,
+    const long long* __restrict__ blk_r0, const long long* __restrict__ offsets) {
+    __shared__ int cols[4][PASS];
     __shared__ WarpRing rings[4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.y, split = blockIdx.z;
-    const int e = pair_expert(ids, ids64, b);
-    if (e < 0 || e >= E) return;
-    // the CTA of the first pair routed to e serves them all
-    bool earlier = false;
-    for (int j = threadIdx.x; j < b; j += blockDim.x) earlier |= pair_expert(ids, ids64, j) == e;
-    if (__syncthreads_or(earlier)) return;
-
+    int e;
+    if (routed) {
+        e = (int)blk_e[b];
+        if (e >= E) return;  // an unused block of the worst-case grid
+    } else {
+        e = pair_expert(ids, ids64, b);
+        if (e < 0 || e >= E) return;
+        bool earlier = false;
+        for (int j = threadIdx.x; j < b; j += blockDim.x) earlier |= pair_expert(ids, ids64, j) == e;
+        if (__syncthreads_or(earlier)) return;
+    }
     const int NT = N >> 4, KC = K >> 7;
     const int tile = blockIdx.x * 4 + warp;
     if (tile >= NT) return;
@@ -186,28 +222,38 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
     const u32* stile = sp + (size_t)(e * NT + tile) * KC * 16;
     const int row0 = tile * 16;
 
+    if (routed) {
+        const long long r0 = blk_r0[b];
+        const int n = (int)min((long long)PASS, offsets[e + 1] - r0);
+        for (int i = lane; i < n; i += 32) cols[warp][i] = (int)order[r0 + i];
+        __syncwarp();
+        if (n > 0)
+            tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], n, row_div, N, K, P, row0,
+                       c_lo, c_hi, split, lane);
+        return;
+    }
     int cnt = 0;
     for (int j0 = b; j0 < P; j0 += 32) {
         const int j = j0 + lane;
         const bool hit = j < P && pair_expert(ids, ids64, j) == e;
         u32 m = __ballot_sync(0xFFFFFFFFu, hit);
         while (m) {
-            const int room = 8 - cnt;
+            const int room = PASS - cnt;
             const int rank = __popc(m & ((1u << lane) - 1u));
             if (((m >> lane) & 1u) && rank < room) cols[warp][cnt + rank] = j;
             const int placed = min(__popc(m), room);
             for (int i = 0; i < placed; ++i) m &= m - 1u;
             cnt += placed;
             __syncwarp();
-            if (cnt == 8) {
-                tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], 8, row_div, N, K, P, row0,
-                           c_lo, c_hi, split, lane);
+            if (cnt == PASS) {
+                tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], PASS, row_div, N, K, P,
+                           row0, c_lo, c_hi, split, lane);
                 cnt = 0;
                 __syncwarp();
             }
         }
     }
     if (cnt > 0)
-        tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], cnt, row_div, N, K, P, row0, c_lo, c_hi,
-                   split, lane);
+        tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], cnt, row_div, N, K, P, row0, c_lo,
+                   c_hi, split, lane);
 }

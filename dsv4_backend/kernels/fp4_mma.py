@@ -162,16 +162,23 @@ STAGES = 4  # 1 KiB chunks of weights in flight per warp, less one (the ring in 
 
 
 @lru_cache(maxsize=None)
-def _kernel(device_index: int, stages: int):
-    """The NVRTC-compiled kernel for one device and ring depth (compiled once per process)."""
+def _kernel(device_index: int, stages: int, groups: int):
+    """The NVRTC-compiled kernel for one device, ring depth and number of MMA column groups per
+    pass (compiled once per process)."""
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(SOURCE.read_text(), "fp4_mma_gemv",
-                                          nvcc_options=[f"-DSTAGES={stages}"])
+                                          nvcc_options=[f"-DSTAGES={stages}", f"-DNB={groups}"])
 
 
 class MmaConfig(NamedTuple):
     split_k: int = 1  # K splits (whole 128-deep chunks each); partials summed in split order
     stages: int = STAGES  # ring depth of fp4_mma.cu
+    # MMA column groups of 8 pairs sharing each dequantised weight fragment (a pass covers 8 x this
+    # many pairs of one expert); 1 at decode keeps the kernel at 64 registers
+    groups: int = 1
+    # pairs found by the CTAs themselves (decode: no routing launch; each CTA scans the ids before
+    # it, so the work grows as P^2) or sorted by ``fp4_moe.route`` (one CTA per block of 8 x groups)
+    routed: bool = False
 
 
 def mma_splits(K: int, split_k: int) -> tuple[int, int]:
@@ -182,7 +189,7 @@ def mma_splits(K: int, split_k: int) -> tuple[int, int]:
 
 
 def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pack: Fp4MmaPack,
-                 row_div: int, split_k: int = 1, stages: int = STAGES) -> torch.Tensor:
+                 row_div: int, config: MmaConfig = MmaConfig()) -> torch.Tensor:
     """fp32 partials ``[splits, P, N]`` of act . w[e]^T for every valid pair (rows of skipped
     pairs unset), as ``fp4_moe_decode.fp4_gemv``: act_q e4m3 ``[R, K]`` with 1x128 scales act_s
     fp32 ``[R, K/128]``, pair p's activation row ``p // row_div``; ids int32 / int64 ``[P]``."""
@@ -197,11 +204,58 @@ def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pa
         raise ValueError(f"fp4_gemv_mma: ids must be int32 or int64, got {ids.dtype}")
     act_q, act_s, ids = act_q.contiguous(), act_s.contiguous(), ids.reshape(-1).contiguous()
     P = ids.numel()
-    per, splits = mma_splits(K, split_k)
+    per, splits = mma_splits(K, config.split_k)
     part = torch.empty(splits, P, N, dtype=torch.float32, device=act_q.device)
-    grid = (-(-N // ROWS_PER_CTA), P, splits)
-    _kernel(act_q.device.index or 0, stages)(
-        grid=grid, block=(128, 1, 1),
+    if config.routed:
+        from dsv4_backend.kernels.fp4_moe import ROUTE_FUSED_MAX_PAIRS, route, route_fused
+        r = (route_fused if P <= ROUTE_FUSED_MAX_PAIRS else route)(ids, E, 8 * config.groups)
+        blocks, tables = r.block_expert.numel(), (r.order, r.block_expert, r.block_row0, r.offsets)
+    else:
+        blocks, tables = P, (ids,) * 4  # unread
+    _kernel(act_q.device.index or 0, config.stages, config.groups)(
+        grid=(-(-N // ROWS_PER_CTA), blocks, splits), block=(128, 1, 1),
         args=[pack.words, pack.scales, act_q.view(torch.uint8), act_s, ids, part,
-              P, E, N, K, row_div, int(ids.dtype == torch.int64), per])
+              P, E, N, K, row_div, int(ids.dtype == torch.int64), per, int(config.routed), *tables])
     return part
+
+
+# ---- the routed experts on packed weights ---------------------------------------------------
+
+SCAN_MAX_PAIRS = 384  # up to 64 tokens of top-6: the CTAs find their pairs (no routing launch)
+PART_BYTES_MAX = 512 << 20  # tokens per call are capped so that one fp32 partial buffer stays below
+
+
+def pick_mma_configs(num_pairs: int) -> tuple[MmaConfig, MmaConfig]:
+    """(gate-up, down) launch shapes by the H200 measurements of ``bench/probe_fp4_mma.py``
+    (docs/PERF.md): K split in two at one to four tokens (more warps streaming), whole K from
+    there; above SCAN_MAX_PAIRS the pairs are routed and four column groups share each fragment."""
+    if num_pairs > SCAN_MAX_PAIRS:
+        return MmaConfig(1, STAGES, 4, True), MmaConfig(1, STAGES, 4, True)
+    split = 2 if num_pairs <= 24 else 1
+    return MmaConfig(split), MmaConfig(split)
+
+
+def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Fp4MmaPack,
+                w2: Fp4MmaPack, limit: float, gate_up: MmaConfig | None = None,
+                down: MmaConfig | None = None) -> torch.Tensor:
+    """``fp4_moe``'s contract over packed weights (CUDA): x ``[T, D]`` bf16, ids ``[T, k]``,
+    weights fp32 ``[T, k]`` -> ``[T, D]`` bf16. act-quant, the gate-up GEMV, SwiGLU + act-quant and
+    the combine of ``fp4_moe_decode`` around the two MMA GEMVs; long inputs run in slices of
+    tokens so that the partial sums stay below PART_BYTES_MAX."""
+    from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
+    from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
+
+    T, k = ids.shape
+    E = w13.words.shape[0]
+    per_call = max(1, PART_BYTES_MAX // (4 * k * max(w13.n, w2.n)))
+    if T > per_call:
+        return torch.cat([fp4_moe_mma(x[t:t + per_call], ids[t:t + per_call], weights[t:t + per_call],
+                                      w13, w2, limit, gate_up, down) for t in range(0, T, per_call)])
+    picked = pick_mma_configs(T * k)
+    gate_up, down = gate_up or picked[0], down or picked[1]
+    flat = ids.reshape(-1).contiguous()
+    xq, xs = act_quant_fp8(x)
+    part = fp4_gemv_mma(xq, xs, flat, w13, k, gate_up)
+    hq, hs = swiglu_quant(part, flat, weights.reshape(-1).contiguous(), E, limit)
+    part = fp4_gemv_mma(hq, hs, flat, w2, 1, down)
+    return combine_splits(part, ids.contiguous(), E)

@@ -299,17 +299,3 @@ def fp4_moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     part = fp4_gemv(hq, hs, flat, w2, w2_scale, 1, down)
     return combine_splits(part, ids.contiguous(), E)
 
-
-def fp4_moe_decode_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: "Fp4MmaPack",
-                       w2: "Fp4MmaPack", num_experts: int, limit: float, gate_up: "MmaConfig",
-                       down: "MmaConfig") -> torch.Tensor:
-    """``fp4_moe_decode`` with the two projections on the tensor cores over weights packed in MMA
-    fragment order (``fp4_mma``; CUDA only); the SwiGLU + act-quant and the combine are the same."""
-    from dsv4_backend.kernels.fp4_mma import fp4_gemv_mma
-
-    flat = ids.reshape(-1).contiguous()
-    xq, xs = act_quant_fp8(x)
-    part = fp4_gemv_mma(xq, xs, flat, w13, ids.shape[1], *gate_up)
-    hq, hs = swiglu_quant(part, flat, weights.reshape(-1).contiguous(), num_experts, limit)
-    part = fp4_gemv_mma(hq, hs, flat, w2, 1, *down)
-    return combine_splits(part, ids.contiguous(), num_experts)

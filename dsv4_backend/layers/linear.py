@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -164,9 +165,18 @@ class Fp4Expert(nn.Module):
         self.w2 = Fp4Slot(inter, dim)
 
 
+# On CUDA the loaded experts are repacked into MMA fragment order (kernels/fp4_mma.py) and the
+# release layout is freed; DSV4_FP4_MMA=0 keeps the release layout and the Triton kernels.
+USE_FP4_MMA = os.environ.get("DSV4_FP4_MMA", "1") != "0"
+
+
 class Fp4ExpertStack:
     """A MoE layer's routed experts as four stacked tensors, the per-expert buffers their slices:
-    ``w13 [E, 2I, D/2]``, ``w13_scale [E, 2I, D/32]``, ``w2 [E, D, I/2]``, ``w2_scale [E, D, I/32]``."""
+    ``w13 [E, 2I, D/2]``, ``w13_scale [E, 2I, D/32]``, ``w2 [E, D, I/2]``, ``w2_scale [E, D, I/32]``.
+
+    ``pack_for_mma`` (CUDA, after loading) replaces them with the fragment-order packs of
+    ``kernels/fp4_mma.py``: from then on the stack serves forwards only (the per-expert buffers
+    are emptied, so loading weights into the model again raises a shape error)."""
 
     def __init__(self, experts: nn.ModuleList, device: torch.device):
         E = len(experts)
@@ -179,13 +189,35 @@ class Fp4ExpertStack:
         self.w2_scale = torch.empty(E, dim, inter // 32, **u8)
         self.inter = inter
         self._cache = _DequantCache()
+        self.mma = None  # (w13 pack, w2 pack) once pack_for_mma ran
+        self._experts = experts
         for e, ex in enumerate(experts):
             ex.w1.weight, ex.w1.scale = self.w13[e, :inter], self.w13_scale[e, :inter]
             ex.w3.weight, ex.w3.scale = self.w13[e, inter:], self.w13_scale[e, inter:]
             ex.w2.weight, ex.w2.scale = self.w2[e], self.w2_scale[e]
 
+    @torch.no_grad()
+    def pack_for_mma(self) -> bool:
+        """Repack the loaded experts for ``fp4_mma`` and free the release layout; True if done
+        (CUDA, the kernels import, ``DSV4_FP4_MMA`` not 0)."""
+        if self.mma is not None:
+            return True
+        pack = _kernel("fp4_mma", "pack_fp4_mma") if USE_FP4_MMA and self.w13.is_cuda else None
+        if pack is None:
+            return False
+        self.mma = (pack(self.w13, self.w13_scale, 2), pack(self.w2, self.w2_scale, 2))
+        empty = torch.empty(0, dtype=torch.uint8, device=self.w13.device)
+        for ex in self._experts:
+            for slot in (ex.w1, ex.w3, ex.w2):
+                slot.weight, slot.scale = empty, empty
+        self.w13 = self.w13_scale = self.w2 = self.w2_scale = None
+        return True
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
         """Routed experts only: ``x [T, D]``, ``ids [T, k]``, ``weights [T, k]`` -> ``[T, D]`` in x's dtype."""
+        if self.mma is not None:
+            return _kernel("fp4_mma", "fp4_moe_mma")(x.to(torch.bfloat16), ids, weights.to(torch.float32),
+                                                     *self.mma, limit).to(x.dtype)
         fn = _kernel("fp4_moe", "fp4_moe") if x.is_cuda and x.dtype == torch.bfloat16 else None
         if fn is not None:
             return fn(x, ids, weights.to(torch.float32), self.w13, self.w13_scale, self.w2, self.w2_scale, limit)

@@ -100,12 +100,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,4,8,16,32,64")
     ap.add_argument("--splits", default="1,2,4,8")
-    ap.add_argument("--stages", default="2,3,4,6", help="ring depths (fp4_mma.cu STAGES) to try")
+    ap.add_argument("--prefetch", default="1,2,3", help="prefetch distances (fp4_mma.cu PREFETCH) to try")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     splits = [int(s) for s in args.splits.split(",")]
-    stages = [int(s) for s in args.stages.split(",")]
-    shapes = [(sp, st) for sp in splits for st in stages]
+    prefetch = [int(s) for s in args.prefetch.split(",")]
+    shapes = [(sp, pf) for sp in splits for pf in prefetch]
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda")
 
@@ -132,13 +132,13 @@ def main() -> None:
         x = torch.randn(T, D, generator=gen, device=dev).to(torch.bfloat16)
         xq, xs = act_quant_fp8(x)
         for sp, st in shapes:
-            check_partials(f"gate-up T={T} split={sp} stages={st}",
+            check_partials(f"gate-up T={T} split={sp} prefetch={st}",
                            mma.fp4_gemv_mma(xq, xs, flat, p13, TOP, mma.MmaConfig(sp, st)), xq, xs, flat, w13, s13, TOP)
         wts = torch.rand(T, TOP, generator=gen, device=dev)
         part = dec.fp4_gemv(xq, xs, flat, w13, s13, TOP, dec.pick_gemv_configs(T * TOP)[0])
         hq, hs = dec.swiglu_quant(part, flat, wts.reshape(-1).contiguous(), E, LIMIT)
         for sp, st in shapes:
-            check_partials(f"down T={T} split={sp} stages={st}", mma.fp4_gemv_mma(hq, hs, flat, p2, 1, mma.MmaConfig(sp, st)),
+            check_partials(f"down T={T} split={sp} prefetch={st}", mma.fp4_gemv_mma(hq, hs, flat, p2, 1, mma.MmaConfig(sp, st)),
                            hq, hs, flat, w2, s2, 1)
         y_mma = mma.fp4_moe_mma(x, ids, wts, p13, p2, LIMIT)
         y_ref = moe_ref64(x, ids, wts, w13, s13, w2, s2)
@@ -190,7 +190,7 @@ def main() -> None:
         t_mma = bk.cold_replay_us(lambda: mma.fp4_moe_mma(x, ids, wts, p13, p2, LIMIT, mma.MmaConfig(*su), mma.MmaConfig(*sd)))
         t_def = bk.cold_replay_us(lambda: moe.fp4_moe(x, ids, wts, w13, s13, w2, s2, LIMIT))
         log(f"  T={T:3d} {n_exp:3d} experts floor {floor:6.1f} | fp4_moe default {t_def:7.1f} "
-            f"({100 * floor / t_def:3.0f}%) | mma path (split/stages {su} {sd}) {t_mma:7.1f} "
+            f"({100 * floor / t_def:3.0f}%) | mma path (split, prefetch: {su} {sd}) {t_mma:7.1f} "
             f"({100 * floor / t_mma:3.0f}%)")
     log("\n== routed mode (the prefill path): correctness at T=64, time at prefill sizes ==")
     ids = routing(64, gen)
@@ -198,7 +198,7 @@ def main() -> None:
     x = torch.randn(64, D, generator=gen, device=dev).to(torch.bfloat16)
     xq, xs = act_quant_fp8(x)
     for groups in (2, 4):
-        cfg = mma.MmaConfig(1, mma.STAGES, groups, True)
+        cfg = mma.MmaConfig(1, mma.PREFETCH, groups, True)
         check_partials(f"gate-up routed T=64 groups={groups}", mma.fp4_gemv_mma(xq, xs, flat, p13, TOP, cfg),
                        xq, xs, flat, w13, s13, TOP)
     for T in (512, 4096):
@@ -208,8 +208,8 @@ def main() -> None:
         flops = 2 * T * TOP * (2 * I * D + D * I)
         t_def = bk.cold_replay_us(lambda: moe.fp4_moe(x, ids, wts, w13, s13, w2, s2, LIMIT))
         cells = []
-        for groups in (2, 4, 8):
-            cfg = mma.MmaConfig(1, mma.STAGES, groups, True)
+        for groups in (1, 2, 4):
+            cfg = mma.MmaConfig(1, mma.PREFETCH, groups, True)
             t = bk.cold_replay_us(lambda: mma.fp4_moe_mma(x, ids, wts, p13, p2, LIMIT, cfg, cfg))
             cells.append(f"groups {groups}: {t:8.1f} us ({flops / t / 1e6:5.0f} TFLOP/s)")
         log(f"  T={T:5d}: fp4_moe grouped {t_def:8.1f} us ({flops / t_def / 1e6:5.0f} TFLOP/s) | mma " + " | ".join(cells))

@@ -64,11 +64,14 @@ def test_pack_is_a_permutation_of_the_nibbles_and_scales():
     gen = torch.Generator().manual_seed(3)
     w, s = _weights(gen, experts=1)
     pack = F.pack_fp4_mma(w, s)
-    nibbles = lambda t: torch.stack((t & 15, (t >> 4) & 15), -1).flatten()
-    words = pack.words.view(torch.uint8)
-    assert torch.equal(torch.bincount(nibbles(words).long(), minlength=16),
-                       torch.bincount(nibbles(w).long(), minlength=16))
-    assert torch.equal(pack.scales.view(torch.uint8).flatten().sort().values, s.flatten().sort().values)
+    words = pack.words.to(torch.int64) & 0xFFFFFFFF
+    codes = [((words >> (m + 16 * a)) & 7) | (((words >> (g + 16 * a)) & 1) << 3)
+             for m, g in zip(F.MAG_BIT, F.SIGN_BIT) for a in (0, 1)]
+    got = torch.cat([c.flatten() for c in codes])
+    want = torch.stack((w & 15, w >> 4), -1).flatten().long()
+    assert torch.equal(torch.bincount(got, minlength=16), torch.bincount(want, minlength=16))
+    biased = pack.scales.view(torch.uint8).flatten().long() - F.SCALE_BIAS
+    assert torch.equal(biased.sort().values, s.flatten().long().sort().values)
     # one changed nibble changes exactly one packed word
     w2 = w.clone()
     w2[0, 17, 45] ^= 0x30
@@ -130,7 +133,7 @@ def test_moe_on_packed_weights_meets_the_contract(name, routed):
     E, I = w13.shape[0], w13.shape[1] // 2
     c = lambda t: t.cuda()
     packs = F.pack_fp4_mma(c(w13), c(s13)), F.pack_fp4_mma(c(w2), c(s2))
-    cfg = F.MmaConfig(1, F.STAGES, 2, True) if routed else F.MmaConfig(2)
+    cfg = F.MmaConfig(1, F.PREFETCH, 2, True) if routed else F.MmaConfig(2)
     out = F.fp4_moe_mma(c(x), c(ids), c(weights), *packs, LIMIT, cfg, cfg).cpu()
     bound, deq_ref = h_bound(*h_reference(x, ids, weights, w13, s13, LIMIT))
     yr, mag, carried = y_reference(deq_ref, bound, ids, w2, s2)

@@ -25,11 +25,16 @@ __device__ __forceinline__ u32 f16x2_from_e4m3x2(unsigned short v) {
     return out;
 }
 
-// Nibble pair p of a packed word -> an fp16x2 register: the low half from bits 12-15 of
-// (word << 4p), the high half from bits 28-31; sign bit kept, exponent and mantissa bits moved
-// down by three into the fp16's low exponent bits and top mantissa bit.
-__device__ __forceinline__ u32 e2m1x2_to_f16x2(u32 w) {
-    return (w & 0x80008000u) | ((w >> 3) & 0x0E000E00u);
+// A packed word -> the four fp16x2 A registers of its eight e2m1 weights. Each register's low /
+// high half is an fp16 of (value x 2^-14): sign at bit 15 / 31, the code's e1 e0 m at bits
+// 11..9 / 27..25. The packing (fp4_mma.py) places register 0's bits there already, register 1's
+// three bits lower, and registers 2 and 3 with their signs apart from their magnitudes, so the
+// four cost 1 + 2 + 4 + 4 operations.
+__device__ __forceinline__ void dequant_word(u32 w, u32* a) {
+    a[0] = w & 0x8E008E00u;
+    a[1] = (w << 3) & 0x8E008E00u;
+    a[2] = ((w << 6) & 0x0E000E00u) | ((w << 1) & 0x80008000u);
+    a[3] = ((w << 9) & 0x0E000E00u) | ((w << 2) & 0x80008000u);
 }
 
 __device__ __forceinline__ void mma_16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -40,55 +45,21 @@ __device__ __forceinline__ void mma_16816(float* d, u32 a0, u32 a1, u32 a2, u32 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 2^(s - 127) * 2^14 for an e8m0 byte s <= 240 (fp4_mma.py checks the bound at packing).
-__device__ __forceinline__ float group_scale(u32 s) {
-    return __int_as_float((int)((s + 14u) << 23));
+// The weight scale of group G of a chunk, 2^(s - 127) x 2^14, from the word of the row's four
+// scale bytes, each stored as s + 14 (fp4_mma.py; s <= 240): the byte moved into an fp32's
+// exponent field.
+template <int G>
+__device__ __forceinline__ float group_scale(u32 bytes) {
+    return __int_as_float((int)((G < 3 ? bytes << (23 - 8 * G) : bytes >> 1) & 0x7F800000u));
 }
 
 __device__ __forceinline__ int pair_expert(const void* ids, int ids64, int j) {
     return ids64 ? (int)((const long long*)ids)[j] : ((const int*)ids)[j];
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-// Chunks in flight per warp: each 1 KiB of weights and 64 B of scales, copied to the warp's own
-// shared-memory ring (no register cost; the copies of STAGES - 1 chunks overlap the math).
-#ifndef STAGES
-#define STAGES 4
+#ifndef PREFETCH
+#define PREFETCH 2  // 1 KiB weight chunks in flight per warp while one is multiplied
 #endif
-
-struct WarpRing {
-    uint4 w[STAGES][64];
-    u32 s[STAGES][16];
-};
-
-// Starts the copy of chunk c into ring slot c % STAGES (an empty group past the split's end, so
-// that the wait below always counts STAGES - 1 groups).
-__device__ __forceinline__ void fetch_chunk(WarpRing& ring, const uint4* __restrict__ wtile,
-                                            const u32* __restrict__ stile, int c, int c_hi, int lane) {
-    if (c < c_hi) {
-        const int slot = c % STAGES;
-        // the lane's two 16-byte halves go 32 slots apart, so that reading them back is free of
-        // bank conflicts
-        cp_async16(&ring.w[slot][lane], wtile + (size_t)c * 64 + 2 * lane);
-        cp_async16(&ring.w[slot][32 + lane], wtile + (size_t)c * 64 + 2 * lane + 1);
-        if (lane < 16) cp_async4(&ring.s[slot][lane], stile + (size_t)c * 16 + lane);
-    }
-    cp_async_commit();
-}
 
 #ifndef NB
 #define NB 4  // MMA column groups (of eight pairs) that share each dequantised weight fragment
@@ -98,7 +69,7 @@ __device__ __forceinline__ void fetch_chunk(WarpRing& ring, const uint4* __restr
 // The K loop of one warp for one pass: up to PASS pairs (cols[0 .. n)), ceil(n / 8) MMA column
 // groups, each weight chunk dequantised once for all of them.
 __device__ __forceinline__ void tile_pairs(
-    WarpRing& ring, const uint4* __restrict__ wtile, const u32* __restrict__ stile,
+    const uint4* __restrict__ wtile, const u32* __restrict__ stile,
     const unsigned char* __restrict__ act, const float* __restrict__ act_s, float* __restrict__ part,
     const int* cols, int n, int row_div, int N, int K, int P, int row0, int c_lo, int c_hi, int split,
     int lane) {
@@ -117,49 +88,62 @@ __device__ __forceinline__ void tile_pairs(
         s1row[q] = act_s + (size_t)(cols[i1] / row_div) * KS;
     }
 
-    for (int s = 0; s < STAGES - 1; ++s) fetch_chunk(ring, wtile, stile, c_lo + s, c_hi, lane);
     float acc[NB][4];
 #pragma unroll
     for (int q = 0; q < NB; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.f;
-    for (int c = c_lo; c < c_hi; ++c) {
-        cp_async_wait<STAGES - 2>();  // chunk c has landed (this lane's copies) ...
-        __syncwarp();                 // ... and every lane's
-        const int slot = c % STAGES;
-        const uint4 wa = ring.w[slot][lane], wb = ring.w[slot][32 + lane];
-        const u32 slo = ring.s[slot][g], shi = ring.s[slot][g + 8];
-        __syncwarp();  // the slot refilled next was read by every lane one iteration ago
-        fetch_chunk(ring, wtile, stile, c + STAGES - 1, c_hi, lane);
+    // the weights and scales of the next PREFETCH chunks are in flight while a chunk is multiplied
+    uint4 wbuf[PREFETCH][2];
+    u32 sbuf[PREFETCH][2];
+#pragma unroll
+    for (int i = 0; i < PREFETCH; ++i) {
+        const int ci = min(c_lo + i, c_hi - 1);
+        wbuf[i][0] = wtile[(size_t)ci * 64 + 2 * lane];
+        wbuf[i][1] = wtile[(size_t)ci * 64 + 2 * lane + 1];
+        sbuf[i][0] = stile[(size_t)ci * 16 + g];
+        sbuf[i][1] = stile[(size_t)ci * 16 + g + 8];
+    }
+    for (int c0 = c_lo; c0 < c_hi; c0 += PREFETCH) {
+#pragma unroll
+    for (int i = 0; i < PREFETCH; ++i) {
+        const int c = c0 + i;
+        if (c >= c_hi) break;
+        const uint4 wa = wbuf[i][0], wb = wbuf[i][1];
+        const u32 slo = sbuf[i][0], shi = sbuf[i][1];
+        if (c + PREFETCH < c_hi) {
+            wbuf[i][0] = wtile[(size_t)(c + PREFETCH) * 64 + 2 * lane];
+            wbuf[i][1] = wtile[(size_t)(c + PREFETCH) * 64 + 2 * lane + 1];
+            sbuf[i][0] = stile[(size_t)(c + PREFETCH) * 16 + g];
+            sbuf[i][1] = stile[(size_t)(c + PREFETCH) * 16 + g + 8];
+        }
         const u32 words[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
         float chunk[NB][4];
 #pragma unroll
         for (int q = 0; q < NB; ++q) chunk[q][0] = chunk[q][1] = chunk[q][2] = chunk[q][3] = 0.f;
-#pragma unroll
-        for (int G = 0; G < 4; ++G) {
-            u32 a[2][4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) a[h][r] = e2m1x2_to_f16x2(words[2 * G + h] << (4 * r));
-            const float sg = group_scale((slo >> (8 * G)) & 0xFFu);
-            const float sh = group_scale((shi >> (8 * G)) & 0xFFu);
-#pragma unroll
-            for (int q = 0; q < NB; ++q) {
-                if (q < groups) {  // warp-uniform
-                    const uint2 xa = *(const uint2*)(arow[q] + (size_t)c * 128 + 32 * G);
-                    float t[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma_16816(t, a[0][0], a[0][1], a[0][2], a[0][3],
-                              f16x2_from_e4m3x2((unsigned short)(xa.x & 0xFFFFu)),
-                              f16x2_from_e4m3x2((unsigned short)(xa.x >> 16)));
-                    mma_16816(t, a[1][0], a[1][1], a[1][2], a[1][3],
-                              f16x2_from_e4m3x2((unsigned short)(xa.y & 0xFFFFu)),
-                              f16x2_from_e4m3x2((unsigned short)(xa.y >> 16)));
-                    chunk[q][0] += t[0] * sg;
-                    chunk[q][1] += t[1] * sg;
-                    chunk[q][2] += t[2] * sh;
-                    chunk[q][3] += t[3] * sh;
-                }
-            }
+#define GROUP(G)                                                                                   \
+        {                                                                                          \
+            u32 a0[4], a1[4];                                                                      \
+            dequant_word(words[2 * G], a0);                                                        \
+            dequant_word(words[2 * G + 1], a1);                                                    \
+            const float sg = group_scale<G>(slo), sh = group_scale<G>(shi);                        \
+            _Pragma("unroll") for (int q = 0; q < NB; ++q) {                                       \
+                if (q < groups) {                                                                  \
+                    const uint2 xa = *(const uint2*)(arow[q] + (size_t)c * 128 + 32 * G);          \
+                    float t[4] = {0.f, 0.f, 0.f, 0.f};                                             \
+                    mma_16816(t, a0[0], a0[1], a0[2], a0[3],                                       \
+                              f16x2_from_e4m3x2((unsigned short)(xa.x & 0xFFFFu)),                 \
+                              f16x2_from_e4m3x2((unsigned short)(xa.x >> 16)));                    \
+                    mma_16816(t, a1[0], a1[1], a1[2], a1[3],                                       \
+                              f16x2_from_e4m3x2((unsigned short)(xa.y & 0xFFFFu)),                 \
+                              f16x2_from_e4m3x2((unsigned short)(xa.y >> 16)));                    \
+                    chunk[q][0] += t[0] * sg;                                                      \
+                    chunk[q][1] += t[1] * sg;                                                      \
+                    chunk[q][2] += t[2] * sh;                                                      \
+                    chunk[q][3] += t[3] * sh;                                                      \
+                }                                                                                  \
+            }                                                                                      \
         }
+        GROUP(0) GROUP(1) GROUP(2) GROUP(3)
+#undef GROUP
 #pragma unroll
         for (int q = 0; q < NB; ++q) {
             if (q < groups) {
@@ -171,8 +155,7 @@ __device__ __forceinline__ void tile_pairs(
             }
         }
     }
-    cp_async_wait<0>();
-    __syncwarp();
+    }
     float* base = part + (size_t)split * P * N;
 #pragma unroll
     for (int q = 0; q < NB; ++q) {
@@ -198,7 +181,6 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
     const long long* __restrict__ order, const long long* __restrict__ blk_e,
     const long long* __restrict__ blk_r0, const long long* __restrict__ offsets) {
     __shared__ int cols[4][PASS];
-    __shared__ WarpRing rings[4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.y, split = blockIdx.z;
     int e;
@@ -228,7 +210,7 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
         for (int i = lane; i < n; i += 32) cols[warp][i] = (int)order[r0 + i];
         __syncwarp();
         if (n > 0)
-            tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], n, row_div, N, K, P, row0,
+            tile_pairs(wtile, stile, act, act_s, part, cols[warp], n, row_div, N, K, P, row0,
                        c_lo, c_hi, split, lane);
         return;
     }
@@ -246,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
             cnt += placed;
             __syncwarp();
             if (cnt == PASS) {
-                tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], PASS, row_div, N, K, P,
+                tile_pairs(wtile, stile, act, act_s, part, cols[warp], PASS, row_div, N, K, P,
                            row0, c_lo, c_hi, split, lane);
                 cnt = 0;
                 __syncwarp();
@@ -254,6 +236,6 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
         }
     }
     if (cnt > 0)
-        tile_pairs(rings[warp], wtile, stile, act, act_s, part, cols[warp], cnt, row_div, N, K, P, row0, c_lo,
+        tile_pairs(wtile, stile, act, act_s, part, cols[warp], cnt, row_div, N, K, P, row0, c_lo,
                    c_hi, split, lane);
 }

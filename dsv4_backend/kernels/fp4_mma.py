@@ -43,7 +43,12 @@ from typing import NamedTuple
 import torch
 
 SOURCE = Path(__file__).with_name("fp4_mma.cu")
-MAX_SCALE_BYTE = 240  # group_scale builds 2^(s - 113) from an fp32 exponent field
+MAX_SCALE_BYTE = 240  # the packed byte s + 14 must stay below 255 (an fp32 exponent field)
+SCALE_BIAS = 14  # packed scale byte = e8m0 byte + 14: the fp16 weights are the values x 2^-14
+# Bit of each A register's low half holding the code's e1 e0 m (three bits up) and its sign, in a
+# packed word (fp4_mma.cu, dequant_word: register 0 in place, 1 three bits down, 2 and 3 apart).
+MAG_BIT = (9, 6, 3, 0)
+SIGN_BIT = (15, 12, 14, 13)
 ROWS_PER_CTA = 64  # four warps of one 16-row tile each
 
 
@@ -72,10 +77,12 @@ def pack_fp4_mma(w: torch.Tensor, w_scale: torch.Tensor, experts_per_step: int =
                          "(2^113), the range the kernels support")
     NT, KC = N // 16, K // 128
     words = torch.empty(E, NT, KC, 32, 8, dtype=torch.int32, device=w.device)
-    # nibble q = 4 bb + 2 rh + a of a word (a: column + a, bb: + 2 bb, rh: row + 8 rh) sits at bit
-    # 12 - 4 p + 16 a with p = rh + 2 bb
+    # nibble q = 4 bb + 2 rh + a of a word (a: column + a, bb: + 2 bb, rh: row + 8 rh) goes to
+    # register p = rh + 2 bb, half a: its e1 e0 m bits at MAG_BIT[p] + 16 a, its sign at SIGN_BIT[p] + 16 a
     q = torch.arange(8, device=w.device)
-    shift = (12 - 4 * ((q // 2) % 2 + 2 * (q // 4)) + 16 * (q % 2)).to(torch.int64)
+    p = (q // 2) % 2 + 2 * (q // 4)
+    mag_at = (torch.tensor(MAG_BIT, device=w.device)[p] + 16 * (q % 2)).to(torch.int64)
+    sign_at = (torch.tensor(SIGN_BIT, device=w.device)[p] + 16 * (q % 2)).to(torch.int64)
     for e0 in range(0, E, experts_per_step):
         blk = w[e0:e0 + experts_per_step].to(torch.int64)
         codes = torch.stack((blk & 15, blk >> 4), dim=-1).reshape(-1, N, K)  # [e, N, K]
@@ -83,9 +90,10 @@ def pack_fp4_mma(w: torch.Tensor, w_scale: torch.Tensor, experts_per_step: int =
         c = codes.reshape(-1, NT, 2, 8, KC, 4, 4, 2, 2, 2)
         # -> [e, tile, chunk, g, t, G, h, bb, rh, a]
         c = c.permute(0, 1, 4, 3, 6, 5, 7, 8, 2, 9).reshape(-1, NT, KC, 32, 8, 8)
-        word = (c << shift).sum(dim=-1)  # < 2^32
+        word = (((c & 7) << mag_at) | ((c >> 3) << sign_at)).sum(dim=-1)  # disjoint bits, < 2^32
         words[e0:e0 + experts_per_step] = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    scales = (w_scale.reshape(E, NT, 16, KC, 4).permute(0, 1, 3, 2, 4).contiguous()
+    biased = w_scale + SCALE_BIAS  # the kernel's 2^14 (fp16 of value x 2^-14), <= 254 by the check
+    scales = (biased.reshape(E, NT, 16, KC, 4).permute(0, 1, 3, 2, 4).contiguous()
               .view(torch.int32).reshape(E, NT, KC, 16))
     return Fp4MmaPack(words, scales, N, K)
 
@@ -99,14 +107,14 @@ def _f16_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def _a_fragment_values(words: torch.Tensor) -> torch.Tensor:
     """int32 words [..., 8] -> float64 [..., 8 words, 4 registers, 2 halves]: the fp16 values the
-    kernel's ``e2m1x2_to_f16x2(word << 4p)`` puts in A register p (x 2^-14)."""
+    kernel's ``dequant_word`` puts in A registers 0..3 (x 2^-14), its operations restated."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    regs = []
-    for p in range(4):
-        t = (w << (4 * p)) & 0xFFFFFFFF
-        r = (t & 0x80008000) | ((t >> 3) & 0x0E000E00)
-        regs.append(torch.stack((_f16_bits(r & 0xFFFF), _f16_bits(r >> 16)), dim=-1))
-    return torch.stack(regs, dim=-2)
+    m32 = 0xFFFFFFFF
+    regs = [w & 0x8E008E00,
+            ((w << 3) & m32) & 0x8E008E00,
+            (((w << 6) & m32) & 0x0E000E00) | (((w << 1) & m32) & 0x80008000),
+            (((w << 9) & m32) & 0x0E000E00) | (((w << 2) & m32) & 0x80008000)]
+    return torch.stack([torch.stack((_f16_bits(r & 0xFFFF), _f16_bits(r >> 16)), dim=-1) for r in regs], dim=-2)
 
 
 def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
@@ -151,28 +159,28 @@ def emulate_fp4_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor,
                     A = a_vals[:, c, lane, 2 * G + h, reg, half]  # [NT, 16, 16]
                     B = x[128 * c + 32 * G + 4 * h + b_byte_h0.view(-1)]  # [16]
                     group += A @ B
-                scale = torch.pow(2.0, (sbytes[e, :, c, :, G] - 113).to(torch.float64))  # [NT, 16]
+                scale = torch.pow(2.0, (sbytes[e, :, c, :, G] - 127).to(torch.float64))  # [NT, 16], x 2^14
                 out[p] += (group * scale * xs[c]).reshape(N)
     return out
 
 
 # ---- the GPU entry point --------------------------------------------------------------------
 
-STAGES = 4  # 1 KiB chunks of weights in flight per warp, less one (the ring in fp4_mma.cu)
+PREFETCH = 2  # 1 KiB weight chunks in flight per warp while one is multiplied (fp4_mma.cu)
 
 
 @lru_cache(maxsize=None)
-def _kernel(device_index: int, stages: int, groups: int):
-    """The NVRTC-compiled kernel for one device, ring depth and number of MMA column groups per
-    pass (compiled once per process)."""
+def _kernel(device_index: int, prefetch: int, groups: int):
+    """The NVRTC-compiled kernel for one device, prefetch distance and number of MMA column
+    groups per pass (compiled once per process)."""
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(SOURCE.read_text(), "fp4_mma_gemv",
-                                          nvcc_options=[f"-DSTAGES={stages}", f"-DNB={groups}"])
+                                          nvcc_options=[f"-DPREFETCH={prefetch}", f"-DNB={groups}"])
 
 
 class MmaConfig(NamedTuple):
     split_k: int = 1  # K splits (whole 128-deep chunks each); partials summed in split order
-    stages: int = STAGES  # ring depth of fp4_mma.cu
+    prefetch: int = PREFETCH  # chunks in flight per warp (fp4_mma.cu)
     # MMA column groups of 8 pairs sharing each dequantised weight fragment (a pass covers 8 x this
     # many pairs of one expert); 1 at decode keeps the kernel at 64 registers
     groups: int = 1
@@ -212,7 +220,7 @@ def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pa
         blocks, tables = r.block_expert.numel(), (r.order, r.block_expert, r.block_row0, r.offsets)
     else:
         blocks, tables = P, (ids,) * 4  # unread
-    _kernel(act_q.device.index or 0, config.stages, config.groups)(
+    _kernel(act_q.device.index or 0, config.prefetch, config.groups)(
         grid=(-(-N // ROWS_PER_CTA), blocks, splits), block=(128, 1, 1),
         args=[pack.words, pack.scales, act_q.view(torch.uint8), act_s, ids, part,
               P, E, N, K, row_div, int(ids.dtype == torch.int64), per, int(config.routed), *tables])
@@ -230,7 +238,7 @@ def pick_mma_configs(num_pairs: int) -> tuple[MmaConfig, MmaConfig]:
     (docs/PERF.md): K split in two at one to four tokens (more warps streaming), whole K from
     there; above SCAN_MAX_PAIRS the pairs are routed and four column groups share each fragment."""
     if num_pairs > SCAN_MAX_PAIRS:
-        return MmaConfig(1, STAGES, 4, True), MmaConfig(1, STAGES, 4, True)
+        return MmaConfig(1, PREFETCH, 2, True), MmaConfig(1, PREFETCH, 2, True)
     split = 2 if num_pairs <= 24 else 1
     return MmaConfig(split), MmaConfig(split)
 

@@ -312,6 +312,8 @@ def bench_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device, bw: f
     csa = [i for i, r in enumerate(cfg.layer_ratios) if r == 4]
     fp8_impl = "triton" if device.type == "cuda" and qlinear._kernel("fp8_gemm", "fp8_linear") else "torch"
     moe_impl = "triton" if device.type == "cuda" and qlinear._kernel("fp4_moe", "fp4_moe") else "torch"
+    if getattr(model.layers[-1].ffn.fp4, "mma", None) is not None:
+        moe_impl = "fp4_mma"
     for name in FP8_LINEARS:
         layers = csa if "indexer" in name else range(cfg.num_hidden_layers)
         mods = [_module(model.layers[i], name) for i in layers]       # cycling layers: weights not in L2
@@ -374,8 +376,12 @@ def check_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device) -> li
         ids = torch.rand(T, cfg.n_routed_experts, generator=g, device=device).argsort(-1)[:, :cfg.num_experts_per_tok]
         w = torch.rand(T, cfg.num_experts_per_tok, generator=g, device=device) + 0.1
         y = ffn.fp4.forward(x, ids, w, ffn.limit).double()
-        want = qquant.fp4_moe_ref(x, ids, w, ffn.fp4.w13, ffn.fp4.w13_scale, ffn.fp4.w2, ffn.fp4.w2_scale,
-                                  ffn.limit).double()
+        if ffn.fp4.mma is not None:  # packed for the tensor-core kernels: the release layout back
+            from dsv4_backend.kernels.fp4_mma import unpack_fp4_mma
+            (w13, s13), (w2, s2) = (unpack_fp4_mma(p) for p in ffn.fp4.mma)
+        else:
+            w13, s13, w2, s2 = ffn.fp4.w13, ffn.fp4.w13_scale, ffn.fp4.w2, ffn.fp4.w2_scale
+        want = qquant.fp4_moe_ref(x, ids, w, w13, s13, w2, s2, ffn.limit).double()
         out.append({"kernel": "fp4_moe", "shape": f"T={T}",
                     "relative_error_norm": float((y - want).norm() / want.norm())})
     return out

@@ -72,6 +72,8 @@ def test_pack_is_a_permutation_of_the_nibbles_and_scales():
     assert torch.equal(torch.bincount(got, minlength=16), torch.bincount(want, minlength=16))
     biased = pack.scales.view(torch.uint8).flatten().long() - F.SCALE_BIAS
     assert torch.equal(biased.sort().values, s.flatten().long().sort().values)
+    uw, us = F.unpack_fp4_mma(pack)
+    assert torch.equal(uw, w) and torch.equal(us, s)
     # one changed nibble changes exactly one packed word
     w2 = w.clone()
     w2[0, 17, 45] ^= 0x30

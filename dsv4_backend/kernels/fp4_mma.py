@@ -98,6 +98,29 @@ def pack_fp4_mma(w: torch.Tensor, w_scale: torch.Tensor, experts_per_step: int =
     return Fp4MmaPack(words, scales, N, K)
 
 
+def unpack_fp4_mma(pack: Fp4MmaPack, experts_per_step: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``pack_fp4_mma``: the release layout (uint8 ``[E, N, K/2]`` nibbles, uint8
+    e8m0 ``[E, N, K/32]``) back from a pack, e.g. to check packed weights against the torch spec."""
+    E = pack.words.shape[0]
+    N, K = pack.n, pack.k
+    NT, KC = N // 16, K // 128
+    dev = pack.words.device
+    q = torch.arange(8, device=dev)
+    p = (q // 2) % 2 + 2 * (q // 4)
+    mag_at = (torch.tensor(MAG_BIT, device=dev)[p] + 16 * (q % 2)).to(torch.int64)
+    sign_at = (torch.tensor(SIGN_BIT, device=dev)[p] + 16 * (q % 2)).to(torch.int64)
+    w = torch.empty(E, N, K // 2, dtype=torch.uint8, device=dev)
+    for e0 in range(0, E, experts_per_step):
+        words = pack.words[e0:e0 + experts_per_step].to(torch.int64)[..., None] & 0xFFFFFFFF
+        c = ((words >> mag_at) & 7) | (((words >> sign_at) & 1) << 3)  # [e, NT, KC, 32, 8, 8]
+        # [e, tile, chunk, g, t, G, h, bb, rh, a] -> [e, tile, rh, g, chunk, G, t, h, bb, a]
+        c = c.reshape(-1, NT, KC, 8, 4, 4, 2, 2, 2, 2).permute(0, 1, 8, 3, 2, 5, 4, 6, 7, 9)
+        c = c.reshape(-1, N, K // 2, 2)
+        w[e0:e0 + experts_per_step] = (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
+    s = (pack.scales.view(torch.uint8).reshape(E, NT, KC, 16, 4) - SCALE_BIAS).permute(0, 1, 3, 2, 4)
+    return w, s.reshape(E, N, K // 32).contiguous()
+
+
 # ---- the kernel's arithmetic in float64, register by register (CPU check of the order) -----
 
 def _f16_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ __device__ __forceinline__ int pair_expert(const void* ids, int ids64, int j) {
 }
 
 #ifndef PREFETCH
-#define PREFETCH 2  // 1 KiB weight chunks in flight per warp while one is multiplied
+#define PREFETCH 1  // 1 KiB weight chunks in flight per warp while one is multiplied
 #endif
 
 #ifndef NB

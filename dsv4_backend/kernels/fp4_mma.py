@@ -189,7 +189,8 @@ def emulate_fp4_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor,
 
 # ---- the GPU entry point --------------------------------------------------------------------
 
-PREFETCH = 2  # 1 KiB weight chunks in flight per warp while one is multiplied (fp4_mma.cu)
+PREFETCH = 1  # 1 KiB weight chunks in flight per warp while one is multiplied (fp4_mma.cu); 2 and 3
+# were slower on the H200 (more registers, fewer warps), docs/PERF.md
 
 
 @lru_cache(maxsize=None)
@@ -259,9 +260,10 @@ PART_BYTES_MAX = 512 << 20  # tokens per call are capped so that one fp32 partia
 def pick_mma_configs(num_pairs: int) -> tuple[MmaConfig, MmaConfig]:
     """(gate-up, down) launch shapes by the H200 measurements of ``bench/probe_fp4_mma.py``
     (docs/PERF.md): K split in two at one to four tokens (more warps streaming), whole K from
-    there; above SCAN_MAX_PAIRS the pairs are routed and four column groups share each fragment."""
+    there; above SCAN_MAX_PAIRS the pairs are routed, one column group per pass (two and four
+    were slower at T = 512 and 4096: more registers, fewer warps)."""
     if num_pairs > SCAN_MAX_PAIRS:
-        return MmaConfig(1, PREFETCH, 2, True), MmaConfig(1, PREFETCH, 2, True)
+        return MmaConfig(1, PREFETCH, 1, True), MmaConfig(1, PREFETCH, 1, True)
     split = 2 if num_pairs <= 24 else 1
     return MmaConfig(split), MmaConfig(split)
 

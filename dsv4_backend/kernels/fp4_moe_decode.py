@@ -190,9 +190,11 @@ def _swiglu_quant_kernel(part_ptr, ids_ptr, wts_ptr, hq_ptr, hs_ptr, P, E, I, li
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, P, D, E, TOPK: tl.constexpr, SPLIT: tl.constexpr,
-                           BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
-    """out[t] = sum over valid j, in order, of bf16(sum over splits, in order, of part[s, t k + j])."""
+def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, PR, P, D, E, TOPK: tl.constexpr, SPLIT: tl.constexpr,
+                           SHARED: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
+    """out[t] = bf16 of the sum over valid j, in order, of bf16(sum over splits, in order, of
+    part[s, t k + j]); with SHARED (the bf16 MoE of ``moe_bf16_decode``), the shared expert's row
+    PR + t is summed over its splits too and out[t] = bf16(bf16(shared) + that routed sum)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -205,7 +207,14 @@ def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, P, D, E, TOPK: tl.constex
         for s in tl.static_range(1, SPLIT):
             y += tl.load(base + s * P * D, mask=m, other=0.0).to(tl.float32)
         acc += round_bf16(y, NATIVE)
-    tl.store(out_ptr + t * D + d, round_bf16(acc, NATIVE), mask=dmask)
+    out = round_bf16(acc, NATIVE)
+    if SHARED:
+        base = part_ptr + (PR + t) * D + d
+        y = tl.load(base, mask=dmask, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(base + s * P * D, mask=dmask, other=0.0).to(tl.float32)
+        out = round_bf16(round_bf16(y, NATIVE) + out, NATIVE)
+    tl.store(out_ptr + t * D + d, out.to(tl.bfloat16), mask=dmask)
 
 
 # ---- entry points --------------------------------------------------------------------------
@@ -281,8 +290,8 @@ def combine_splits(part: torch.Tensor, ids: torch.Tensor, num_experts: int) -> t
     out = torch.empty(T, D, dtype=torch.bfloat16, device=part.device)
     block_d = 1024
     _combine_splits_kernel[(T, triton.cdiv(D, block_d))](
-        part, ids, out, P, D, num_experts, TOPK=k, SPLIT=split, BLOCK_D=block_d, NATIVE=native(),
-        num_warps=4)
+        part, ids, out, 0, P, D, num_experts, TOPK=k, SPLIT=split, SHARED=False, BLOCK_D=block_d,
+        NATIVE=native(), num_warps=4)
     return out
 
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import native, round_bf16
-from dsv4_backend.kernels.fp4_moe_decode import _count_same, _nth_pair
+from dsv4_backend.kernels.fp4_moe_decode import _combine_splits_kernel, _count_same, _nth_pair
 
 ID_CHUNK = 64
 
@@ -119,30 +119,6 @@ def _swiglu_kernel(part_ptr, ids_ptr, wts_ptr, h_ptr, PR, P, E, I, limit, SPLIT:
     tl.store(h_ptr + pair.to(tl.int64) * I + col, tl.where(cm, h, 0.0).to(tl.bfloat16), mask=col < I)
 
 
-@triton.jit
-def _combine_kernel(part_ptr, ids_ptr, out_ptr, PR, P, D, E, TOPK: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
-    """out[t] = bf16(bf16(shared y of t) + bf16(sum over valid j, in order, of bf16(y of pair t k + j)))."""
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = d < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        e = tl.load(ids_ptr + t * TOPK + j)
-        m = dmask & (e >= 0) & (e < E)
-        base = part_ptr + (t * TOPK + j) * D + d
-        y = tl.load(base, mask=m, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            y += tl.load(base + s * P * D, mask=m, other=0.0)
-        acc += round_bf16(y, NATIVE)
-    base = part_ptr + (PR + t) * D + d
-    y = tl.load(base, mask=dmask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        y += tl.load(base + s * P * D, mask=dmask, other=0.0)
-    out = round_bf16(round_bf16(y, NATIVE) + round_bf16(acc, NATIVE), NATIVE)
-    tl.store(out_ptr + t * D + d, out.to(tl.bfloat16), mask=dmask)
-
-
 def _splits(K: int, cfg: Bf16GemvConfig) -> tuple[int, int]:
     """(K per split, number of splits): whole K steps per split, no empty split."""
     for name in ("block_n", "block_k"):
@@ -195,6 +171,6 @@ def moe_bf16_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                                   NATIVE=native(), num_warps=4)
     part = _gemv(h, flat, w2, shared2, PR, k, False, down or DOWN)
     out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
-    _combine_kernel[(T, triton.cdiv(D, 1024))](part, flat, out, PR, P, D, E, TOPK=k, SPLIT=part.shape[0],
-                                               BLOCK_D=1024, NATIVE=native(), num_warps=4)
+    _combine_splits_kernel[(T, triton.cdiv(D, 1024))](part, flat, out, PR, P, D, E, TOPK=k, SPLIT=part.shape[0],
+                                                      SHARED=True, BLOCK_D=1024, NATIVE=native(), num_warps=4)
     return out

@@ -468,6 +468,27 @@ def test_concurrent_long_requests_finish(weights64):
     _all_free(eng)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path: Triton kernels, CUDA graphs, pinned host pool")
+@pytest.mark.parametrize("attention_kernel", ["triton", "auto"])
+def test_engine_bit_identical_on_cuda(attention_kernel):
+    """On the GPU (bf16, CUDA graphs, the overlap schedule, rows moved by the copy kernel from the
+    pinned host pool): HiSparse on with buffers of top-k rows gives the logits of HiSparse off bit
+    for bit, across batched chunked prefill, decode past top-k rows, a retraction and an abort."""
+    prompts = [_tokens(240, 3), _tokens(236, 4), _tokens(90, 5)]
+    new, abort_at = [24, 26, 8], {"r2": 5}
+    runs = []
+    for hs in (None, smallest(512, requests=3)):
+        eng = _engine(hs, device="cuda", dtype="bfloat16", max_total_tokens=512, max_running_requests=3,
+                      attention_kernel=attention_kernel)
+        runs.append((eng, _drive(eng, prompts, new, abort_at=abort_at)))
+    (off, f_off), (on, f_on) = runs
+    for rid, out in f_off.items():
+        assert f_on[rid].output_ids == out.output_ids, rid
+        assert torch.equal(on.captured_logits(rid), off.captured_logits(rid)), rid
+    assert on.stats()["hisparse"]["swapped_rows"] > 0
+    _all_free(on)
+
+
 # ---- the Triton backend (interpreter) -------------------------------------------------------
 
 def test_triton_backend_bit_identical():

@@ -126,3 +126,21 @@ def test_tiling():
     assert verify_tiling(64, 1, VerifyAttentionConfig(rows=4)) == (1, 64)
     with pytest.raises(ValueError):
         verify_tiling(64, 4, VerifyAttentionConfig(rows=3))
+
+
+def test_bench_verify_inputs_keep_the_kernel_contract():
+    """bench_kernels' verify tables (what the integrator times on the H200) have the shifted
+    windows and the shared C128 list the kernel assumes; on them the s_q-row kernel, four rows
+    per program at Flash's 64 heads, gives the one-row kernel's results."""
+    from bench import bench_kernels as BK
+    x = BK.verify_inputs("flash_hca", 1, 512, 4, device="cpu")
+    win, ext = x["sets"][0]
+    assert torch.equal(win[1:, :-1], win[:-1, 1:]) and (win[:, -1] >= 0).all()
+    assert torch.equal(ext, ext[:1].expand_as(ext)) and ext.shape == (4, 4)
+    q = x["q"].float()
+    cfg = VerifyAttentionConfig(rows=4)
+    got = sparse_verify(q, x["swa"], win, x["extra"], ext, x["sink"], 512 ** -0.5, 4, shared_extra=True, config=cfg)
+    row = sparse_decode(q, x["swa"], win, x["extra"], ext, x["sink"], 512 ** -0.5)
+    out_b, lse_b = _bounds(q, x["swa"], win, x["extra"], ext, x["sink"], 512 ** -0.5)
+    assert_within(got.out, row.out, 2 * out_b, "out")
+    assert_within(got.lse, row.lse, 2 * lse_b, "lse")

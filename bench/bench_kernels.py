@@ -48,7 +48,7 @@ from dsv4_backend.kernels.indexer import IndexerConfig, indexer_scores, topk_row
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.reference import hadamard_matrix  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
-from dsv4_backend.kernels.sparse_verify import VerifyAttentionConfig, sparse_verify, verify_tiling  # noqa: E402
+from dsv4_backend.kernels.verify_attention import VerifyAttentionConfig, sparse_verify, verify_tiling  # noqa: E402
 
 KV_ROW = 584
 IDX_ROW = 132

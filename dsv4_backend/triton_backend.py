@@ -123,7 +123,7 @@ def _dense_window(meta: ForwardMetadata, rows: torch.Tensor, pos: torch.Tensor) 
 
 def _verify_kernel_wanted(device: torch.device) -> bool:
     """``DSV4_VERIFY_KERNEL=1``: steps of s_q > 1 rows per request run the s_q-row kernel
-    (``kernels/sparse_verify.py``); ``0``: every row through the one-row decode kernel. Default:
+    (``kernels/verify_attention.py``); ``0``: every row through the one-row decode kernel. Default:
     on for CUDA, off elsewhere (the interpreter runs either; the tests set it)."""
     value = os.environ.get("DSV4_VERIFY_KERNEL")
     if value is None:

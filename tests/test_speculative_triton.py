@@ -28,7 +28,7 @@ from test_triton_backend import CFG, LockStep, tokens
 
 def _count_verify_calls(monkeypatch) -> list:
     """Wrap the s_q-row kernel the backend looks up: returns the list of s_q of each call."""
-    from dsv4_backend.kernels.sparse_verify import sparse_verify
+    from dsv4_backend.kernels.verify_attention import sparse_verify
     calls = []
 
     def counted(*args, **kw):

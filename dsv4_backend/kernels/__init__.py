@@ -18,7 +18,7 @@ _EXPORTS = {
     "IndexerConfig": "indexer", "IndexerTopK": "indexer",
     "sparse_decode": "sparse_attention", "DecodeAttentionConfig": "sparse_attention",
     "DecodeAttentionOutput": "sparse_attention",
-    "sparse_verify": "sparse_verify", "VerifyAttentionConfig": "sparse_verify",
+    "sparse_verify": "verify_attention", "VerifyAttentionConfig": "verify_attention",
     "copy_rows": "row_copy", "hisparse_lookup": "hisparse_table",
 }
 

@@ -1,4 +1,4 @@
-"""The s_q-row sparse decode kernel (``kernels/sparse_verify.py``) under the interpreter.
+"""The s_q-row sparse decode kernel (``kernels/verify_attention.py``) under the interpreter.
 
 Each case builds requests with their own context lengths (short ones, shorter than the window,
 among them) whose s_q consecutive query rows have the windows the metadata builds (slots from a
@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from bounds import assert_within, attention_bound  # noqa: E402
 from dsv4_backend.kernels import reference as R  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import sparse_decode  # noqa: E402
-from dsv4_backend.kernels.sparse_verify import VerifyAttentionConfig, sparse_verify, verify_tiling  # noqa: E402
+from dsv4_backend.kernels.verify_attention import VerifyAttentionConfig, sparse_verify, verify_tiling  # noqa: E402
 from memory.layout import read_kv_rows  # noqa: E402
 from test_kernels import DEV, _kv_pool  # noqa: E402
 
@@ -144,3 +144,10 @@ def test_bench_verify_inputs_keep_the_kernel_contract():
     out_b, lse_b = _bounds(q, x["swa"], win, x["extra"], ext, x["sink"], 512 ** -0.5)
     assert_within(got.out, row.out, 2 * out_b, "out")
     assert_within(got.lse, row.lse, 2 * lse_b, "lse")
+
+
+def test_the_package_name_is_the_function():
+    """The backend looks the kernel up on the package: a submodule of the same name, once
+    imported, would shadow it there."""
+    from dsv4_backend import kernels
+    assert kernels.sparse_verify is sparse_verify and kernels.VerifyAttentionConfig is VerifyAttentionConfig

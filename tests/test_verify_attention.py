@@ -72,15 +72,15 @@ def _bounds(q, swa, win, extra, ext, sink, scale):
     return attention_bound(q.float().cpu(), keys, valid, sink.cpu(), scale, bf16_p=gpu, bf16_out=gpu)
 
 
-@pytest.mark.parametrize("s_q,h,mode,ctx,num_splits,rows", [
-    (1, 8, "c4", (300, 40), None, None),
-    (2, 8, "c4", (127, 250, 5), 3, None),           # h = 8: two rows share a program
-    (3, 8, "c128", (380, 126, 60), None, None),     # a block completes inside a verify (126 + 1 = 127)
-    (3, 16, "c4", (200, 2), 2, None),                # 16 heads: four rows per program (3 real)
-    (3, 16, "window", (129, 70), None, None),
-    (3, 16, "c128", (255, 10), 1, 1),                # forced one row per program
-    (2, 20, "c4", (140,), 4, 2)])                    # heads padded to 32, two head blocks
-def test_sparse_verify_matches_reference_and_row_kernel(s_q, h, mode, ctx, num_splits, rows):
+@pytest.mark.parametrize("s_q,h,mode,ctx,num_splits,cfg", [
+    (1, 8, "c4", (300, 40), None, {}),
+    (2, 8, "c4", (127, 250, 5), 3, {}),                 # h = 8: two rows share a program
+    (3, 8, "c128", (380, 126, 60), None, {}),           # a block completes inside a verify (126 + 1 = 127)
+    (3, 16, "c4", (200, 2), 2, {}),                     # 16 heads: four rows per program (3 real)
+    (3, 16, "window", (129, 70), None, dict(halves=False, scales="element")),
+    (3, 16, "c128", (255, 10), 1, dict(rows=1)),        # forced one row per program
+    (2, 20, "c4", (140,), 4, dict(rows=2, halves=False))])   # heads padded to 32, two head blocks
+def test_sparse_verify_matches_reference_and_row_kernel(s_q, h, mode, ctx, num_splits, cfg):
     g = torch.Generator().manual_seed(7 * s_q + h + len(ctx))
     q, swa, win, extra, ext = _verify_inputs(g, s_q, ctx, h, mode)
     sink = torch.randn(h, generator=g)
@@ -88,7 +88,7 @@ def test_sparse_verify_matches_reference_and_row_kernel(s_q, h, mode, ctx, num_s
     qd = q.to(DEV).to(torch.bfloat16 if DEV == "cuda" else torch.float32)
     d = lambda x: None if x is None else x.to(DEV)  # noqa: E731
     out = torch.full((q.shape[0], h, 512), float("nan"), device=DEV, dtype=qd.dtype)
-    cfg = VerifyAttentionConfig(block_n=32, rows=rows)
+    cfg = VerifyAttentionConfig(block_n=32, **cfg)
     got = sparse_verify(qd, swa, d(win), extra, d(ext), d(sink), scale, s_q, shared_extra=mode == "c128",
                         num_splits=num_splits, config=cfg, out=out)
     ref = R.sparse_decode_ref(qd.double(), swa, d(win), extra, d(ext), d(sink), scale)

@@ -151,3 +151,20 @@ def test_the_package_name_is_the_function():
     imported, would shadow it there."""
     from dsv4_backend import kernels
     assert kernels.sparse_verify is sparse_verify and kernels.VerifyAttentionConfig is VerifyAttentionConfig
+
+
+def test_bench_time_verify_runs_on_the_cpu(monkeypatch):
+    """bench_kernels.time_verify's code path (the timers stood in: they need CUDA): both kernels
+    run on its tables and the rows it counts are the kernels' (the one-row kernel's 128 per row,
+    the s_q kernel's union window per program)."""
+    from bench import bench_kernels as BK
+    monkeypatch.setattr(BK, "bench", lambda fn: (fn(), (1.0, 1.0))[1])
+    monkeypatch.setattr(BK, "cold_replay_us", lambda fn: (fn(), 1.0)[1])
+    ceil = BK.Ceilings(copy_gbps=1000.0, bf16_tflops=100.0)
+    x = BK.verify_inputs("flash_swa", 1, 256, 4, device="cpu")
+    x["q"] = x["q"].float()
+    rows = BK.time_verify("flash_swa", 1, 256, 4, ceil, "row", inputs=x)
+    shared = BK.time_verify("flash_swa", 1, 256, 4, ceil, "verify", VerifyAttentionConfig(rows=4), inputs=x)
+    assert rows.extra["gathered_bytes"] == 4 * 128 * 584
+    assert shared.extra["gathered_bytes"] == 4 * 131 * 584      # 4 head blocks of 16, each the 131-row union
+    assert rows.bytes == shared.bytes and "gathered" in BK.row(shared)

@@ -20,7 +20,8 @@ device reads. Per attention layer it runs, in the torch backend's order:
    128 window slots and its own extra rows (top-k C4 rows, or every visible C128 row). A step
    whose requests all run the same s_q of 2 .. ``MAX_DRAFT_TOKENS + 1`` rows (a verify, the MTP's
    kept pass) goes through ``sparse_verify`` instead (``DSV4_VERIFY_KERNEL``, on by default on
-   CUDA): the same results, a program's rows sharing their window reads (docs/kernels.md).
+   CUDA): the same results, one launch of batch x s_q rows whose programs share window and C128
+   reads between rows where the heads per GPU leave room (docs/kernels.md section 4b).
 
 Step 4 is also the prefill path (issue 6 item 5, sparse variant): a prefill chunk of n tokens is
 n independent decode rows. It is correct but not prefill-efficient: each row dequantises its

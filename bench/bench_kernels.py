@@ -15,6 +15,10 @@ use the graph time; both ceilings are measured at the start of the run. Counting
   FLOPs = 2 x 64 x 128 per row;
 - compressor: bytes = the candidates' C and Z halves read (fp32) + the row written;
 - KV store: bytes = bf16 rows in + 584-byte rows out + cos/sin.
+- verify attention (``--verify``: s_q = k + 1 rows per request, the one-row kernel over every
+  row vs ``sparse_verify``): floor bytes = q + out + the request's distinct rows (its union
+  window of 127 + s_q, each row's top-k for C4 taken as disjoint, one visible list for C128)
+  x 584; ``gathered`` (note column) = the rows every program dequantises x 584.
 
 ``gpu_check.py`` imports this module; run alone it prints the table and writes JSON.
 """
@@ -44,6 +48,7 @@ from dsv4_backend.kernels.indexer import IndexerConfig, indexer_scores, topk_row
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.reference import hadamard_matrix  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
+from dsv4_backend.kernels.verify_attention import VerifyAttentionConfig, sparse_verify, verify_tiling  # noqa: E402
 
 KV_ROW = 584
 IDX_ROW = 132
@@ -224,6 +229,100 @@ def time_decode(case, batch, ctx, ceil: Ceilings, config=DecodeAttentionConfig()
         r.extra["x_flashmla_eager"] = r.extra["cold_us"] / ref  # with our Python launch
     r.extra["config"] = list(config)
     return r
+
+
+# ---- verify steps: s_q rows per request ----------------------------------------------------
+
+VERIFY_CASES = {"flash_swa": 0, "flash_csa": 4, "flash_hca": 128}   # name: ratio (64 heads)
+
+
+def verify_inputs(case: str, batch: int, ctx: int, s_q: int, device=None):
+    """A verify step's tables: each request's s_q rows at positions ctx - s_q .. ctx - 1 with
+    windows from its own page table of 128-row SWA pages (shifted by one row to row), C4: a
+    top-k list of min(512, ctx / 4) random rows per row, C128: one list of ctx / 128 rows per
+    request (every row sees them all), rotated over enough sets to span 4x the L2."""
+    device = device or DEV
+    ratio, h, W = VERIFY_CASES[case], 64, 128
+    k = 0 if ratio == 0 else (min(512, ctx // 4) if ratio == 4 else ctx // 128)
+    T = batch * s_q
+    pages = triton.cdiv(ctx, 128) + 1
+    swa = random_kv_pool(batch * pages * 128, 128, device)
+    extra = random_kv_pool(max(batch * ctx // max(ratio, 1), 4 * k, 64), 64, device) if k else None
+    q = torch.randn(T, h, 512, device=device).to(torch.bfloat16)
+    sink = torch.randn(h, device=device)
+    per_set = batch * (W + s_q + (s_q if ratio == 4 else 1) * k) * KV_ROW
+    sets = []
+    pos = (ctx - s_q + torch.arange(s_q, device=device))[:, None] - W + 1 + torch.arange(W, device=device)
+    for _ in range(n_sets(per_set)):
+        table = torch.randperm(batch * pages, device=device).view(batch, pages)
+        p = pos.clamp_min(0)[None].expand(batch, s_q, W)
+        slot = table.gather(1, (p // 128).reshape(batch, -1)).view(batch, s_q, W) * 128 + p % 128
+        win = torch.where(pos[None] >= 0, slot, -1).reshape(T, W).to(torch.int32)
+        ext = None
+        if ratio == 4:
+            ext = torch.randint(0, extra.shape[0] * 64, (T, k), device=device, dtype=torch.int32)
+        elif ratio == 128:
+            ext = torch.randint(0, extra.shape[0] * 64, (batch, 1, k), device=device, dtype=torch.int32)
+            ext = ext.expand(batch, s_q, k).reshape(T, k).contiguous()
+        sets.append((win, ext))
+    return dict(q=q, swa=swa, extra=extra, sink=sink, sets=sets, h=h, k=k, ratio=ratio, s_q=s_q, W=W)
+
+
+def time_verify(case: str, batch: int, ctx: int, s_q: int, ceil: Ceilings, kernel: str = "verify",
+                config: VerifyAttentionConfig = VerifyAttentionConfig(), inputs=None) -> Result:
+    """One verify step's attention in one layer: ``kernel`` "row" (sparse_decode over the
+    batch x s_q rows, today's path) or "verify" (sparse_verify, ``config.rows`` rows per program)."""
+    x = inputs or verify_inputs(case, batch, ctx, s_q)
+    h, k, W, ratio = x["h"], x["k"], x["W"], x["ratio"]
+    it = [0]
+
+    def run():
+        win, ext = x["sets"][it[0] % len(x["sets"])]
+        it[0] += 1
+        if kernel == "row":
+            sparse_decode(x["q"], x["swa"], win, x["extra"], ext, x["sink"], 512 ** -0.5)
+        else:
+            sparse_verify(x["q"], x["swa"], win, x["extra"], ext, x["sink"], 512 ** -0.5, s_q,
+                          shared_extra=ratio == 128, config=config)
+
+    times = bench(run)
+    T = batch * s_q
+    distinct = W + s_q - 1 + (s_q * k if ratio == 4 else k)          # per request
+    nbytes = T * h * 512 * 2 * 2 + batch * distinct * KV_ROW
+    flops = T * 2 * h * (W + k) * 1024
+    if kernel == "row":
+        gathered = T * triton.cdiv(h, 64) * (W + k)
+        name = "verify_row_kernel"
+    else:
+        rows, block_h = verify_tiling(h, s_q, config)
+        groups = triton.cdiv(s_q, rows)
+        gathered = batch * groups * triton.cdiv(h, block_h) * (W + rows - 1 + (rows * k if ratio == 4 else k))
+        name = f"verify_sq_rows{rows}"
+    r = timed(Result(name, case, batch, ctx, 0.0, nbytes, flops), times, ceil)
+    r.extra["cold_replay_us"] = cold_replay_us(run)
+    r.extra.update(s_q=s_q, gathered_bytes=gathered * KV_ROW, config=list(config) if kernel != "row" else None)
+    return r
+
+
+def verify_sweep(ceil: Ceilings, log=print, k: int = 3) -> list[Result]:
+    """Per-row vs s_q kernel at batch 1 and 32, s_q = k + 1, Flash dims (64 heads, top-k 512):
+    the default tiling (one row per program at 64 heads) and four rows per program (16 heads)."""
+    results = []
+    for case, ctx in (("flash_swa", 1 << 12), ("flash_csa", 1 << 12), ("flash_hca", 1 << 12),
+                      ("flash_csa", 1 << 17), ("flash_hca", 1 << 17)):
+        for b in (1, 32):
+            x = verify_inputs(case, b, ctx, k + 1)
+            for kernel, cfg in (("row", VerifyAttentionConfig()), ("verify", VerifyAttentionConfig()),
+                                ("verify", VerifyAttentionConfig(rows=4))):
+                try:
+                    r = time_verify(case, b, ctx, k + 1, ceil, kernel, cfg, inputs=x)
+                    results.append(r)
+                    log(row(r))
+                except Exception as e:
+                    log(f"  time_verify({case}, {b}, {ctx}, {kernel}, {cfg.rows}) failed: {type(e).__name__}: {str(e)[:300]}")
+            del x
+            torch.cuda.empty_cache()
+    return results
 
 
 # ---- indexer -------------------------------------------------------------------------------
@@ -545,7 +644,9 @@ def row(r: Result) -> str:
     if "x_flashmla" in r.extra:
         note += (f"{r.extra['x_flashmla']:.2f}x FlashMLA ({r.extra['flashmla_us']} us; eager "
                  f"{r.extra['x_flashmla_eager']:.2f}x)")
-    if "config" in r.extra:
+    if "gathered_bytes" in r.extra:
+        note += f"gathered {r.extra['gathered_bytes'] / 1e6:.2f} MB "
+    if r.extra.get("config"):
         note += f" cfg={tuple(r.extra['config'])}"
     ctx = f"{r.context // 1024}K" if r.context else "-"
     return (f"{r.kernel:<20} {r.case:<10} {r.batch:>6} {ctx:>6} {r.us:>9.1f} "
@@ -574,13 +675,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--indexer-only", action="store_true", help="the indexer's configuration picks and shapes")
+    ap.add_argument("--verify", action="store_true",
+                    help="only verify-step attention: one-row kernel vs s_q-row kernel, batch 1 and 32, k = 3")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     ceil = measure_ceilings()
     print(f"copy {ceil.copy_gbps:.0f} GB/s, bf16 matmul {ceil.bf16_tflops:.0f} TFLOP/s", flush=True)
-    results = indexer_sweep(ceil) if args.indexer_only else sweep(ceil, quick=args.quick)
+    if args.verify:
+        results = verify_sweep(ceil)
+    else:
+        results = indexer_sweep(ceil) if args.indexer_only else sweep(ceil, quick=args.quick)
     write_outputs(Path(args.out), ceil, results)
     print(table(results))
 

@@ -17,7 +17,11 @@ device reads. Per attention layer it runs, in the torch backend's order:
    mode: a 256-token full page is one 64-row indexer page), in query chunks that bound the
    fp32 score buffer;
 4. ``sparse_decode`` for every query row of the step: each row is one "request" with its own
-   128 window slots and its own extra rows (top-k C4 rows, or every visible C128 row).
+   128 window slots and its own extra rows (top-k C4 rows, or every visible C128 row). A step
+   whose requests all run the same s_q of 2 .. ``MAX_DRAFT_TOKENS + 1`` rows (a verify, the MTP's
+   kept pass) goes through ``sparse_verify`` instead (``DSV4_VERIFY_KERNEL``, on by default on
+   CUDA): the same results, one launch of batch x s_q rows whose programs share window and C128
+   reads between rows where the heads per GPU leave room (docs/kernels.md section 4b).
 
 Step 4 is also the prefill path (issue 6 item 5, sparse variant): a prefill chunk of n tokens is
 n independent decode rows. It is correct but not prefill-efficient: each row dequantises its
@@ -91,6 +95,9 @@ class _StepPlan:
     """Per-step tensors derived once from the metadata (shared by every layer)."""
 
     window_slots: torch.Tensor                 # int32 [T, W]
+    # s_q when every request of the step runs s_q > 1 consecutive rows (a verify: k + 1) and the
+    # s_q-row kernel may take them; 1: each row runs as its own decode row
+    rows_per_request: int = 1
     rings: dict[int, _RingPlan] = field(default_factory=dict)
     online: Optional[_OnlinePlan] = None
     c4_pages: Optional[torch.Tensor] = None    # int32 [T, pages] indexer pages of each query's request
@@ -113,6 +120,29 @@ def _dense_window(meta: ForwardMetadata, rows: torch.Tensor, pos: torch.Tensor) 
     col = torch.arange(meta.kv_slots.shape[1], device=pos.device)
     key_pos = meta.kv_start[rows][:, None] + col[None, :]
     return torch.where(key_pos <= pos[:, None], meta.kv_slots[rows], -1)
+
+
+def _verify_kernel_wanted(device: torch.device) -> bool:
+    """``DSV4_VERIFY_KERNEL=1``: steps of s_q > 1 rows per request run the s_q-row kernel
+    (``kernels/verify_attention.py``); ``0``: every row through the one-row decode kernel. Default:
+    on for CUDA, off elsewhere (the interpreter runs either; the tests set it)."""
+    value = os.environ.get("DSV4_VERIFY_KERNEL")
+    if value is None:
+        return device.type == "cuda"
+    if value not in ("0", "1"):
+        raise ValueError(f"DSV4_VERIFY_KERNEL must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _uniform_rows(extend_lens: list[int], dense: bool) -> int:
+    """s_q for the s_q-row kernel: every request's row count when they are equal and 2 ..
+    MAX_DRAFT_TOKENS + 1 (a verify's, not a prefill chunk's), else 1. Dense mode lists whole
+    contexts, not windows: 1."""
+    from .rollback import MAX_DRAFT_TOKENS
+    if dense or not extend_lens or len(set(extend_lens)) != 1:
+        return 1
+    n = extend_lens[0]
+    return n if 1 < n <= MAX_DRAFT_TOKENS + 1 else 1
 
 
 def _indexer_fp8_wanted() -> bool:
@@ -191,7 +221,7 @@ class _StaticDecodeMixin:
         T = bs * q
         rows = torch.arange(bs, device=dev)
         width = ctx if self.dense else self.window
-        plan = _StepPlan(zeros(T, width, dtype=i32))
+        plan = _StepPlan(zeros(T, width, dtype=i32), rows_per_request=_uniform_rows([q] * bs, self.dense))
         meta = ForwardMetadata(
             req_slots=zeros(bs), prefix_lens=zeros(bs), extend_lens=torch.full((bs,), q, dtype=i64, device=dev),
             seq_lens=zeros(bs), token_offsets=list(range(0, T + 1, q)),
@@ -313,6 +343,7 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                              f"{4 * COMPRESSED_PAGE} tokens, the plan has {plan.full_page}")
         self.round_bf16 = dtype == torch.bfloat16
         self.indexer_fp8 = _indexer_fp8_wanted()
+        self.verify_kernel = _verify_kernel_wanted(self.device)
         if self.hisparse is not None:   # rows move by kernel: on CUDA it reads pinned host memory in place
             from .kernels.row_copy import host_copy_works
             if self.device.type != "cuda" or host_copy_works(self.device):
@@ -337,7 +368,8 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
             window = meta.window_slots.to(i32).contiguous()
         else:  # dense: every previous position of the request
             window = _dense_window(meta, treq, pos).to(i32).contiguous()
-        plan = _StepPlan(window)
+        plan = _StepPlan(window, rows_per_request=_uniform_rows(meta.host.extend_lens, self.dense)
+                         if meta.host is not None else 1)
         for m, cm in meta.compressed.items():
             if cm.online is not None:
                 plan.online = self._online_plan(meta, cm)
@@ -428,7 +460,13 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                           extra_pool: Optional[torch.Tensor], extra_rows: Optional[torch.Tensor],
                           attn_sink: torch.Tensor) -> torch.Tensor:
         """Attention of every query row ``q [T, h, 512]`` over its window and extra rows: [T, h, 512].
-        ``ratio`` (0 SWA-only, 4, 128) names the layer kind; subclasses swap the kernel here."""
+        ``ratio`` (0 SWA-only, 4, 128) names the layer kind; subclasses swap the kernel here.
+        Steps of s_q rows per request (``plan.rows_per_request``) take the s_q-row kernel when
+        ``verify_kernel``; a C128 layer's rows share their list (visible rows, -1 past each row's)."""
+        s_q = plan.rows_per_request
+        if self.verify_kernel and s_q > 1 and q.shape[0] % s_q == 0:
+            return _kernels().sparse_verify(q, swa_pool, plan.window_slots, extra_pool, extra_rows, attn_sink,
+                                            self.cfg.softmax_scale, s_q, shared_extra=ratio == 128).out
         return _kernels().sparse_decode(q, swa_pool, plan.window_slots, extra_pool, extra_rows, attn_sink,
                                         self.cfg.softmax_scale).out
 
@@ -449,7 +487,8 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
             parts = []
             for lo, hi in blocks:
                 rows = hs.stage(layer_id, sel[lo:hi])
-                part = dataclasses.replace(plan, window_slots=plan.window_slots[lo:hi])
+                # (a block may cut a request's rows: each row its own decode row)
+                part = dataclasses.replace(plan, window_slots=plan.window_slots[lo:hi], rows_per_request=1)
                 # the Triton kernel itself: a subclass's per-step caches are sized for the whole step
                 parts.append(TritonDSV4Backend._sparse_attention(self, 4, q[lo:hi], swa, part,
                                                                  hs.device_kv[layer_id], rows, sink))

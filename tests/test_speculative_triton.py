@@ -6,12 +6,16 @@ Triton backend against the torch backend's, on the same metadata) over a specula
 ``rollback_len``: the ring writes of the shorter tail, the row sets of 4 per request, block
 completions at 127 (C4 and C128) inside a verify, a truncation to the accepted length and a
 second verify reading what the first left in the rings; two requests' verifies in one step. Tiny 3-layer model, float32; the 125-token prefill before runs on the torch backend.
+The verify steps run with the s_q-row kernel (``DSV4_VERIFY_KERNEL=1``) and without it, and an
+engine's speculative greedy output with that kernel equals plain decoding's.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from dsv4_backend import kernels
 from dsv4_backend.model_runner import ForwardRequest, ModelRunner
 from dsv4_backend.triton_backend import TritonDSV4Backend
 from dsv4_backend.weights import random_weights
@@ -22,7 +26,22 @@ from memory.pools import DSV4KVPools
 from test_triton_backend import CFG, LockStep, tokens
 
 
-def test_lockstep_verify_rows_with_doubled_rings():
+def _count_verify_calls(monkeypatch) -> list:
+    """Wrap the s_q-row kernel the backend looks up: returns the list of s_q of each call."""
+    from dsv4_backend.kernels.verify_attention import sparse_verify
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[7])
+        return sparse_verify(*args, **kw)
+    monkeypatch.setattr(kernels, "sparse_verify", counted, raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("verify_kernel", ["0", "1"], ids=["row-kernel", "verify-kernel"])
+def test_lockstep_verify_rows_with_doubled_rings(verify_kernel, monkeypatch):
+    monkeypatch.setenv("DSV4_VERIFY_KERNEL", verify_kernel)
+    calls = _count_verify_calls(monkeypatch)
     weights = random_weights(CFG, seed=3, dtype=torch.float32, include_mtp=False)
     plan = DSV4PoolConfigurator(CFG, max_running_requests=2, swa_ratio=0.5, speculative=True,
                                 draft_tokens=4).plan_for_tokens(2048)
@@ -49,6 +68,8 @@ def test_lockstep_verify_rows_with_doubled_rings():
     step([("a", 127, 4, 128)])                         # reads the rings the first verify left
     assert lock.layers_seen == {0, 4, 128}
     assert lock.rows_written == {"c4_kv", "c128_kv"}
+    # the s_q-row kernel ran every layer of both verify steps, and only when switched on
+    assert calls == ([4] * 2 * CFG.num_hidden_layers if verify_kernel == "1" else [])
     for rid in seq:
         alloc.free(rid)
     alloc.check_integrity()
@@ -119,3 +140,50 @@ def test_lockstep_verify_rows_online_c128():
     for rid in seq:
         alloc.free(rid)
     alloc.check_integrity()
+
+
+def test_speculative_greedy_with_the_verify_kernel_equals_plain(monkeypatch):
+    """An engine on the Triton backend (float32, the interpreter) decoding greedily, and the same
+    engine with speculation (K = 3) whose verify steps take the s_q-row kernel: drafts fed from
+    the plain run's tokens with forced acceptance lengths 4, 1, 3, 2, so the verifies accept and
+    reject at known places (a 122-token prompt: verifies across the C4 and C128 block ends at
+    127). The outputs are equal token for token."""
+    import itertools
+
+    from dsv4_backend import Engine
+
+    monkeypatch.setenv("DSV4_VERIFY_KERNEL", "1")
+    calls = _count_verify_calls(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (122, 9)]
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+
+    def engine(spec: bool) -> Engine:
+        kw = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=4) if spec else {}
+        eng = Engine(preset="tiny", dtype="float32", config_overrides={"vocab_size": 512}, skip_tokenizer_init=True,
+                     max_running_requests=2, max_total_tokens=2048, chunked_prefill_size=64, **kw)
+        backend = TritonDSV4Backend(eng.config, eng.pools, eng.allocator, dtype=torch.float32)
+        eng.runner.backend = backend
+        if spec:
+            eng.scheduler.spec.mtp.backend = backend
+        return eng
+
+    with engine(False) as eng:
+        plain = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    assert calls == []
+    truth = {tuple(p): p + o for p, o in zip(prompts, plain)}
+    with engine(True) as eng:
+        lengths = itertools.cycle([3, 0, 2, 1])
+
+        def override(rid, n, drafts):
+            seq, a = truth[tuple(eng.scheduler.reqs[rid].prompt_ids)], next(lengths)
+            true = seq[n + 1:n + 1 + len(drafts)]
+            true += [0] * (len(drafts) - len(true))
+            return [t if j < a else (t + 1) % 512 for j, t in enumerate(true)]
+        eng.scheduler.spec.draft_override = override
+        got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+        stats = eng.scheduler.spec.stats()
+    assert got == plain
+    assert stats["num_verify"] >= 4 and stats["accepted_drafts_total"] > 0
+    assert 4 in calls

@@ -18,6 +18,7 @@ _EXPORTS = {
     "IndexerConfig": "indexer", "IndexerTopK": "indexer",
     "sparse_decode": "sparse_attention", "DecodeAttentionConfig": "sparse_attention",
     "DecodeAttentionOutput": "sparse_attention",
+    "sparse_verify": "verify_attention", "VerifyAttentionConfig": "verify_attention",
     "copy_rows": "row_copy", "hisparse_lookup": "hisparse_table",
 }
 

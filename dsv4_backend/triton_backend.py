@@ -19,8 +19,8 @@ device reads. Per attention layer it runs, in the torch backend's order:
 4. ``sparse_decode`` for every query row of the step: each row is one "request" with its own
    128 window slots and its own extra rows (top-k C4 rows, or every visible C128 row). A step
    whose requests all run the same s_q of 2 .. ``MAX_DRAFT_TOKENS + 1`` rows (a verify, the MTP's
-   kept pass) goes through ``sparse_verify`` instead (``DSV4_VERIFY_KERNEL``, on by default on
-   CUDA): the same results, one launch of batch x s_q rows whose programs share window and C128
+   kept pass) goes through ``sparse_verify`` instead when ``DSV4_VERIFY_KERNEL=1`` (off by
+   default: on the H200 it was no faster, docs/PERF.md "Session 8"): the same results, one launch of batch x s_q rows whose programs share window and C128
    reads between rows where the heads per GPU leave room (docs/kernels.md section 4b).
 
 Step 4 is also the prefill path (issue 6 item 5, sparse variant): a prefill chunk of n tokens is
@@ -124,11 +124,12 @@ def _dense_window(meta: ForwardMetadata, rows: torch.Tensor, pos: torch.Tensor) 
 
 def _verify_kernel_wanted(device: torch.device) -> bool:
     """``DSV4_VERIFY_KERNEL=1``: steps of s_q > 1 rows per request run the s_q-row kernel
-    (``kernels/verify_attention.py``); ``0``: every row through the one-row decode kernel. Default:
-    on for CUDA, off elsewhere (the interpreter runs either; the tests set it)."""
+    (``kernels/verify_attention.py``); ``0`` (the default): every row through the one-row decode
+    kernel, which the H200 measured as fast or faster at Flash's 64 heads per GPU (docs/PERF.md,
+    "Session 8"; the interpreter runs either, the tests set it)."""
     value = os.environ.get("DSV4_VERIFY_KERNEL")
     if value is None:
-        return device.type == "cuda"
+        return False
     if value not in ("0", "1"):
         raise ValueError(f"DSV4_VERIFY_KERNEL must be 0 or 1, got {value!r}")
     return value == "1"

@@ -477,8 +477,8 @@ def test_engine_bit_identical_on_cuda(attention_kernel):
     prompts = [_tokens(240, 3), _tokens(236, 4), _tokens(90, 5)]
     new, abort_at = [24, 26, 8], {"r2": 5}
     runs = []
-    for hs in (None, smallest(512, requests=3)):
-        eng = _engine(hs, device="cuda", dtype="bfloat16", max_total_tokens=512, max_running_requests=3,
+    for hs in (None, smallest(1024, requests=3)):
+        eng = _engine(hs, device="cuda", dtype="bfloat16", max_total_tokens=1024, max_running_requests=3,
                       attention_kernel=attention_kernel)
         runs.append((eng, _drive(eng, prompts, new, abort_at=abort_at)))
     (off, f_off), (on, f_on) = runs

@@ -100,6 +100,7 @@ def test_sparse_verify_matches_reference_and_row_kernel(s_q, h, mode, ctx, num_s
     assert_within(got.lse, row.lse, 2 * lse_b, "lse vs the one-row kernel")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors under the interpreter")
 def test_the_shared_list_is_what_each_row_sees():
     """C128 with ``shared_extra``: a row whose list has -1 where the last row has a block must
     not see that block (a block completed by a later row of the verify); the kernel's output
@@ -128,6 +129,7 @@ def test_tiling():
         verify_tiling(64, 4, VerifyAttentionConfig(rows=3))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors under the interpreter")
 def test_bench_verify_inputs_keep_the_kernel_contract():
     """bench_kernels' verify tables (what the integrator times on the H200) have the shifted
     windows and the shared C128 list the kernel assumes; on them the s_q-row kernel, four rows
@@ -153,6 +155,7 @@ def test_the_package_name_is_the_function():
     assert kernels.sparse_verify is sparse_verify and kernels.VerifyAttentionConfig is VerifyAttentionConfig
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors under the interpreter")
 def test_bench_time_verify_runs_on_the_cpu(monkeypatch):
     """bench_kernels.time_verify's code path (the timers stood in: they need CUDA): both kernels
     run on its tables and the rows it counts are the kernels' (the one-row kernel's 128 per row,

@@ -2,6 +2,9 @@
 # prints the machine, and defines `part LIMIT NAME CMD...`, which runs CMD under its own time
 # limit with its output in $OUT/NAME.log (so one part that hangs leaves the others their share).
 # (.whl/serve/: FastAPI, uvicorn, pydantic and the tokenizer packages, for serving runs)
+# .whl/ is git-ignored; `bench/device_wheels.sh [DIR]` rebuilds it (and the .whl/sglang-* folders of
+# bench/gpu_sglang_session.sh) with pip download of cp312 linux wheels at the venv's versions, skipping
+# wheels already there, and fails if one distribution would sit in both .whl/ and .whl/serve/.
 wheels=$(ls .whl/*.whl .whl/serve/*.whl 2>/dev/null)
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \

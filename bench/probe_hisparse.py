@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench._bench_common import graphed  # noqa: E402
 from memory.hisparse import HiSparseConfig, HiSparsePool, copy_rows_torch  # noqa: E402
 from memory.layout import KV_ROW_BYTES  # noqa: E402
 
@@ -66,21 +67,6 @@ class Timer:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-
-
-def graphed(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph (warmed up on a side stream first); itself on the CPU."""
-    if device.type != "cuda":
-        return fn
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench._bench_common import graphed  # noqa: E402
 from dsv4_backend import model as M  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.layers.linear import stack_rows  # noqa: E402
@@ -43,19 +44,13 @@ def copy_gbps(dev: torch.device, mb: int = 1024) -> float:
 
 
 def replay_ms(fn, reps: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    """Median ms of one CUDA-graph replay of ``fn``."""
+    replay = graphed(fn, torch.device("cuda"))
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))

@@ -186,6 +186,75 @@ def c128_decode_events(plan_d: torch.Tensor, out_loc: torch.Tensor, freqs_cis: t
     return CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
 
 
+def prefill_plan_fields(plan_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """SGLang's compressor CompressPlan rows, uint8 [n, 16] = {u32 seq_len, u16 ragged_id,
+    u16 buffer_len, i32 read_page_0, i32 read_page_1} (``compress_v2.cuh``), as int64 [n]
+    columns (seq_len, ragged_id, buffer_len, read_page_0, read_page_1, valid). Padding rows
+    (``CompressPlan::invalid()``, seq_len 0xFFFFFFFF) have valid false and seq_len 0."""
+    f = plan_c.contiguous().view(torch.int32).long()
+    valid = f[:, 0] != -1
+    return (torch.where(valid, f[:, 0], 0), f[:, 1] & 0xFFFF, (f[:, 1] >> 16) & 0xFFFF,
+            f[:, 2], f[:, 3], valid)
+
+
+def prefill_events(plan_c: torch.Tensor, out_loc: torch.Tensor, freqs_cis: torch.Tensor, ratio: int,
+                   tokens: int, requests: int) -> tuple[CompressEvents, torch.Tensor]:
+    """Our compression events of one extend step, read from SGLang's CompressPlan rows.
+
+    An event closes the block ending at q token ``ragged_id`` (position seq_len - 1). Its K
+    candidates (C4: 8, the previous block's 4 tokens then this block's; C128: the block's 128)
+    are window positions w = 0..K-1, i.e. q rows ``ragged_id - (K - 1) + w``, except the first
+    ``buffer_len`` of them, which were computed by an earlier step and are read from SGLang's
+    state ring (C4: w < 4 from page ``read_page_0``, else page ``read_page_1`` slot w - 4;
+    C128: page ``read_page_1`` slot w). C4's first block (seq_len <= 4) has no previous block.
+    The row goes to ``out_loc[ragged_id]`` with RoPE at seq_len - ratio.
+
+    Our kernels read every candidate from one buffer: the step's ``tokens`` [C | Z] rows, then
+    K ring rows for each event that reads the ring. Only the first K - 1 tokens of a request's
+    extend have ring candidates, so at most ``K // ratio`` events of each of the ``requests``
+    do; they are found without a host sync (a top-k on ``buffer_len > 0``). Returns the events
+    (sources index that buffer) and the ring slots to gather, int64 [m * K]."""
+    seq_len, ragged, buffer_len, page0, page1, valid = prefill_plan_fields(plan_c)
+    n, k = seq_len.shape[0], (8 if ratio == 4 else 128)
+    w = torch.arange(k, device=plan_c.device)
+    if ratio == 4:
+        ring = torch.where(w < 4, page0[:, None] * 4 + w, page1[:, None] * 4 + w - 4)
+    else:
+        ring = page1[:, None] * 128 + w
+    from_ring = w < buffer_len[:, None]
+    m = min(n, (k // ratio) * requests)
+    reads_ring = (valid & (buffer_len > 0)).float()
+    order = torch.topk(reads_ring, m).indices if m else reads_ring.new_zeros(0, dtype=torch.long)
+    ring_slots = ring[order].clamp_min(0).reshape(-1)
+    at = torch.zeros(n, dtype=torch.long, device=plan_c.device)
+    at[order] = torch.arange(m, device=plan_c.device)
+    sources = torch.where(from_ring, tokens + at[:, None] * k + w, ragged[:, None] - (k - 1) + w)
+    live = valid[:, None] & ((w >= 4) | (seq_len[:, None] > 4) if ratio == 4 else True)
+    sources = torch.where(live, sources, -1)
+    dest = torch.where(valid, out_loc.long()[ragged.clamp_max(out_loc.shape[0] - 1)], -1)
+    rot = freqs_cis[(seq_len - ratio).clamp_min(0)]
+    events = CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
+    return events, ring_slots
+
+
+def write_plan_rows(state: torch.Tensor, plan_w: torch.Tensor, kv_score: torch.Tensor) -> None:
+    """SGLang's WritePlan rows, uint8 [n, 8] = {u32 ragged_id, i32 write_loc}: q row
+    ``ragged_id``'s [C | Z] goes to state slot ``write_loc`` (in the state's dtype), as SGLang's
+    write kernel does. Padding rows (ragged_id 0xFFFFFFFF) trail the real ones; without a host
+    sync they repeat the first row's write (the same value to the same slot), or, when every
+    row is padding, write slot 0 with its own value."""
+    if plan_w.shape[0] == 0:
+        return
+    f = plan_w.contiguous().view(torch.int32).long()
+    ragged, loc = f[:, 0], f[:, 1]
+    valid = ragged >= 0
+    any_row = valid[:1]
+    src = torch.where(valid, ragged, ragged[:1].clamp_min(0))
+    dst = torch.where(valid, loc, torch.where(any_row, loc[:1], 0))
+    rows = torch.where((valid | any_row)[:, None], kv_score[src].to(state.dtype), state[dst])
+    state[dst] = rows
+
+
 class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     """SGLang's DSV4 backend running our Triton kernels on SGLang's pools.
 
@@ -260,13 +329,14 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     # -- the compressors of decode steps (C4 attention and indexer rows, C128 attention rows) --
 
     def serves_compressor(self, layer_id: int, compressor) -> bool:
-        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
+        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan, CompressorPrefillPlan
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
         from sglang.srt.layers.attention.dsv4.compressor_v2 import _use_online_compress
         from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
         pool = self.token_to_kv_pool
         plan = getattr(self.forward_metadata, f"c{compressor.ratio}_compress_metadata", None)
-        if compressor.ratio not in (4, 128) or not isinstance(plan, CompressorDecodePlan):
+        if compressor.ratio not in (4, 128) or not isinstance(plan, (CompressorDecodePlan,
+                                                                     CompressorPrefillPlan)):
             return False
         if compressor.ratio == 128 and (_use_online_compress(128) or compressor.is_in_indexer
                                         or getattr(self, "online_c128_mtp", None) is not None):
@@ -280,42 +350,57 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
                 and not hasattr(kv_pool, "translate_loc_to_hisparse_device"))
 
     def forward_unified(self, x, forward_batch, layer_id: int, compressor) -> None:
-        """C4 and C128 decode steps: our compressor on SGLang's state ring and pools; every other
-        step (prefill plans, online C128, HiSparse, FP4 / unified layouts) is SGLang's."""
+        """C4 and C128 compression of decode and extend steps: our compressor on SGLang's state
+        ring and pools; online C128, HiSparse, FP4 / unified layouts are SGLang's."""
         if forward_batch.forward_mode.is_idle():
             return
         if not self.serves_compressor(layer_id, compressor):
             return super().forward_unified(x, forward_batch, layer_id, compressor)
-        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [bs, 2 * coff * d] = [C | Z]
-        self.compress_decode(layer_id, compressor, kv_score)
+        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [tokens, 2 * coff * d] = [C | Z]
+        self.compress_step(layer_id, compressor, kv_score, forward_batch.batch_size)
 
     forward_core_compressor = forward_unified
     forward_indexer_compressor = forward_unified
 
-    def compress_decode(self, layer_id: int, compressor, kv_score: torch.Tensor) -> None:
-        """Write each request's new [C | Z] at its plan's ``write_loc`` (as SGLang's kernel does,
-        every row), then pool, normalise, rotate (Hadamard for the indexer), quantise and store
-        the rows of the blocks this step closes (C4: fused kernel; C128: pool + finish)."""
+    def compress_step(self, layer_id: int, compressor, kv_score: torch.Tensor, requests: int) -> None:
+        """One step's compression on SGLang's plan (``c{ratio}_compress_metadata``).
+
+        Decode plan: each request's new [C | Z] goes to its ``write_loc`` (as SGLang's kernel
+        does, every row), then the blocks this step closes are pooled from the ring. Prefill
+        plan: the closed blocks are pooled from the step's rows and the ring rows computed by
+        earlier steps (read before this step writes the ring, as SGLang's compress kernel runs
+        before its write kernel), then the write plan's rows (the unfinished block, C4's
+        overlap block) go to the ring for the following steps. Pooling, norm, RoPE, (Hadamard,)
+        quantised store: C4 the fused kernel, C128 pool + finish, into the C4 / C128 pool or
+        the indexer pool."""
+        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
         pool = self.token_to_kv_pool
         ratio, d = compressor.ratio, compressor.head_dim
-        plan_d = getattr(self.forward_metadata, f"c{ratio}_compress_metadata").plan_d
+        plan = getattr(self.forward_metadata, f"c{ratio}_compress_metadata")
         state = compressor.get_state_pool(self).kv_score_buffer.kv_score  # [slots, 2 * coff * d]
-        _, write_loc, _, _ = decode_plan_fields(plan_d)
-        state[write_loc] = kv_score.to(state.dtype)
         out_loc = getattr(self.forward_metadata.core_metadata, f"c{ratio}_out_loc")
+        if isinstance(plan, CompressorDecodePlan):
+            _, write_loc, _, _ = decode_plan_fields(plan.plan_d)
+            state[write_loc] = kv_score.to(state.dtype)
+            events = (c4_decode_events if ratio == 4 else c128_decode_events)(
+                plan.plan_d, out_loc, compressor.freqs_cis)
+            candidates = state
+        else:
+            events, ring_slots = prefill_events(plan.plan_c, out_loc, compressor.freqs_cis, ratio,
+                                                kv_score.shape[0], requests)
+            candidates = torch.cat([kv_score, state[ring_slots].to(kv_score.dtype)])
+            write_plan_rows(state, plan.plan_w, kv_score)
         if ratio == 4:
-            events = c4_decode_events(plan_d, out_loc, compressor.freqs_cis)
             halves = compressor.ape.view(8, d)  # SGLang's loader stored ape as [ape[:, :d]; ape[:, d:]]
             ape = torch.cat([halves[:4], halves[4:]], 1)
         else:
-            events = c128_decode_events(plan_d, out_loc, compressor.freqs_cis)
             ape = compressor.ape.view(128, d)  # no overlap: SGLang stores the checkpoint's ape
         if compressor.is_in_indexer:
             target = pool.get_index_k_with_scale_buffer(layer_id)
             hadamard = hadamard_matrix(128, torch.float32, state.device)
         else:
             target, hadamard = pool.get_extra_key_buffer(layer_id), None
-        compress(_as_bytes(target), events, state, ape, compressor.norm.weight, ratio,
+        compress(_as_bytes(target), events, candidates, ape, compressor.norm.weight, ratio,
                  eps=compressor.norm.variance_epsilon, hadamard=hadamard)
 
     # -- the C4 indexer --

@@ -392,8 +392,11 @@ def test_backend_falls_back_to_sglang_outside_our_modes(monkeypatch):
     assert not backend.serves_compressor(1, NS(ratio=4, ape_converted=False, is_in_indexer=False))
     backend.forward_metadata = NS(c4_compress_metadata=CompressorPrefillPlan(4, plan, plan[:, :8]),
                                   c128_compress_metadata=CompressorPrefillPlan(128, plan, plan[:, :8]))
-    assert not backend.serves_compressor(1, c4)  # prefill plans stay SGLang's
-    assert not backend.serves_compressor(2, c128)
+    assert backend.serves_compressor(1, c4)  # prefill plans are ours
+    assert backend.serves_compressor(2, c128)
+    monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
+    assert not backend.serves_compressor(2, c128)  # online C128 prefill stays SGLang's
+    monkeypatch.delenv("SGLANG_OPT_USE_ONLINE_COMPRESS")
 
 
 def test_backend_c4_indexer_top_k_on_sglang_pool():
@@ -453,6 +456,40 @@ def test_backend_c128_decode_compressor_on_sglang_pool():
     assert len(case["dest"]) == 3
     assert torch.equal(case["state"], case["want_state"])
     assert_kv_pools_close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "C128 rows")
+
+
+def _assert_prefill_decode(case, what):
+    from bounds import assert_indexer_pools_close, assert_kv_pools_close
+    outside = torch.ones(case["state"].shape[0], dtype=torch.bool)
+    outside[case["ring"]] = False
+    assert torch.equal(case["state"][outside], case["before"][outside]), "state outside the rings"
+    close = assert_indexer_pools_close if case["indexer"] else assert_kv_pools_close
+    close(case["pool"], case["ref_pool"], case["dest"], case["bound"], what)
+
+
+@pytest.mark.parametrize("indexer", [False, True], ids=["c4", "indexer"])
+def test_backend_c4_prefill_then_decode_compressor_on_sglang_pool(indexer):
+    """forward_unified on extend steps (SGLang's CompressorPrefillPlan: compress rows with
+    buffer_len / read pages, write rows, two padding rows each) then decode steps, C4: a 10-token
+    prompt (ends mid-block) and a 6 + 7 chunked prompt whose second chunk's blocks read 6 and 2
+    candidates from the ring, then three decode steps closing one block each. Every closed block
+    (prefill and decode) is within the bounds of the chain on the whole raw sequence; the state
+    outside the requests' rings (slot 0 among them) is untouched."""
+    case = C.prefill_decode_case(C.dsv4_pool(), torch.Generator().manual_seed(71 + indexer), indexer, 4,
+                                 [("extend", [10, 6]), ("extend", [0, 7]), ("decode", [1, 1]),
+                                  ("decode", [1, 1]), ("decode", [0, 1])])
+    assert len(case["dest"]) == 3 + 4
+    _assert_prefill_decode(case, "C4 rows")
+
+
+def test_backend_c128_prefill_then_decode_compressor_on_sglang_pool():
+    """The same for C128: prompts of 200 (a block closes in the extend, 72 tokens left in the
+    ring) + 55 and of 100 + 60 (the second chunk's block reads 100 ring candidates), then one
+    decode step that closes the first request's second block from ring rows of three steps."""
+    case = C.prefill_decode_case(C.dsv4_pool(), torch.Generator().manual_seed(73), False, 128,
+                                 [("extend", [200, 100]), ("extend", [55, 60]), ("decode", [1, 1])])
+    assert len(case["dest"]) == 3
+    _assert_prefill_decode(case, "C128 rows")
 
 
 # ---- the GPU check's imports on SGLang's CUDA branch ------------------------------------------

@@ -43,6 +43,7 @@ import logging
 import math
 import sys
 import types
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +107,9 @@ from sglang.srt.model_executor.pool_configurator import (  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
 from memory.layout import KV_ROW_BYTES  # noqa: E402
-from dsv4_backend.kernels.compressor import CompressEvents, compress  # noqa: E402
+from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update  # noqa: E402
 from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
-from dsv4_backend.kernels.kv_store import kv_store_rows  # noqa: E402
+from dsv4_backend.kernels.kv_store import finish_rows, kv_store_rows  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import sparse_decode  # noqa: E402
 from dsv4_backend.model import hadamard_matrix  # noqa: E402
 from memory.sglang_sizing import SGLangPoolInputs, SGLangPoolSizes, SGLangPoolSizing  # noqa: E402
@@ -256,6 +257,80 @@ def write_plan_rows(state: torch.Tensor, plan_w: torch.Tensor, kv_score: torch.T
     state[dst] = rows
 
 
+class OnlineSegments(NamedTuple):
+    """Runs of consecutive q rows of one request inside one 128-token block, one online-C128
+    update each (SGLang's online plans, ``c128_online_v2.cuh``)."""
+    start: torch.Tensor  # int64 [S]: first q row
+    count: torch.Tensor  # int64 [S]: rows (0 for a padding row)
+    first: torch.Tensor  # int64 [S]: position of the first row
+    load: torch.Tensor  # int64 [S]: state slot holding the running state before the run
+    store: torch.Tensor  # int64 [S]: state slot the running state after the run goes to
+
+
+def online_segments(plan) -> OnlineSegments:
+    """SGLang's online C128 plan as segments. Decode (DecodePlan ``{seq_len, write_loc,
+    read_page_0, -1}``): request i is q row i at position seq_len - 1, loading slot
+    read_page_0 and storing slot write_loc. Prefill (plan_c: segments that close a block,
+    plan_w: each request's trailing partial segment; both CompressPlan rows ``{seq_len,
+    ragged_id, buffer_len, read_page_0, read_page_1}``): the segment's ``buffer_len`` rows end
+    at q row ``ragged_id``, position seq_len - 1; it loads read_page_1 (read_page_0 when that
+    is -1) and stores read_page_0."""
+    if hasattr(plan, "plan_d"):
+        seq_len, write_loc, page0, _ = decode_plan_fields(plan.plan_d)
+        rows = torch.arange(seq_len.shape[0], device=seq_len.device)
+        return OnlineSegments(rows, torch.ones_like(rows), seq_len - 1, page0, write_loc)
+    seq_len, ragged, length, page0, page1, valid = prefill_plan_fields(
+        torch.cat([plan.plan_c, plan.plan_w]))
+    count = torch.where(valid, length, 0)
+    return OnlineSegments((ragged - length + 1).clamp_min(0), count, seq_len - length,
+                          torch.where(page1 >= 0, page1, page0), page0)
+
+
+def online_c128_step(state: torch.Tensor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor,
+                     ape: torch.Tensor, norm, freqs_cis: torch.Tensor, pool: torch.Tensor) -> None:
+    """SGLang's online C128 compression of one step on our kernels.
+
+    SGLang's online state is one row a request, ``[slots, 3 * d]`` = [running max | running
+    sum | running softmax-weighted mean of kv] (its buffer dtype); ours (``online_c128_update``)
+    keeps the unnormalised accumulator, so each segment's state is read into a scratch row of
+    our form (acc = mean * sum), folded with the segment's rows by our kernel (restarting at a
+    block's first position, as SGLang's kernels ignore the state there), and the rows of the
+    tokens that close a block (position % 128 == 127) are finished into the C128 pool at
+    ``out_loc`` (per request on decode, per q token on extend) with RoPE at position - 127. The
+    running state goes back to SGLang's form at ``store`` for segments that leave a block open
+    (SGLang writes no state when a block closes). Nothing waits on the host: a segment that
+    writes nothing repeats a writing one's write (the same value to the same slot), or writes
+    slot 0 with its own value when none writes."""
+    d = ape.shape[1]
+    seg = online_segments(plan)
+    n, s_count, dev = kv_score.shape[0], seg.start.shape[0], kv_score.device
+    old = state[seg.load.clamp_min(0)].float().view(s_count, 3, d)
+    scratch = torch.stack([old[:, 0], old[:, 1], old[:, 2] * old[:, 1]], 1).contiguous()
+    # each q row's position: its segment's first position plus its offset in the segment
+    rows = torch.arange(n, device=dev)
+    at = torch.where(seg.count > 0, seg.start, n)  # padding segments: a spare row n
+    begins = torch.full((n + 1,), -1, dtype=torch.long, device=dev).scatter_(0, at, at)
+    index = torch.zeros(n + 1, dtype=torch.long, device=dev).scatter_(0, at, torch.arange(s_count, device=dev))
+    begin = begins[:n].cummax(0).values  # the first row of the last segment starting at or before
+    o = index[begin.clamp_min(0)]
+    covered = (begin >= 0) & (rows < seg.start[o] + seg.count[o])
+    positions = torch.where(covered, seg.first[o] + rows - seg.start[o], 0)
+    pooled = online_c128_update(scratch, torch.arange(s_count, device=dev), seg.start, seg.count,
+                                kv_score.float().contiguous(), positions, ape.float())
+    closing = covered & (positions % 128 == 127)
+    dest = torch.where(closing, out_loc.long()[rows.clamp_max(out_loc.shape[0] - 1)], -1)
+    rot = freqs_cis[(positions - 127).clamp_min(0)]
+    finish_rows(pool, dest, pooled, norm.weight, rot.real.float().contiguous(), rot.imag.float().contiguous(),
+                norm.variance_epsilon, round_in=True, round_bf16=True)
+    keep = (seg.count > 0) & ((seg.first + seg.count - 1) % 128 != 127)
+    j = torch.argmax(keep.int())  # a writing segment (0 when none writes)
+    any_kept = keep[j]
+    new = torch.cat([scratch[:, 0], scratch[:, 1], scratch[:, 2] / scratch[:, 1]], 1)
+    dst = torch.where(keep, seg.store, torch.where(any_kept, seg.store[j], 0))
+    src = torch.where(keep, torch.arange(s_count, device=dev), j)
+    state[dst] = torch.where((keep | any_kept)[:, None], new[src].to(state.dtype), state[dst])
+
+
 class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     """SGLang's DSV4 backend running our Triton kernels on SGLang's pools.
 
@@ -339,8 +414,11 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
         if compressor.ratio not in (4, 128) or not isinstance(plan, (CompressorDecodePlan,
                                                                      CompressorPrefillPlan)):
             return False
-        if compressor.ratio == 128 and (_use_online_compress(128) or compressor.is_in_indexer
+        if compressor.ratio == 128 and (compressor.is_in_indexer
                                         or getattr(self, "online_c128_mtp", None) is not None):
+            return False
+        if _use_online_compress(compressor.ratio) and (compressor.get_state_pool(self).kv_score_buffer
+                                                       .kv_score.shape[-1] != 3 * compressor.head_dim):
             return False
         if not compressor.ape_converted or pool.uniform_fp8 or is_unified_kv_triton():
             return False
@@ -377,9 +455,14 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
         from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
         pool = self.token_to_kv_pool
         ratio, d = compressor.ratio, compressor.head_dim
+        from sglang.srt.layers.attention.dsv4.compressor_v2 import _use_online_compress
         plan = getattr(self.forward_metadata, f"c{ratio}_compress_metadata")
         state = compressor.get_state_pool(self).kv_score_buffer.kv_score  # [slots, 2 * coff * d]
         out_loc = getattr(self.forward_metadata.core_metadata, f"c{ratio}_out_loc")
+        if _use_online_compress(ratio):  # state [slots, 3 * d]
+            online_c128_step(state, plan, kv_score, out_loc, compressor.ape.view(128, d), compressor.norm,
+                             compressor.freqs_cis, _as_bytes(pool.get_extra_key_buffer(layer_id)))
+            return
         if isinstance(plan, CompressorDecodePlan):
             _, write_loc, _, _ = decode_plan_fields(plan.plan_d)
             state[write_loc] = kv_score.to(state.dtype)

@@ -23,8 +23,19 @@ LAYER_OF_RATIO = {0: 0, 4: 1, 128: 2}
 
 
 def dsv4_pool(device: str = "cpu", swa_tokens: int = 512, full_tokens: int = 1024, c128_pages: int = 8,
-              state_slots: int = 64):
-    """SGLang's DeepSeekV4TokenToKVPool: layer 0 SWA only, layer 1 C4 (+ indexer), layer 2 C128."""
+              state_slots: int = 64, online: bool = False):
+    """SGLang's DeepSeekV4TokenToKVPool: layer 0 SWA only, layer 1 C4 (+ indexer), layer 2 C128.
+    ``online``: the C128 state as SGLang builds it under ``SGLANG_OPT_USE_ONLINE_COMPRESS``
+    (its module constant ``ONLINE_C128``, read at import, set while the pool is built)."""
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool as M
+    was, M.ONLINE_C128 = M.ONLINE_C128, online
+    try:
+        return _dsv4_pool(device, swa_tokens, full_tokens, c128_pages, state_slots)
+    finally:
+        M.ONLINE_C128 = was
+
+
+def _dsv4_pool(device, swa_tokens, full_tokens, c128_pages, state_slots):
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.runtime_context import get_context
     with get_context().override_server_args(page_size=256):
@@ -379,8 +390,29 @@ def prefill_plan(ratio: int, rids: list[int], seq_lens: list[int], extend_lens: 
     return as_plan(rows_c, 16), as_plan(rows_w, 8)
 
 
+def online_prefill_plan(rids: list[int], seq_lens: list[int], extend_lens: list[int], padding: int,
+                        device: str, base_slot: int = 1):
+    """SGLang's online C128 CompressorPrefillPlan (plan_c, plan_w: uint8 [n, 16] CompressPlan
+    rows) for one extend step, laid out as its planner (``c128_online_v2.cuh``, no MTP) lays it:
+    each request's extend cut at 128-block boundaries into segments {seq_len of the last token,
+    its ragged_id, buffer_len = segment length, read_page_0 = read_page_1 = the request's state
+    row}; segments that close a block in plan_c, the trailing partial one in plan_w."""
+    rows_c, rows_w, ragged = [], [], 0
+    for r, s, e in zip(rids, seq_lens, extend_lens):
+        pos = s - e
+        while pos < s:
+            end = min(s, pos // 128 * 128 + 128)
+            row = [end, (ragged + end - 1 - (s - e)) | (end - pos) << 16, base_slot + r, base_slot + r]
+            (rows_c if end % 128 == 0 else rows_w).append(row)
+            pos = end
+        ragged += e
+    pad = [[-1, 0, -1, -1]] * padding
+    as_plan = lambda rows: torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).view(torch.uint8).to(device)
+    return as_plan(rows_c + pad), as_plan(rows_w + pad)
+
+
 def prefill_decode_case(pool, g, indexer: bool, ratio: int, steps: list[tuple[str, list[int]]],
-                        device: str = "cpu", sglang_kernels: bool = False) -> dict:
+                        device: str = "cpu", sglang_kernels: bool = False, online: bool = False) -> dict:
     """``forward_unified`` over several steps of a few requests: extend steps (SGLang's
     CompressorPrefillPlan, ``prefill_plan``, q-token ``c{ratio}_out_loc``) and decode steps
     (its DecodePlan, ``_ring_plan`` / ``_c128_plan``), on SGLang's state ring (random bytes
@@ -394,11 +426,15 @@ def prefill_decode_case(pool, g, indexer: bool, ratio: int, steps: list[tuple[st
     Returns our pool and the reference pool, the destination rows, the bound on each row
     before storage, the state after the steps and before them, and the ring slots of the
     requests (everything else in the state must be untouched). ``sglang_kernels``: SGLang's
-    own ``forward_unified`` (its JIT planner-format compress + store) instead of ours (GPU)."""
+    own ``forward_unified`` (its JIT planner-format compress + store) instead of ours (GPU).
+    ``online``: C128 on SGLang's online state (a pool built with ``SGLANG_OPT_USE_ONLINE_COMPRESS``,
+    one ``[max | sum | mean]`` row a request, slot 1 + r) and its online plans; the bound adds
+    the state's conversions (below)."""
     from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan, CompressorPrefillPlan
     from dsv4_backend.kernels import reference as R
-    from bounds import compress_bounds
+    from bounds import U32, compress_bounds, compressed_row_bound, softmax_pool_bound
     assert ratio == 4 or not indexer, "the indexer compresses C4 rows only"
+    assert ratio == 128 or not online, "online compression is C128's"
     layer = LAYER_OF_RATIO[ratio]
     d, coff = (128 if indexer else 512), (2 if ratio == 4 else 1)
     states = pool.get_indexer_compress_states(layer) if indexer else pool.get_attention_compress_states(layer)
@@ -431,12 +467,16 @@ def prefill_decode_case(pool, g, indexer: bool, ratio: int, steps: list[tuple[st
         rids = [r for r in range(nreq) if new[r]]
         seq = [done[r] + new[r] for r in rids]
         step_rows["kv"] = torch.cat([raw[r][done[r]:done[r] + new[r]] for r in rids]).to(device)
-        if kind == "extend":
+        if kind == "extend" and online:
+            plan = CompressorPrefillPlan(ratio, *online_prefill_plan(rids, seq, [new[r] for r in rids], 2, device))
+            out_loc = [closing(r, p) for r in rids for p in range(done[r], done[r] + new[r])]
+        elif kind == "extend":
             plan = CompressorPrefillPlan(ratio, *prefill_plan(ratio, rids, seq, [new[r] for r in rids], 2, device))
             out_loc = [closing(r, p) for r in rids for p in range(done[r], done[r] + new[r])]
         else:
             assert all(new[r] == 1 for r in rids)
-            rows = [[s, ring_slot(ratio, r, s - 1), ring_slot(ratio, r, max(s - 1 - ratio, 0)) // ratio,
+            rows = [[s, 1 + r, 1 + r, -1] if online else
+                    [s, ring_slot(ratio, r, s - 1), ring_slot(ratio, r, max(s - 1 - ratio, 0)) // ratio,
                      ring_slot(ratio, r, s - 1) // ratio] for r, s in zip(rids, seq)]
             plan = CompressorDecodePlan(ratio, torch.tensor(rows, dtype=torch.int32).view(torch.uint8).to(device))
             out_loc = [closing(r, s - 1) for r, s in zip(rids, seq)]
@@ -459,7 +499,17 @@ def prefill_decode_case(pool, g, indexer: bool, ratio: int, steps: list[tuple[st
     ref_pool = torch.zeros(target.shape, dtype=torch.uint8)
     R.compress_ref(ref_pool, dest, sequence, sources, ape, w, rot.real.float(), rot.imag.float(), ratio,
                    indexer=indexer)
-    ring = sorted({ring_slot(ratio, r, p) for r in range(nreq) for p in range(lengths[r])})
+    if online:
+        # our kernel keeps the unnormalised accumulator, SGLang's state the mean: at each step
+        # boundary inside a block the running mean is rounded once out of and once into SGLang's
+        # form, each within u of |mean| <= max_j |c_j|, and carried on with weight <= 1
+        ring = list(range(1, nreq + 1))
+        c, z = R.compress_candidates_ref(sequence, sources, ape, ratio, d)
+        pooled = (torch.softmax(z.double(), dim=1) * c.double()).sum(1)
+        d_pooled = softmax_pool_bound(c, z) + 2 * U32 * len(steps) * c.double().abs().amax(1)
+        bound = compressed_row_bound(pooled, d_pooled, w, indexer, True)
+    else:
+        ring = sorted({ring_slot(ratio, r, p) for r in range(nreq) for p in range(lengths[r])})
+        bound = compress_bounds(sequence, sources, ape, w, ratio, d, indexer)
     return dict(pool=as_bytes(target).cpu(), ref_pool=ref_pool, dest=dest, state=state.cpu(), before=before,
-                ring=torch.tensor(ring), bound=compress_bounds(sequence, sources, ape, w, ratio, d, indexer),
-                indexer=indexer)
+                ring=torch.tensor(ring), bound=bound, indexer=indexer)

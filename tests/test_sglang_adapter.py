@@ -383,10 +383,18 @@ def test_backend_falls_back_to_sglang_outside_our_modes(monkeypatch):
                                   c128_compress_metadata=CompressorDecodePlan(128, plan))
     assert backend.serves_compressor(1, c4)
     assert backend.serves_compressor(1, NS(ratio=4, ape_converted=True, is_in_indexer=True))
-    c128 = NS(ratio=128, ape_converted=True, is_in_indexer=False)
+    def c128_with_state(width):
+        state = NS(kv_score_buffer=NS(kv_score=torch.zeros(2, width)))
+        return NS(ratio=128, head_dim=512, ape_converted=True, is_in_indexer=False,
+                  get_state_pool=lambda backend: state)
+    c128, c128_online = c128_with_state(2 * 512), c128_with_state(3 * 512)
     assert backend.serves_compressor(2, c128)
     monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
-    assert not backend.serves_compressor(2, c128)  # online C128 stays SGLang's
+    assert backend.serves_compressor(2, c128_online)  # online C128 on SGLang's online state
+    assert not backend.serves_compressor(2, c128)  # the flag without SGLang's online state
+    backend.online_c128_mtp = object()
+    assert not backend.serves_compressor(2, c128_online)  # online C128 with MTP stays SGLang's
+    del backend.online_c128_mtp
     monkeypatch.delenv("SGLANG_OPT_USE_ONLINE_COMPRESS")
     assert backend.serves_compressor(2, c128)
     assert not backend.serves_compressor(1, NS(ratio=4, ape_converted=False, is_in_indexer=False))
@@ -395,7 +403,7 @@ def test_backend_falls_back_to_sglang_outside_our_modes(monkeypatch):
     assert backend.serves_compressor(1, c4)  # prefill plans are ours
     assert backend.serves_compressor(2, c128)
     monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
-    assert not backend.serves_compressor(2, c128)  # online C128 prefill stays SGLang's
+    assert backend.serves_compressor(2, c128_online)
     monkeypatch.delenv("SGLANG_OPT_USE_ONLINE_COMPRESS")
 
 
@@ -490,6 +498,22 @@ def test_backend_c128_prefill_then_decode_compressor_on_sglang_pool():
                                  [("extend", [200, 100]), ("extend", [55, 60]), ("decode", [1, 1])])
     assert len(case["dest"]) == 3
     _assert_prefill_decode(case, "C128 rows")
+
+
+def test_backend_online_c128_prefill_then_decode_on_sglang_pool(monkeypatch):
+    """The same for online C128 (SGLANG_OPT_USE_ONLINE_COMPRESS): SGLang's pool with its online
+    state (one [max | sum | mean] row a request) and its online plans (prefill: block-closing
+    segments and each request's trailing partial segment; decode: one row a request). Prompts
+    of 200 (a closing segment, then a partial one) + 55 and of 100 + 60 (a segment continuing
+    the state of the previous step, closing its block), then two decode steps: the first closes
+    the first request's second block from the state of three steps, the second starts its next
+    block (SGLang leaves the closed block's state; ours must not fold it in)."""
+    monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
+    case = C.prefill_decode_case(C.dsv4_pool(online=True), torch.Generator().manual_seed(79), False, 128,
+                                 [("extend", [200, 100]), ("extend", [55, 60]), ("decode", [1, 1]),
+                                  ("decode", [1, 1])], online=True)
+    assert case["state"].shape[1] == 3 * 512 and len(case["dest"]) == 3
+    _assert_prefill_decode(case, "online C128 rows")
 
 
 # ---- the GPU check's imports on SGLang's CUDA branch ------------------------------------------

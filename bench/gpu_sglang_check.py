@@ -32,7 +32,7 @@ harness whose every function raises when called) and says so; the end of the run
    SGLang's JIT compressor; the same compressors over extend steps (SGLang's prefill plans:
    prompts ending mid-block, second chunks reading the ring) then decode steps closing the
    next blocks, against the chain on the whole raw sequence and SGLang's JIT compressor run
-   on the same steps.
+   on the same steps; online C128 (its online state and plans) the same way.
 
 Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound), then INFO
 lines: SGLang's kernel modules that did not import, which of SGLang's kernels each comparison ran
@@ -479,6 +479,52 @@ def check_backend_prefill_compressor(name: str, pool, indexer: bool, bs: int, g,
         record(f"{label} vs SGLang's JIT prefill compressor", "FAIL", error=str(e)[:300])
 
 
+def check_backend_online_compressor(name: str, bs: int, g) -> None:
+    """Online C128 (SGLANG_OPT_USE_ONLINE_COMPRESS) over extend + decode steps on SGLang's pool
+    with its online state: ours against the chain on the raw sequence, and against SGLang's
+    forward_unified (its JIT online compressor) on the same steps where it builds: rows within
+    twice the bound (the states hold the same running softmax in differently rounded forms,
+    so they are not compared byte for byte; the largest difference is printed)."""
+    import sglang_cases as C
+    from bounds import assert_kv_pools_close
+    os.environ["SGLANG_OPT_USE_ONLINE_COMPRESS"] = "1"
+    try:
+        seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
+        steps = prefill_steps(128, bs, seed)
+        pool = lambda: C.dsv4_pool(DEV, online=True) if TINY else C.dsv4_pool(
+            DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024, online=True)
+        case = C.prefill_decode_case(pool(), torch.Generator().manual_seed(seed), False, 128, steps,
+                                     device=DEV, online=True)
+        label = f"backend online C128 compressor, extend + decode ({name}, {bs} requests, {len(case['dest'])} blocks)"
+        try:
+            outside = torch.ones(case["state"].shape[0], dtype=torch.bool)
+            outside[case["ring"]] = False
+            assert torch.equal(case["state"][outside], case["before"][outside]), "state outside the rows"
+            assert_kv_pools_close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "rows")
+            record(f"{label} vs reference", "PASS", bound="pre-rounding bound (+ state conversions) + one format step")
+        except AssertionError as e:
+            record(f"{label} vs reference", "FAIL", error=str(e)[:300])
+        if DEV != "cuda":
+            record(f"{label} vs SGLang's JIT online compressor", "SKIP", reason="no GPU")
+            return
+        try:
+            theirs = C.prefill_decode_case(pool(), torch.Generator().manual_seed(seed), False, 128, steps,
+                                           device=DEV, sglang_kernels=True, online=True)
+        except Exception as e:
+            record(f"{label} vs SGLang's JIT online compressor", "SKIP", reason=one_line(e))
+            return
+        state_diff = float((case["state"][case["ring"]] - theirs["state"][case["ring"]]).abs().max())
+        try:
+            assert_kv_pools_close(case["pool"], theirs["pool"], case["dest"], 2 * case["bound"], "rows")
+            record(f"{label} vs SGLang's JIT online compressor", "PASS", state_max_diff=f"{state_diff:.3g}",
+                   bound="2 x pre-rounding bound + one format step")
+        except AssertionError as e:
+            record(f"{label} vs SGLang's JIT online compressor", "FAIL", error=str(e)[:300],
+                   state_max_diff=f"{state_diff:.3g}")
+    finally:
+        os.environ.pop("SGLANG_OPT_USE_ONLINE_COMPRESS", None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -534,6 +580,7 @@ def run_checks() -> None:
                     indexer, 2, g)
         guarded("backend prefill compressor C128", check_backend_prefill_compressor, "tiny", dsv4, False, 2,
                 g, 128)
+        guarded("backend online compressor", check_backend_online_compressor, "tiny", 2, g)
     else:
         dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024)
         for name, h, k in (("Flash h64 top-k 512", 64, 512), ("Pro h128 top-k 1024", 128, 1024)):
@@ -552,6 +599,7 @@ def run_checks() -> None:
         # C128 rings: pages 1..3 of the 4 state pages after page 0
         guarded("backend prefill compressor C128", check_backend_prefill_compressor, "Flash / Pro d", dsv4,
                 False, 3, g, 128)
+        guarded("backend online compressor", check_backend_online_compressor, "Flash / Pro d", 3, g)
 
 
 def finish(args, t0: float) -> int:

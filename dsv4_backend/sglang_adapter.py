@@ -22,11 +22,11 @@ What is ours inside SGLang: the KV store (``store_cache``), the sparse attention
 (``_forward_attention``: SWA window + C4 top-k / all visible C128 rows, with the sink) and the
 C4 indexer's scores and top-k (``forward_c4_indexer``), the C4 and C128 compressors of decode
 and extend steps (``forward_core_compressor`` / ``forward_indexer_compressor`` on a DecodePlan
-or a PrefillPlan), all on
+or a PrefillPlan, the online C128 one included), all on
 SGLang's pools, state rings and per-query lists; and the configurator. What stays SGLang's: scheduler,
 radix cache, model code, weights, MoE, the DSV4 pools and their page layout, the backend's
-metadata and CUDA-graph machinery (inherited), the online C128 compressor, the indexer's
-query projection, and every mode ``serves_attention`` /
+metadata and CUDA-graph machinery (inherited), the online C128 compressor with MTP, the
+indexer's query projection, and every mode ``serves_attention`` /
 ``serves_indexer`` / ``serves_compressor`` leaves to SGLang's kernels.
 
 ``torchvision``: SGLang imports it at module level in one multimodal helper only. When it is
@@ -339,7 +339,7 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     sink), the C4 indexer's scores and top-k (``forward_c4_indexer``) and the C4 / C128
     compressors of decode and extend steps (``forward_unified``). Inherited: metadata,
     ``init_forward_metadata``, CUDA-graph state, compression slots and plans, the online C128
-    compression, the indexer's query projection (RoPE, Hadamard, FP8). SGLang's pools
+    compression with MTP, the indexer's query projection (RoPE, Hadamard, FP8). SGLang's pools
     are uint8 ``[pages, page_bytes]`` whose pages hold P rows in our order (all 576-byte nope|rope parts,
     then all 8-byte scale groups) padded to 576-byte blocks; our kernels read P and the page
     stride from the tensor, so slot ``page * P + row`` is the same slot SGLang's kernels use.
@@ -347,7 +347,7 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     Modes our kernels do not serve fall through to SGLang's methods (``serves_attention``,
     ``serves_indexer``, ``serves_compressor``): TRT-LLM attention, the fused-RoPE "mega"
     attention, the DSV4.1 request window and layouts, the FP4 indexer, HiSparse, the top-k
-    capturer, uniform-FP8 / unified KV pools, online C128.
+    capturer, uniform-FP8 / unified KV pools, online C128 with MTP.
     """
 
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch) -> None:
@@ -429,8 +429,8 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
                 and not hasattr(kv_pool, "translate_loc_to_hisparse_device"))
 
     def forward_unified(self, x, forward_batch, layer_id: int, compressor) -> None:
-        """C4 and C128 compression of decode and extend steps: our compressor on SGLang's state
-        ring and pools; online C128, HiSparse, FP4 / unified layouts are SGLang's."""
+        """C4 and C128 compression of decode and extend steps (online C128 too): our compressor on
+        SGLang's state and pools; online C128 with MTP, HiSparse, FP4 / unified layouts are SGLang's."""
         if forward_batch.forward_mode.is_idle():
             return
         if not self.serves_compressor(layer_id, compressor):

@@ -29,7 +29,10 @@ harness whose every function raises when called) and says so; the end of the run
    Pro h128 top-k 1024) against float64 and, where they run, SGLang's Triton sparse decode and
    FlashMLA; ``forward_c4_indexer`` against float64 and SGLang's torch indexer; the C4 decode
    compressors (attention and indexer) and the C128 one against the reference chain and
-   SGLang's JIT compressor.
+   SGLang's JIT compressor; the same compressors over extend steps (SGLang's prefill plans:
+   prompts ending mid-block, second chunks reading the ring) then decode steps closing the
+   next blocks, against the chain on the whole raw sequence and SGLang's JIT compressor run
+   on the same steps; online C128 (its online state and plans) the same way.
 
 Prints one line per check (PASS / FAIL / SKIP with the figures beside their bound), then INFO
 lines: SGLang's kernel modules that did not import, which of SGLang's kernels each comparison ran
@@ -422,6 +425,106 @@ def check_backend_compressor(name: str, pool, indexer: bool, bs: int, g, ratio: 
         record(f"{label} vs SGLang's JIT compressor", "FAIL", error=str(e)[:300])
 
 
+def prefill_steps(ratio: int, bs: int, seed: int) -> list[tuple[str, list[int]]]:
+    """Two extend steps (a prompt, then a second chunk for about two thirds of the requests)
+    and decode steps, random lengths; request 0's prompt ends one token short of a block (C4:
+    two), so a decode step closes its next block from the ring the extend steps left."""
+    g = torch.Generator().manual_seed(seed)
+    longest = (40, 20) if TINY and ratio == 4 else (300, 150) if TINY else (700, 300) if ratio == 4 else (600, 300)
+    first = torch.randint(1, longest[0], (bs,), generator=g).tolist()
+    second = [int(n) * bool(r % 3) for r, n in enumerate(torch.randint(1, longest[1], (bs,), generator=g))]
+    first[0], second[0] = (10, 0) if ratio == 4 else (300, 83)
+    decodes = 4 if ratio == 4 else 2
+    return [("extend", first), ("extend", second)] + [("decode", [1] * bs)] * decodes
+
+
+def check_backend_prefill_compressor(name: str, pool, indexer: bool, bs: int, g, ratio: int = 4) -> None:
+    """forward_unified on extend steps (SGLang's CompressorPrefillPlan) then decode steps, C4
+    (attention or indexer rows) or C128: our compressor against the reference chain on each
+    request's whole raw sequence, and against SGLang's own forward_unified (JIT compress_forward
+    with the prefill plan + compress_norm_rope_store) on the same steps where it builds: the
+    state rings equal, the rows within twice the bound."""
+    import sglang_cases as C
+    from bounds import assert_indexer_pools_close, assert_kv_pools_close
+    close = assert_indexer_pools_close if indexer else assert_kv_pools_close
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
+    steps = prefill_steps(ratio, bs, seed)
+    what = "indexer" if indexer else f"C{ratio} attention"
+    case = C.prefill_decode_case(pool, torch.Generator().manual_seed(seed), indexer, ratio, steps, device=DEV)
+    label = (f"backend {what} compressor, extend + decode ({name}, {bs} requests, "
+             f"{sum(steps[0][1]) + sum(steps[1][1])} prompt tokens, {len(case['dest'])} blocks)")
+    try:
+        outside = torch.ones(case["state"].shape[0], dtype=torch.bool)
+        outside[case["ring"]] = False
+        assert torch.equal(case["state"][outside], case["before"][outside]), "state outside the rings"
+        close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "rows")
+        record(f"{label} vs reference", "PASS", bound="pre-rounding bound + one format step")
+    except AssertionError as e:
+        record(f"{label} vs reference", "FAIL", error=str(e)[:300])
+    if DEV != "cuda":
+        record(f"{label} vs SGLang's JIT prefill compressor", "SKIP", reason="no GPU")
+        return
+    try:
+        theirs = C.prefill_decode_case(pool, torch.Generator().manual_seed(seed), indexer, ratio, steps,
+                                       device=DEV, sglang_kernels=True)
+    except Exception as e:
+        record(f"{label} vs SGLang's JIT prefill compressor", "SKIP", reason=one_line(e))
+        return
+    try:
+        assert torch.equal(case["state"], theirs["state"]), "state ring"
+        close(case["pool"], theirs["pool"], case["dest"], 2 * case["bound"], "rows")
+        record(f"{label} vs SGLang's JIT prefill compressor", "PASS",
+               bound="2 x pre-rounding bound + one format step")
+    except AssertionError as e:
+        record(f"{label} vs SGLang's JIT prefill compressor", "FAIL", error=str(e)[:300])
+
+
+def check_backend_online_compressor(name: str, bs: int, g) -> None:
+    """Online C128 (SGLANG_OPT_USE_ONLINE_COMPRESS) over extend + decode steps on SGLang's pool
+    with its online state: ours against the chain on the raw sequence, and against SGLang's
+    forward_unified (its JIT online compressor) on the same steps where it builds: rows within
+    twice the bound (the states hold the same running softmax in differently rounded forms,
+    so they are not compared byte for byte; the largest difference is printed)."""
+    import sglang_cases as C
+    from bounds import assert_kv_pools_close
+    os.environ["SGLANG_OPT_USE_ONLINE_COMPRESS"] = "1"
+    try:
+        seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
+        steps = prefill_steps(128, bs, seed)
+        pool = lambda: C.dsv4_pool(DEV, online=True) if TINY else C.dsv4_pool(
+            DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024, online=True)
+        case = C.prefill_decode_case(pool(), torch.Generator().manual_seed(seed), False, 128, steps,
+                                     device=DEV, online=True)
+        label = f"backend online C128 compressor, extend + decode ({name}, {bs} requests, {len(case['dest'])} blocks)"
+        try:
+            outside = torch.ones(case["state"].shape[0], dtype=torch.bool)
+            outside[case["ring"]] = False
+            assert torch.equal(case["state"][outside], case["before"][outside]), "state outside the rows"
+            assert_kv_pools_close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "rows")
+            record(f"{label} vs reference", "PASS", bound="pre-rounding bound (+ state conversions) + one format step")
+        except AssertionError as e:
+            record(f"{label} vs reference", "FAIL", error=str(e)[:300])
+        if DEV != "cuda":
+            record(f"{label} vs SGLang's JIT online compressor", "SKIP", reason="no GPU")
+            return
+        try:
+            theirs = C.prefill_decode_case(pool(), torch.Generator().manual_seed(seed), False, 128, steps,
+                                           device=DEV, sglang_kernels=True, online=True)
+        except Exception as e:
+            record(f"{label} vs SGLang's JIT online compressor", "SKIP", reason=one_line(e))
+            return
+        state_diff = float((case["state"][case["ring"]] - theirs["state"][case["ring"]]).abs().max())
+        try:
+            assert_kv_pools_close(case["pool"], theirs["pool"], case["dest"], 2 * case["bound"], "rows")
+            record(f"{label} vs SGLang's JIT online compressor", "PASS", state_max_diff=f"{state_diff:.3g}",
+                   bound="2 x pre-rounding bound + one format step")
+        except AssertionError as e:
+            record(f"{label} vs SGLang's JIT online compressor", "FAIL", error=str(e)[:300],
+                   state_max_diff=f"{state_diff:.3g}")
+    finally:
+        os.environ.pop("SGLANG_OPT_USE_ONLINE_COMPRESS", None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -472,6 +575,12 @@ def run_checks() -> None:
         for indexer in (False, True):
             guarded(f"backend compressor {indexer}", check_backend_compressor, "tiny", dsv4, indexer, 4, g)
         guarded("backend compressor C128", check_backend_compressor, "tiny", dsv4, False, 4, g, 128)
+        for indexer in (False, True):
+            guarded(f"backend prefill compressor {indexer}", check_backend_prefill_compressor, "tiny", dsv4,
+                    indexer, 2, g)
+        guarded("backend prefill compressor C128", check_backend_prefill_compressor, "tiny", dsv4, False, 2,
+                g, 128)
+        guarded("backend online compressor", check_backend_online_compressor, "tiny", 2, g)
     else:
         dsv4 = C.dsv4_pool(DEV, swa_tokens=64 * 256, full_tokens=256 * 1024, c128_pages=2048, state_slots=1024)
         for name, h, k in (("Flash h64 top-k 512", 64, 512), ("Pro h128 top-k 1024", 128, 1024)):
@@ -484,6 +593,13 @@ def run_checks() -> None:
                     indexer, 64, g)
         # C128 states: one 128-slot page a request (dsv4_pool has pages for 4 after page 0)
         guarded("backend compressor C128", check_backend_compressor, "Flash / Pro d", dsv4, False, 4, g, 128)
+        for indexer in (False, True):
+            guarded(f"backend prefill compressor {indexer}", check_backend_prefill_compressor, "Flash / Pro d",
+                    dsv4, indexer, 16, g)
+        # C128 rings: pages 1..3 of the 4 state pages after page 0
+        guarded("backend prefill compressor C128", check_backend_prefill_compressor, "Flash / Pro d", dsv4,
+                False, 3, g, 128)
+        guarded("backend online compressor", check_backend_online_compressor, "Flash / Pro d", 3, g)
 
 
 def finish(args, t0: float) -> int:

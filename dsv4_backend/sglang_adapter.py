@@ -21,11 +21,12 @@ argument parsing, in ``Engine.__init__`` and in every scheduler process. It:
 What is ours inside SGLang: the KV store (``store_cache``), the sparse attention of every query
 (``_forward_attention``: SWA window + C4 top-k / all visible C128 rows, with the sink) and the
 C4 indexer's scores and top-k (``forward_c4_indexer``), the C4 and C128 compressors of decode
-steps (``forward_core_compressor`` / ``forward_indexer_compressor`` on a DecodePlan), all on
+and extend steps (``forward_core_compressor`` / ``forward_indexer_compressor`` on a DecodePlan
+or a PrefillPlan, the online C128 one included), all on
 SGLang's pools, state rings and per-query lists; and the configurator. What stays SGLang's: scheduler,
 radix cache, model code, weights, MoE, the DSV4 pools and their page layout, the backend's
-metadata and CUDA-graph machinery (inherited), the online C128 compressor and every
-prefill-plan compression, the indexer's query projection, and every mode ``serves_attention`` /
+metadata and CUDA-graph machinery (inherited), the online C128 compressor with MTP, the
+indexer's query projection, and every mode ``serves_attention`` /
 ``serves_indexer`` / ``serves_compressor`` leaves to SGLang's kernels.
 
 ``torchvision``: SGLang imports it at module level in one multimodal helper only. When it is
@@ -42,6 +43,7 @@ import logging
 import math
 import sys
 import types
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +107,9 @@ from sglang.srt.model_executor.pool_configurator import (  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
 from memory.layout import KV_ROW_BYTES  # noqa: E402
-from dsv4_backend.kernels.compressor import CompressEvents, compress  # noqa: E402
+from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update  # noqa: E402
 from dsv4_backend.kernels.indexer import indexer_topk  # noqa: E402
-from dsv4_backend.kernels.kv_store import kv_store_rows  # noqa: E402
+from dsv4_backend.kernels.kv_store import finish_rows, kv_store_rows  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import sparse_decode  # noqa: E402
 from dsv4_backend.model import hadamard_matrix  # noqa: E402
 from memory.sglang_sizing import SGLangPoolInputs, SGLangPoolSizes, SGLangPoolSizing  # noqa: E402
@@ -186,15 +188,158 @@ def c128_decode_events(plan_d: torch.Tensor, out_loc: torch.Tensor, freqs_cis: t
     return CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
 
 
+def prefill_plan_fields(plan_c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """SGLang's compressor CompressPlan rows, uint8 [n, 16] = {u32 seq_len, u16 ragged_id,
+    u16 buffer_len, i32 read_page_0, i32 read_page_1} (``compress_v2.cuh``), as int64 [n]
+    columns (seq_len, ragged_id, buffer_len, read_page_0, read_page_1, valid). Padding rows
+    (``CompressPlan::invalid()``, seq_len 0xFFFFFFFF) have valid false and seq_len 0."""
+    f = plan_c.contiguous().view(torch.int32).long()
+    valid = f[:, 0] != -1
+    return (torch.where(valid, f[:, 0], 0), f[:, 1] & 0xFFFF, (f[:, 1] >> 16) & 0xFFFF,
+            f[:, 2], f[:, 3], valid)
+
+
+def prefill_events(plan_c: torch.Tensor, out_loc: torch.Tensor, freqs_cis: torch.Tensor, ratio: int,
+                   tokens: int, requests: int) -> tuple[CompressEvents, torch.Tensor]:
+    """Our compression events of one extend step, read from SGLang's CompressPlan rows.
+
+    An event closes the block ending at q token ``ragged_id`` (position seq_len - 1). Its K
+    candidates (C4: 8, the previous block's 4 tokens then this block's; C128: the block's 128)
+    are window positions w = 0..K-1, i.e. q rows ``ragged_id - (K - 1) + w``, except the first
+    ``buffer_len`` of them, which were computed by an earlier step and are read from SGLang's
+    state ring (C4: w < 4 from page ``read_page_0``, else page ``read_page_1`` slot w - 4;
+    C128: page ``read_page_1`` slot w). C4's first block (seq_len <= 4) has no previous block.
+    The row goes to ``out_loc[ragged_id]`` with RoPE at seq_len - ratio.
+
+    Our kernels read every candidate from one buffer: the step's ``tokens`` [C | Z] rows, then
+    K ring rows for each event that reads the ring. Only the first K - 1 tokens of a request's
+    extend have ring candidates, so at most ``K // ratio`` events of each of the ``requests``
+    do; they are found without a host sync (a top-k on ``buffer_len > 0``). Returns the events
+    (sources index that buffer) and the ring slots to gather, int64 [m * K]."""
+    seq_len, ragged, buffer_len, page0, page1, valid = prefill_plan_fields(plan_c)
+    n, k = seq_len.shape[0], (8 if ratio == 4 else 128)
+    w = torch.arange(k, device=plan_c.device)
+    if ratio == 4:
+        ring = torch.where(w < 4, page0[:, None] * 4 + w, page1[:, None] * 4 + w - 4)
+    else:
+        ring = page1[:, None] * 128 + w
+    from_ring = w < buffer_len[:, None]
+    m = min(n, (k // ratio) * requests)
+    reads_ring = (valid & (buffer_len > 0)).float()
+    order = torch.topk(reads_ring, m).indices if m else reads_ring.new_zeros(0, dtype=torch.long)
+    ring_slots = ring[order].clamp_min(0).reshape(-1)
+    at = torch.zeros(n, dtype=torch.long, device=plan_c.device)
+    at[order] = torch.arange(m, device=plan_c.device)
+    sources = torch.where(from_ring, tokens + at[:, None] * k + w, ragged[:, None] - (k - 1) + w)
+    live = valid[:, None] & ((w >= 4) | (seq_len[:, None] > 4) if ratio == 4 else True)
+    sources = torch.where(live, sources, -1)
+    dest = torch.where(valid, out_loc.long()[ragged.clamp_max(out_loc.shape[0] - 1)], -1)
+    rot = freqs_cis[(seq_len - ratio).clamp_min(0)]
+    events = CompressEvents(dest, sources, rot.real.float().contiguous(), rot.imag.float().contiguous())
+    return events, ring_slots
+
+
+def write_plan_rows(state: torch.Tensor, plan_w: torch.Tensor, kv_score: torch.Tensor) -> None:
+    """SGLang's WritePlan rows, uint8 [n, 8] = {u32 ragged_id, i32 write_loc}: q row
+    ``ragged_id``'s [C | Z] goes to state slot ``write_loc`` (in the state's dtype), as SGLang's
+    write kernel does. Padding rows (ragged_id 0xFFFFFFFF) trail the real ones; without a host
+    sync they repeat the first row's write (the same value to the same slot), or, when every
+    row is padding, write slot 0 with its own value."""
+    if plan_w.shape[0] == 0:
+        return
+    f = plan_w.contiguous().view(torch.int32).long()
+    ragged, loc = f[:, 0], f[:, 1]
+    valid = ragged >= 0
+    any_row = valid[:1]
+    src = torch.where(valid, ragged, ragged[:1].clamp_min(0))
+    dst = torch.where(valid, loc, torch.where(any_row, loc[:1], 0))
+    rows = torch.where((valid | any_row)[:, None], kv_score[src].to(state.dtype), state[dst])
+    state[dst] = rows
+
+
+class OnlineSegments(NamedTuple):
+    """Runs of consecutive q rows of one request inside one 128-token block, one online-C128
+    update each (SGLang's online plans, ``c128_online_v2.cuh``)."""
+    start: torch.Tensor  # int64 [S]: first q row
+    count: torch.Tensor  # int64 [S]: rows (0 for a padding row)
+    first: torch.Tensor  # int64 [S]: position of the first row
+    load: torch.Tensor  # int64 [S]: state slot holding the running state before the run
+    store: torch.Tensor  # int64 [S]: state slot the running state after the run goes to
+
+
+def online_segments(plan) -> OnlineSegments:
+    """SGLang's online C128 plan as segments. Decode (DecodePlan ``{seq_len, write_loc,
+    read_page_0, -1}``): request i is q row i at position seq_len - 1, loading slot
+    read_page_0 and storing slot write_loc. Prefill (plan_c: segments that close a block,
+    plan_w: each request's trailing partial segment; both CompressPlan rows ``{seq_len,
+    ragged_id, buffer_len, read_page_0, read_page_1}``): the segment's ``buffer_len`` rows end
+    at q row ``ragged_id``, position seq_len - 1; it loads read_page_1 (read_page_0 when that
+    is -1) and stores read_page_0."""
+    if hasattr(plan, "plan_d"):
+        seq_len, write_loc, page0, _ = decode_plan_fields(plan.plan_d)
+        rows = torch.arange(seq_len.shape[0], device=seq_len.device)
+        return OnlineSegments(rows, torch.ones_like(rows), seq_len - 1, page0, write_loc)
+    seq_len, ragged, length, page0, page1, valid = prefill_plan_fields(
+        torch.cat([plan.plan_c, plan.plan_w]))
+    count = torch.where(valid, length, 0)
+    return OnlineSegments((ragged - length + 1).clamp_min(0), count, seq_len - length,
+                          torch.where(page1 >= 0, page1, page0), page0)
+
+
+def online_c128_step(state: torch.Tensor, plan, kv_score: torch.Tensor, out_loc: torch.Tensor,
+                     ape: torch.Tensor, norm, freqs_cis: torch.Tensor, pool: torch.Tensor) -> None:
+    """SGLang's online C128 compression of one step on our kernels.
+
+    SGLang's online state is one row a request, ``[slots, 3 * d]`` = [running max | running
+    sum | running softmax-weighted mean of kv] (its buffer dtype); ours (``online_c128_update``)
+    keeps the unnormalised accumulator, so each segment's state is read into a scratch row of
+    our form (acc = mean * sum), folded with the segment's rows by our kernel (restarting at a
+    block's first position, as SGLang's kernels ignore the state there), and the rows of the
+    tokens that close a block (position % 128 == 127) are finished into the C128 pool at
+    ``out_loc`` (per request on decode, per q token on extend) with RoPE at position - 127. The
+    running state goes back to SGLang's form at ``store`` for segments that leave a block open
+    (SGLang writes no state when a block closes). Nothing waits on the host: a segment that
+    writes nothing repeats a writing one's write (the same value to the same slot), or writes
+    slot 0 with its own value when none writes."""
+    d = ape.shape[1]
+    seg = online_segments(plan)
+    n, s_count, dev = kv_score.shape[0], seg.start.shape[0], kv_score.device
+    old = state[seg.load.clamp_min(0)].float().view(s_count, 3, d)
+    scratch = torch.stack([old[:, 0], old[:, 1], old[:, 2] * old[:, 1]], 1).contiguous()
+    # each q row's position: its segment's first position plus its offset in the segment
+    rows = torch.arange(n, device=dev)
+    at = torch.where(seg.count > 0, seg.start, n)  # padding segments: a spare row n
+    begins = torch.full((n + 1,), -1, dtype=torch.long, device=dev).scatter_(0, at, at)
+    index = torch.zeros(n + 1, dtype=torch.long, device=dev).scatter_(0, at, torch.arange(s_count, device=dev))
+    begin = begins[:n].cummax(0).values  # the first row of the last segment starting at or before
+    o = index[begin.clamp_min(0)]
+    covered = (begin >= 0) & (rows < seg.start[o] + seg.count[o])
+    positions = torch.where(covered, seg.first[o] + rows - seg.start[o], 0)
+    pooled = online_c128_update(scratch, torch.arange(s_count, device=dev), seg.start, seg.count,
+                                kv_score.float().contiguous(), positions, ape.float())
+    closing = covered & (positions % 128 == 127)
+    dest = torch.where(closing, out_loc.long()[rows.clamp_max(out_loc.shape[0] - 1)], -1)
+    rot = freqs_cis[(positions - 127).clamp_min(0)]
+    finish_rows(pool, dest, pooled, norm.weight, rot.real.float().contiguous(), rot.imag.float().contiguous(),
+                norm.variance_epsilon, round_in=True, round_bf16=True)
+    keep = (seg.count > 0) & ((seg.first + seg.count - 1) % 128 != 127)
+    j = torch.argmax(keep.int())  # a writing segment (0 when none writes)
+    any_kept = keep[j]
+    new = torch.cat([scratch[:, 0], scratch[:, 1], scratch[:, 2] / scratch[:, 1]], 1)
+    dst = torch.where(keep, seg.store, torch.where(any_kept, seg.store[j], 0))
+    src = torch.where(keep, torch.arange(s_count, device=dev), j)
+    state[dst] = torch.where((keep | any_kept)[:, None], new[src].to(state.dtype), state[dst])
+
+
 class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     """SGLang's DSV4 backend running our Triton kernels on SGLang's pools.
 
     Ours: the KV store (``store_cache``), the sparse attention of every query token
     (``_forward_attention``: SWA window plus the C4 top-k or all visible C128 rows, with the
     sink), the C4 indexer's scores and top-k (``forward_c4_indexer``) and the C4 / C128
-    compressors of decode steps (``forward_unified``). Inherited: metadata,
-    ``init_forward_metadata``, CUDA-graph state, compression slots and plans, the online C128 and
-    prefill compressions, the indexer's query projection (RoPE, Hadamard, FP8). SGLang's pools
+    compressors of decode and extend steps (``forward_unified``). Inherited: metadata,
+    ``init_forward_metadata``, CUDA-graph state, compression slots and plans, the online C128
+    compression with MTP, the indexer's query projection (RoPE, Hadamard, FP8). SGLang's pools
     are uint8 ``[pages, page_bytes]`` whose pages hold P rows in our order (all 576-byte nope|rope parts,
     then all 8-byte scale groups) padded to 576-byte blocks; our kernels read P and the page
     stride from the tensor, so slot ``page * P + row`` is the same slot SGLang's kernels use.
@@ -202,7 +347,7 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     Modes our kernels do not serve fall through to SGLang's methods (``serves_attention``,
     ``serves_indexer``, ``serves_compressor``): TRT-LLM attention, the fused-RoPE "mega"
     attention, the DSV4.1 request window and layouts, the FP4 indexer, HiSparse, the top-k
-    capturer, uniform-FP8 / unified KV pools, online C128 and prefill compression plans.
+    capturer, uniform-FP8 / unified KV pools, online C128 with MTP.
     """
 
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch) -> None:
@@ -260,16 +405,20 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
     # -- the compressors of decode steps (C4 attention and indexer rows, C128 attention rows) --
 
     def serves_compressor(self, layer_id: int, compressor) -> bool:
-        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
+        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan, CompressorPrefillPlan
         from sglang.kernels.ops.attention.dsv4.kv_layout import KVLayout
         from sglang.srt.layers.attention.dsv4.compressor_v2 import _use_online_compress
         from sglang.srt.layers.attention.dsv4.unified_kv_gate import is_unified_kv_triton
         pool = self.token_to_kv_pool
         plan = getattr(self.forward_metadata, f"c{compressor.ratio}_compress_metadata", None)
-        if compressor.ratio not in (4, 128) or not isinstance(plan, CompressorDecodePlan):
+        if compressor.ratio not in (4, 128) or not isinstance(plan, (CompressorDecodePlan,
+                                                                     CompressorPrefillPlan)):
             return False
-        if compressor.ratio == 128 and (_use_online_compress(128) or compressor.is_in_indexer
+        if compressor.ratio == 128 and (compressor.is_in_indexer
                                         or getattr(self, "online_c128_mtp", None) is not None):
+            return False
+        if _use_online_compress(compressor.ratio) and (compressor.get_state_pool(self).kv_score_buffer
+                                                       .kv_score.shape[-1] != 3 * compressor.head_dim):
             return False
         if not compressor.ape_converted or pool.uniform_fp8 or is_unified_kv_triton():
             return False
@@ -280,42 +429,62 @@ class TritonDSV4AttnBackend(DeepseekV4AttnBackend):
                 and not hasattr(kv_pool, "translate_loc_to_hisparse_device"))
 
     def forward_unified(self, x, forward_batch, layer_id: int, compressor) -> None:
-        """C4 and C128 decode steps: our compressor on SGLang's state ring and pools; every other
-        step (prefill plans, online C128, HiSparse, FP4 / unified layouts) is SGLang's."""
+        """C4 and C128 compression of decode and extend steps (online C128 too): our compressor on
+        SGLang's state and pools; online C128 with MTP, HiSparse, FP4 / unified layouts are SGLang's."""
         if forward_batch.forward_mode.is_idle():
             return
         if not self.serves_compressor(layer_id, compressor):
             return super().forward_unified(x, forward_batch, layer_id, compressor)
-        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [bs, 2 * coff * d] = [C | Z]
-        self.compress_decode(layer_id, compressor, kv_score)
+        kv_score = compressor.compute_kv_score(x, forward_batch)  # fp32 [tokens, 2 * coff * d] = [C | Z]
+        self.compress_step(layer_id, compressor, kv_score, forward_batch.batch_size)
 
     forward_core_compressor = forward_unified
     forward_indexer_compressor = forward_unified
 
-    def compress_decode(self, layer_id: int, compressor, kv_score: torch.Tensor) -> None:
-        """Write each request's new [C | Z] at its plan's ``write_loc`` (as SGLang's kernel does,
-        every row), then pool, normalise, rotate (Hadamard for the indexer), quantise and store
-        the rows of the blocks this step closes (C4: fused kernel; C128: pool + finish)."""
+    def compress_step(self, layer_id: int, compressor, kv_score: torch.Tensor, requests: int) -> None:
+        """One step's compression on SGLang's plan (``c{ratio}_compress_metadata``).
+
+        Decode plan: each request's new [C | Z] goes to its ``write_loc`` (as SGLang's kernel
+        does, every row), then the blocks this step closes are pooled from the ring. Prefill
+        plan: the closed blocks are pooled from the step's rows and the ring rows computed by
+        earlier steps (read before this step writes the ring, as SGLang's compress kernel runs
+        before its write kernel), then the write plan's rows (the unfinished block, C4's
+        overlap block) go to the ring for the following steps. Pooling, norm, RoPE, (Hadamard,)
+        quantised store: C4 the fused kernel, C128 pool + finish, into the C4 / C128 pool or
+        the indexer pool."""
+        from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan
         pool = self.token_to_kv_pool
         ratio, d = compressor.ratio, compressor.head_dim
-        plan_d = getattr(self.forward_metadata, f"c{ratio}_compress_metadata").plan_d
+        from sglang.srt.layers.attention.dsv4.compressor_v2 import _use_online_compress
+        plan = getattr(self.forward_metadata, f"c{ratio}_compress_metadata")
         state = compressor.get_state_pool(self).kv_score_buffer.kv_score  # [slots, 2 * coff * d]
-        _, write_loc, _, _ = decode_plan_fields(plan_d)
-        state[write_loc] = kv_score.to(state.dtype)
         out_loc = getattr(self.forward_metadata.core_metadata, f"c{ratio}_out_loc")
+        if _use_online_compress(ratio):  # state [slots, 3 * d]
+            online_c128_step(state, plan, kv_score, out_loc, compressor.ape.view(128, d), compressor.norm,
+                             compressor.freqs_cis, _as_bytes(pool.get_extra_key_buffer(layer_id)))
+            return
+        if isinstance(plan, CompressorDecodePlan):
+            _, write_loc, _, _ = decode_plan_fields(plan.plan_d)
+            state[write_loc] = kv_score.to(state.dtype)
+            events = (c4_decode_events if ratio == 4 else c128_decode_events)(
+                plan.plan_d, out_loc, compressor.freqs_cis)
+            candidates = state
+        else:
+            events, ring_slots = prefill_events(plan.plan_c, out_loc, compressor.freqs_cis, ratio,
+                                                kv_score.shape[0], requests)
+            candidates = torch.cat([kv_score, state[ring_slots].to(kv_score.dtype)])
+            write_plan_rows(state, plan.plan_w, kv_score)
         if ratio == 4:
-            events = c4_decode_events(plan_d, out_loc, compressor.freqs_cis)
             halves = compressor.ape.view(8, d)  # SGLang's loader stored ape as [ape[:, :d]; ape[:, d:]]
             ape = torch.cat([halves[:4], halves[4:]], 1)
         else:
-            events = c128_decode_events(plan_d, out_loc, compressor.freqs_cis)
             ape = compressor.ape.view(128, d)  # no overlap: SGLang stores the checkpoint's ape
         if compressor.is_in_indexer:
             target = pool.get_index_k_with_scale_buffer(layer_id)
             hadamard = hadamard_matrix(128, torch.float32, state.device)
         else:
             target, hadamard = pool.get_extra_key_buffer(layer_id), None
-        compress(_as_bytes(target), events, state, ape, compressor.norm.weight, ratio,
+        compress(_as_bytes(target), events, candidates, ape, compressor.norm.weight, ratio,
                  eps=compressor.norm.variance_epsilon, hadamard=hadamard)
 
     # -- the C4 indexer --

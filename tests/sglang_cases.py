@@ -23,8 +23,19 @@ LAYER_OF_RATIO = {0: 0, 4: 1, 128: 2}
 
 
 def dsv4_pool(device: str = "cpu", swa_tokens: int = 512, full_tokens: int = 1024, c128_pages: int = 8,
-              state_slots: int = 64):
-    """SGLang's DeepSeekV4TokenToKVPool: layer 0 SWA only, layer 1 C4 (+ indexer), layer 2 C128."""
+              state_slots: int = 64, online: bool = False):
+    """SGLang's DeepSeekV4TokenToKVPool: layer 0 SWA only, layer 1 C4 (+ indexer), layer 2 C128.
+    ``online``: the C128 state as SGLang builds it under ``SGLANG_OPT_USE_ONLINE_COMPRESS``
+    (its module constant ``ONLINE_C128``, read at import, set while the pool is built)."""
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool as M
+    was, M.ONLINE_C128 = M.ONLINE_C128, online
+    try:
+        return _dsv4_pool(device, swa_tokens, full_tokens, c128_pages, state_slots)
+    finally:
+        M.ONLINE_C128 = was
+
+
+def _dsv4_pool(device, swa_tokens, full_tokens, c128_pages, state_slots):
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.runtime_context import get_context
     with get_context().override_server_args(page_size=256):
@@ -319,7 +330,8 @@ def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "
     backend = make_backend(pool, enable_deepseek_v4_fp4_indexer=False, forward_metadata=metadata)
     before = state.cpu().clone()
     method = super(A.TritonDSV4AttnBackend, backend).forward_unified if sglang_kernels else backend.forward_unified
-    method(torch.zeros(bs, 8, device=device), NS(forward_mode=NS(is_idle=lambda: False)), layer, compressor)
+    method(torch.zeros(bs, 8, device=device), NS(forward_mode=NS(is_idle=lambda: False), batch_size=bs),
+           layer, compressor)
 
     ring = before.clone()
     for r, s in enumerate(seq_lens):
@@ -341,3 +353,163 @@ def compressor_case(pool, g, indexer: bool, seq_lens: list[int], device: str = "
     return dict(pool=as_bytes(target).cpu(), ref_pool=ref_pool, dest=dest[keep], state=state.cpu(),
                 want_state=ring, bound=compress_bounds(ring, sources[keep], ape, w, ratio, d, indexer),
                 indexer=indexer)
+
+
+def ring_slot(ratio: int, r: int, pos: int, base_page: int = 1) -> int:
+    """Request r's state slot of position ``pos`` in the rings of these cases (SGLang's request
+    ring, ``compute_req_ring_loc``: C4 2 pages of 4 slots, C128 one page of 128, request r's
+    first page base_page + 2r / + r): the layout ``_ring_plan`` / ``_c128_plan`` use."""
+    ring = 8 if ratio == 4 else 128
+    return base_page * ratio + r * ring + pos % ring
+
+
+def prefill_plan(ratio: int, rids: list[int], seq_lens: list[int], extend_lens: list[int],
+                 padding: int, device: str):
+    """SGLang's CompressorPrefillPlan (plan_c uint8 [n, 16], plan_w uint8 [n, 8]) for one extend
+    step, laid out as SGLang's planner (``c_plan.cuh``, host path, request rings, no MTP pad)
+    lays it: a compress row for each q token closing a block (seq_len, ragged_id, buffer_len =
+    the window's positions before the extend, read pages), a write row for each q token from
+    the last closed block's start (C4: one block earlier) on; ``padding`` invalid rows after
+    each (the CUDA-graph padding)."""
+    window = 8 if ratio == 4 else 128
+    rows_c, rows_w, ragged = [], [], 0
+    for r, s, e in zip(rids, seq_lens, extend_lens):
+        first_w = s // ratio * ratio - (ratio if ratio == 4 else 0)
+        for j in range(e):
+            p = s - e + j
+            if (p + 1) % ratio == 0:
+                buffer_len = window - min(j + 1, window)
+                rows_c.append([p + 1, (ragged + j) | buffer_len << 16,
+                               ring_slot(ratio, r, max(p - ratio, 0)) // ratio, ring_slot(ratio, r, p) // ratio])
+            if p >= first_w:
+                rows_w.append([ragged + j, ring_slot(ratio, r, p)])
+        ragged += e
+    rows_c += [[-1, 0, -1, -1]] * padding
+    rows_w += [[-1, -1]] * padding
+    as_plan = lambda rows, width: torch.tensor(rows, dtype=torch.int32).reshape(-1, width // 4).view(torch.uint8).to(device)
+    return as_plan(rows_c, 16), as_plan(rows_w, 8)
+
+
+def online_prefill_plan(rids: list[int], seq_lens: list[int], extend_lens: list[int], padding: int,
+                        device: str, base_slot: int = 1):
+    """SGLang's online C128 CompressorPrefillPlan (plan_c, plan_w: uint8 [n, 16] CompressPlan
+    rows) for one extend step, laid out as its planner (``c128_online_v2.cuh``, no MTP) lays it:
+    each request's extend cut at 128-block boundaries into segments {seq_len of the last token,
+    its ragged_id, buffer_len = segment length, read_page_0 = read_page_1 = the request's state
+    row}; segments that close a block in plan_c, the trailing partial one in plan_w."""
+    rows_c, rows_w, ragged = [], [], 0
+    for r, s, e in zip(rids, seq_lens, extend_lens):
+        pos = s - e
+        while pos < s:
+            end = min(s, pos // 128 * 128 + 128)
+            row = [end, (ragged + end - 1 - (s - e)) | (end - pos) << 16, base_slot + r, base_slot + r]
+            (rows_c if end % 128 == 0 else rows_w).append(row)
+            pos = end
+        ragged += e
+    pad = [[-1, 0, -1, -1]] * padding
+    as_plan = lambda rows: torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).view(torch.uint8).to(device)
+    return as_plan(rows_c + pad), as_plan(rows_w + pad)
+
+
+def prefill_decode_case(pool, g, indexer: bool, ratio: int, steps: list[tuple[str, list[int]]],
+                        device: str = "cpu", sglang_kernels: bool = False, online: bool = False) -> dict:
+    """``forward_unified`` over several steps of a few requests: extend steps (SGLang's
+    CompressorPrefillPlan, ``prefill_plan``, q-token ``c{ratio}_out_loc``) and decode steps
+    (its DecodePlan, ``_ring_plan`` / ``_c128_plan``), on SGLang's state ring (random bytes
+    at the start) and pool. ``steps``: ("extend", new tokens per request, 0 = not in the step)
+    or ("decode", 1 / 0 per request). Every block closed by any step is checked against
+    ``reference.compress_ref`` on candidates listed from each request's whole [C | Z]
+    sequence (not from any ring or plan), so a block closed by a decode step right after a
+    prompt whose length is not a multiple of the ratio passes only if the extend step left the
+    unfinished block (and C4's overlap block) in the ring where the decode plan reads it.
+
+    Returns our pool and the reference pool, the destination rows, the bound on each row
+    before storage, the state after the steps and before them, and the ring slots of the
+    requests (everything else in the state must be untouched). ``sglang_kernels``: SGLang's
+    own ``forward_unified`` (its JIT planner-format compress + store) instead of ours (GPU).
+    ``online``: C128 on SGLang's online state (a pool built with ``SGLANG_OPT_USE_ONLINE_COMPRESS``,
+    one ``[max | sum | mean]`` row a request, slot 1 + r) and its online plans; the bound adds
+    the state's conversions (below)."""
+    from sglang.kernels.ops.attention.dsv4 import CompressorDecodePlan, CompressorPrefillPlan
+    from dsv4_backend.kernels import reference as R
+    from bounds import U32, compress_bounds, compressed_row_bound, softmax_pool_bound
+    assert ratio == 4 or not indexer, "the indexer compresses C4 rows only"
+    assert ratio == 128 or not online, "online compression is C128's"
+    layer = LAYER_OF_RATIO[ratio]
+    d, coff = (128 if indexer else 512), (2 if ratio == 4 else 1)
+    states = pool.get_indexer_compress_states(layer) if indexer else pool.get_attention_compress_states(layer)
+    state = states.kv_score_buffer.kv_score
+    state.copy_((torch.randn(state.shape, generator=g) * 2).to(state.dtype))
+    before = state.cpu().clone()
+    nreq = len(steps[0][1])
+    lengths = [sum(step[1][r] for step in steps) for r in range(nreq)]
+    raw = [torch.randn(n, 2 * coff * d, generator=g) * 2 for n in lengths]
+    target = pool.get_index_k_with_scale_buffer(layer) if indexer else pool.get_extra_key_buffer(layer)
+    rows_total = target.shape[0] * (64 if indexer else pool.get_extra_key_page_size(layer))
+    blocks = [(r, b) for r in range(nreq) for b in range(lengths[r] // ratio)]
+    dest_of = dict(zip(blocks, torch.randperm(rows_total, generator=g)[:len(blocks)].tolist()))
+    ape = torch.randn(ratio, coff * d, generator=g)
+    stored_ape = torch.cat([ape[:, :d], ape[:, d:]], 0).reshape(4, 2 * d) if ratio == 4 else ape
+    w = torch.rand(d, generator=g) + 0.5
+    angles = torch.randn(max(lengths) + 1, 32, generator=g, dtype=torch.float64)
+    freqs = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    as_bytes(target).zero_()
+    step_rows = {}
+    compressor = NS(ratio=ratio, head_dim=d, is_in_indexer=indexer, rotate=indexer, ape=stored_ape.to(device),
+                    ape_converted=True, norm=NS(weight=w.to(device), variance_epsilon=1e-6),
+                    freqs_cis=freqs.to(device), compute_kv_score=lambda x, fb: step_rows["kv"],
+                    get_state_pool=lambda backend: states)
+    backend = make_backend(pool, enable_deepseek_v4_fp4_indexer=False)
+    method = super(A.TritonDSV4AttnBackend, backend).forward_unified if sglang_kernels else backend.forward_unified
+    done = [0] * nreq
+    closing = lambda r, p: dest_of[(r, p // ratio)] if (p + 1) % ratio == 0 else -1
+    for kind, new in steps:
+        rids = [r for r in range(nreq) if new[r]]
+        seq = [done[r] + new[r] for r in rids]
+        step_rows["kv"] = torch.cat([raw[r][done[r]:done[r] + new[r]] for r in rids]).to(device)
+        if kind == "extend" and online:
+            plan = CompressorPrefillPlan(ratio, *online_prefill_plan(rids, seq, [new[r] for r in rids], 2, device))
+            out_loc = [closing(r, p) for r in rids for p in range(done[r], done[r] + new[r])]
+        elif kind == "extend":
+            plan = CompressorPrefillPlan(ratio, *prefill_plan(ratio, rids, seq, [new[r] for r in rids], 2, device))
+            out_loc = [closing(r, p) for r in rids for p in range(done[r], done[r] + new[r])]
+        else:
+            assert all(new[r] == 1 for r in rids)
+            rows = [[s, 1 + r, 1 + r, -1] if online else
+                    [s, ring_slot(ratio, r, s - 1), ring_slot(ratio, r, max(s - 1 - ratio, 0)) // ratio,
+                     ring_slot(ratio, r, s - 1) // ratio] for r, s in zip(rids, seq)]
+            plan = CompressorDecodePlan(ratio, torch.tensor(rows, dtype=torch.int32).view(torch.uint8).to(device))
+            out_loc = [closing(r, s - 1) for r, s in zip(rids, seq)]
+        backend.forward_metadata = NS(**{f"c{ratio}_compress_metadata": plan, "core_metadata": NS(
+            **{f"c{ratio}_out_loc": torch.tensor(out_loc, dtype=torch.int64, device=device)})})
+        method(torch.zeros(len(step_rows["kv"]), 8, device=device),
+               NS(forward_mode=NS(is_idle=lambda: False), batch_size=len(rids)), layer, compressor)
+        for r in rids:
+            done[r] += new[r]
+
+    offset = [sum(lengths[:r]) for r in range(nreq)]
+    sequence = torch.cat(raw)
+    sources = []
+    for r, b in blocks:
+        own = offset[r] + b * ratio + torch.arange(ratio)
+        sources.append(torch.cat([own - 4 if b else torch.full((4,), -1), own]) if ratio == 4 else own)
+    sources = torch.stack(sources)
+    dest = torch.tensor([dest_of[blk] for blk in blocks])
+    rot = freqs[torch.tensor([b * ratio for _, b in blocks])]
+    ref_pool = torch.zeros(target.shape, dtype=torch.uint8)
+    R.compress_ref(ref_pool, dest, sequence, sources, ape, w, rot.real.float(), rot.imag.float(), ratio,
+                   indexer=indexer)
+    if online:
+        # our kernel keeps the unnormalised accumulator, SGLang's state the mean: at each step
+        # boundary inside a block the running mean is rounded once out of and once into SGLang's
+        # form, each within u of |mean| <= max_j |c_j|, and carried on with weight <= 1
+        ring = list(range(1, nreq + 1))
+        c, z = R.compress_candidates_ref(sequence, sources, ape, ratio, d)
+        pooled = (torch.softmax(z.double(), dim=1) * c.double()).sum(1)
+        d_pooled = softmax_pool_bound(c, z) + 2 * U32 * len(steps) * c.double().abs().amax(1)
+        bound = compressed_row_bound(pooled, d_pooled, w, indexer, True)
+    else:
+        ring = sorted({ring_slot(ratio, r, p) for r in range(nreq) for p in range(lengths[r])})
+        bound = compress_bounds(sequence, sources, ape, w, ratio, d, indexer)
+    return dict(pool=as_bytes(target).cpu(), ref_pool=ref_pool, dest=dest, state=state.cpu(), before=before,
+                ring=torch.tensor(ring), bound=bound, indexer=indexer)

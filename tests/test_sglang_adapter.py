@@ -383,17 +383,28 @@ def test_backend_falls_back_to_sglang_outside_our_modes(monkeypatch):
                                   c128_compress_metadata=CompressorDecodePlan(128, plan))
     assert backend.serves_compressor(1, c4)
     assert backend.serves_compressor(1, NS(ratio=4, ape_converted=True, is_in_indexer=True))
-    c128 = NS(ratio=128, ape_converted=True, is_in_indexer=False)
+    def c128_with_state(width):
+        state = NS(kv_score_buffer=NS(kv_score=torch.zeros(2, width)))
+        return NS(ratio=128, head_dim=512, ape_converted=True, is_in_indexer=False,
+                  get_state_pool=lambda backend: state)
+    c128, c128_online = c128_with_state(2 * 512), c128_with_state(3 * 512)
     assert backend.serves_compressor(2, c128)
     monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
-    assert not backend.serves_compressor(2, c128)  # online C128 stays SGLang's
+    assert backend.serves_compressor(2, c128_online)  # online C128 on SGLang's online state
+    assert not backend.serves_compressor(2, c128)  # the flag without SGLang's online state
+    backend.online_c128_mtp = object()
+    assert not backend.serves_compressor(2, c128_online)  # online C128 with MTP stays SGLang's
+    del backend.online_c128_mtp
     monkeypatch.delenv("SGLANG_OPT_USE_ONLINE_COMPRESS")
     assert backend.serves_compressor(2, c128)
     assert not backend.serves_compressor(1, NS(ratio=4, ape_converted=False, is_in_indexer=False))
     backend.forward_metadata = NS(c4_compress_metadata=CompressorPrefillPlan(4, plan, plan[:, :8]),
                                   c128_compress_metadata=CompressorPrefillPlan(128, plan, plan[:, :8]))
-    assert not backend.serves_compressor(1, c4)  # prefill plans stay SGLang's
-    assert not backend.serves_compressor(2, c128)
+    assert backend.serves_compressor(1, c4)  # prefill plans are ours
+    assert backend.serves_compressor(2, c128)
+    monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
+    assert backend.serves_compressor(2, c128_online)
+    monkeypatch.delenv("SGLANG_OPT_USE_ONLINE_COMPRESS")
 
 
 def test_backend_c4_indexer_top_k_on_sglang_pool():
@@ -453,6 +464,56 @@ def test_backend_c128_decode_compressor_on_sglang_pool():
     assert len(case["dest"]) == 3
     assert torch.equal(case["state"], case["want_state"])
     assert_kv_pools_close(case["pool"], case["ref_pool"], case["dest"], case["bound"], "C128 rows")
+
+
+def _assert_prefill_decode(case, what):
+    from bounds import assert_indexer_pools_close, assert_kv_pools_close
+    outside = torch.ones(case["state"].shape[0], dtype=torch.bool)
+    outside[case["ring"]] = False
+    assert torch.equal(case["state"][outside], case["before"][outside]), "state outside the rings"
+    close = assert_indexer_pools_close if case["indexer"] else assert_kv_pools_close
+    close(case["pool"], case["ref_pool"], case["dest"], case["bound"], what)
+
+
+@pytest.mark.parametrize("indexer", [False, True], ids=["c4", "indexer"])
+def test_backend_c4_prefill_then_decode_compressor_on_sglang_pool(indexer):
+    """forward_unified on extend steps (SGLang's CompressorPrefillPlan: compress rows with
+    buffer_len / read pages, write rows, two padding rows each) then decode steps, C4: a 10-token
+    prompt (ends mid-block) and a 6 + 7 chunked prompt whose second chunk's blocks read 6 and 2
+    candidates from the ring, then three decode steps closing one block each. Every closed block
+    (prefill and decode) is within the bounds of the chain on the whole raw sequence; the state
+    outside the requests' rings (slot 0 among them) is untouched."""
+    case = C.prefill_decode_case(C.dsv4_pool(), torch.Generator().manual_seed(71 + indexer), indexer, 4,
+                                 [("extend", [10, 6]), ("extend", [0, 7]), ("decode", [1, 1]),
+                                  ("decode", [1, 1]), ("decode", [0, 1])])
+    assert len(case["dest"]) == 3 + 4
+    _assert_prefill_decode(case, "C4 rows")
+
+
+def test_backend_c128_prefill_then_decode_compressor_on_sglang_pool():
+    """The same for C128: prompts of 200 (a block closes in the extend, 72 tokens left in the
+    ring) + 55 and of 100 + 60 (the second chunk's block reads 100 ring candidates), then one
+    decode step that closes the first request's second block from ring rows of three steps."""
+    case = C.prefill_decode_case(C.dsv4_pool(), torch.Generator().manual_seed(73), False, 128,
+                                 [("extend", [200, 100]), ("extend", [55, 60]), ("decode", [1, 1])])
+    assert len(case["dest"]) == 3
+    _assert_prefill_decode(case, "C128 rows")
+
+
+def test_backend_online_c128_prefill_then_decode_on_sglang_pool(monkeypatch):
+    """The same for online C128 (SGLANG_OPT_USE_ONLINE_COMPRESS): SGLang's pool with its online
+    state (one [max | sum | mean] row a request) and its online plans (prefill: block-closing
+    segments and each request's trailing partial segment; decode: one row a request). Prompts
+    of 200 (a closing segment, then a partial one) + 55 and of 100 + 60 (a segment continuing
+    the state of the previous step, closing its block), then two decode steps: the first closes
+    the first request's second block from the state of three steps, the second starts its next
+    block (SGLang leaves the closed block's state; ours must not fold it in)."""
+    monkeypatch.setenv("SGLANG_OPT_USE_ONLINE_COMPRESS", "1")
+    case = C.prefill_decode_case(C.dsv4_pool(online=True), torch.Generator().manual_seed(79), False, 128,
+                                 [("extend", [200, 100]), ("extend", [55, 60]), ("decode", [1, 1]),
+                                  ("decode", [1, 1])], online=True)
+    assert case["state"].shape[1] == 3 * 512 and len(case["dest"]) == 3
+    _assert_prefill_decode(case, "online C128 rows")
 
 
 # ---- the GPU check's imports on SGLang's CUDA branch ------------------------------------------

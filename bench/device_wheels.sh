@@ -44,7 +44,8 @@ for w in "$dir"/serve/*.whl; do
 done
 
 get "$dir/sglang-extra" openai==3.57.0 pillow==13.0.0 certifi==2026.10.19.post1 safetensors==0.8.0 \
-  sniffio==1.3.1 distro==1.9.0 jiter==0.19.0 httpx==0.29.0 httpcore==1.0.9 jinja2==3.1.6 markupsafe==3.0.4
+  sniffio==1.3.1 distro==1.9.0 jiter==0.19.0 httpx==0.29.0 httpcore==1.0.9 jinja2==3.1.6 markupsafe==3.0.4 \
+  httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 anyio==4.16.0  # openai 3.x imports httpx2
 
 rm -rf "$dir/sglang-check"
 "$py" bench/sglang_check_wheels.py "$dir/sglang-cp312" --out "$dir/sglang-check" | tail -1

@@ -42,6 +42,10 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4_backend.kernels.fp4_moe import ROUTE_FUSED_MAX_PAIRS, route, route_fused
+from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
+from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
+
 SOURCE = Path(__file__).with_name("fp4_mma.cu")
 MAX_SCALE_BYTE = 240  # the packed byte s + 14 must stay below 255 (an fp32 exponent field)
 SCALE_BIAS = 14  # packed scale byte = e8m0 byte + 14: the fp16 weights are the values x 2^-14
@@ -57,6 +61,16 @@ class Fp4MmaPack(NamedTuple):
     scales: torch.Tensor  # int32 [E, N/16, K/128, 16]: per row, the chunk's four e8m0 bytes
     n: int
     k: int
+
+
+def _nibble_bits(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [8] each: where nibble q = 4 bb + 2 rh + a of a packed word keeps its e1 e0 m bits and
+    its sign (register p = rh + 2 bb, half a; MAG_BIT / SIGN_BIT)."""
+    q = torch.arange(8, device=device)
+    p = (q // 2) % 2 + 2 * (q // 4)
+    half = 16 * (q % 2)
+    return ((torch.tensor(MAG_BIT, device=device)[p] + half).to(torch.int64),
+            (torch.tensor(SIGN_BIT, device=device)[p] + half).to(torch.int64))
 
 
 def pack_fp4_mma(w: torch.Tensor, w_scale: torch.Tensor, experts_per_step: int = 16) -> Fp4MmaPack:
@@ -79,10 +93,7 @@ def pack_fp4_mma(w: torch.Tensor, w_scale: torch.Tensor, experts_per_step: int =
     words = torch.empty(E, NT, KC, 32, 8, dtype=torch.int32, device=w.device)
     # nibble q = 4 bb + 2 rh + a of a word (a: column + a, bb: + 2 bb, rh: row + 8 rh) goes to
     # register p = rh + 2 bb, half a: its e1 e0 m bits at MAG_BIT[p] + 16 a, its sign at SIGN_BIT[p] + 16 a
-    q = torch.arange(8, device=w.device)
-    p = (q // 2) % 2 + 2 * (q // 4)
-    mag_at = (torch.tensor(MAG_BIT, device=w.device)[p] + 16 * (q % 2)).to(torch.int64)
-    sign_at = (torch.tensor(SIGN_BIT, device=w.device)[p] + 16 * (q % 2)).to(torch.int64)
+    mag_at, sign_at = _nibble_bits(w.device)
     for e0 in range(0, E, experts_per_step):
         blk = w[e0:e0 + experts_per_step].to(torch.int64)
         codes = torch.stack((blk & 15, blk >> 4), dim=-1).reshape(-1, N, K)  # [e, N, K]
@@ -105,10 +116,7 @@ def unpack_fp4_mma(pack: Fp4MmaPack, experts_per_step: int = 16) -> tuple[torch.
     N, K = pack.n, pack.k
     NT, KC = N // 16, K // 128
     dev = pack.words.device
-    q = torch.arange(8, device=dev)
-    p = (q // 2) % 2 + 2 * (q // 4)
-    mag_at = (torch.tensor(MAG_BIT, device=dev)[p] + 16 * (q % 2)).to(torch.int64)
-    sign_at = (torch.tensor(SIGN_BIT, device=dev)[p] + 16 * (q % 2)).to(torch.int64)
+    mag_at, sign_at = _nibble_bits(dev)
     w = torch.empty(E, N, K // 2, dtype=torch.uint8, device=dev)
     for e0 in range(0, E, experts_per_step):
         words = pack.words[e0:e0 + experts_per_step].to(torch.int64)[..., None] & 0xFFFFFFFF
@@ -239,7 +247,6 @@ def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pa
     per, splits = mma_splits(K, config.split_k)
     part = torch.empty(splits, P, N, dtype=torch.float32, device=act_q.device)
     if config.routed:
-        from dsv4_backend.kernels.fp4_moe import ROUTE_FUSED_MAX_PAIRS, route, route_fused
         r = (route_fused if P <= ROUTE_FUSED_MAX_PAIRS else route)(ids, E, 8 * config.groups)
         blocks, tables = r.block_expert.numel(), (r.order, r.block_expert, r.block_row0, r.offsets)
     else:
@@ -275,9 +282,6 @@ def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     weights fp32 ``[T, k]`` -> ``[T, D]`` bf16. act-quant, the gate-up GEMV, SwiGLU + act-quant and
     the combine of ``fp4_moe_decode`` around the two MMA GEMVs; long inputs run in slices of
     tokens so that the partial sums stay below PART_BYTES_MAX."""
-    from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
-    from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
-
     T, k = ids.shape
     E = w13.words.shape[0]
     per_call = max(1, PART_BYTES_MAX // (4 * k * max(w13.n, w2.n)))

@@ -343,7 +343,7 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
                         kb.step()
                 row.breakdown = kb.breakdown(row.ms_per_step).to_dict()
                 row.breakdown["kernel_ms"] = kb.kernel_ms()
-                row.breakdown["top_kernels"] = kb.kernels()
+                row.breakdown["top_kernels"] = kb.kernels(top=30)
             else:
                 with LayerTimer(eng) as lt:
                     for _ in range(bd_steps):

@@ -67,6 +67,7 @@ if str(ROOT) not in sys.path:
 from bench._bench_common import admit_synthetic, finish_all, fmt_bytes, fmt_tokens, sync, timed_decode_steps  # noqa: E402,E501
 from bench._floor import copy_gbps, decode_step_floor  # noqa: E402
 from bench.bench_long_context import DecodeRow, PrefillRow, is_oom, measure_decode, measure_prefill  # noqa: E402
+from bench.kernel_count import report_text as kernel_text  # noqa: E402
 from dsv4_backend.checkpoint import CheckpointReader, quantize_fp8_blockwise, save_checkpoint  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.cuda_graph import DecodeGraphs  # noqa: E402
@@ -432,7 +433,9 @@ def decode_rows(eng: Engine, args: argparse.Namespace, guard: Budget, headroom: 
     """Decode at every ``--contexts`` x ``--batches`` (``max``: as many requests as the plan fits),
     each row printed and returned beside its byte floor: ``floor(context, batch)`` gives the
     step's bytes read (per rank under TP / EP) and the row's extra JSON fields."""
-    ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin, breakdown_steps=0)
+    split = getattr(args, "breakdown", 0)
+    ns = argparse.Namespace(warmup=args.warmup, steps=args.steps, guard_margin=args.guard_margin,
+                            breakdown_steps=split, kernel_count=True)
     rows = []
     print("\ndecode      context  batch   ms/step   tok/s     floor GB  floor ms  % floor  status")
     for ctx in args.contexts:
@@ -442,7 +445,7 @@ def decode_rows(eng: Engine, args: argparse.Namespace, guard: Budget, headroom: 
             row = DecodeRow("compressed", ctx, b, "max" if b == fits else str(b), "skipped (time guard)")
             if guard.left > args.guard_margin:
                 try:
-                    measure_decode(eng, row, ns, guard, breakdown=False)
+                    measure_decode(eng, row, ns, guard, breakdown=bool(split) and b == 1 and ctx == args.contexts[0])
                 except Exception as e:   # an OOM or a refusal is a result, not the end of the run
                     row.status, row.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
             nbytes, extra = floor(ctx, b)
@@ -451,7 +454,21 @@ def decode_rows(eng: Engine, args: argparse.Namespace, guard: Budget, headroom: 
             pct = f"{100 * floor_ms / row.ms_per_step:7.1f}" if row.ms_per_step else "      -"
             print(f"{'':10} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
                   f"{nbytes / 1e9:9.3f} {floor_ms:9.2f} {pct}  {row.status} {row.note}")
+            if row.breakdown:
+                print_breakdown(row)
     return rows
+
+
+def print_breakdown(row: DecodeRow) -> None:
+    """The row's GPU kernel time by part (eager steps under the profiler) and its kernels per layer."""
+    bd = row.breakdown
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in bd["ms"].items())
+    print(f"{'':10} where the step goes (ms, GPU kernel time of eager steps; sched_sampling = the graph "
+          f"step minus the kernels): {parts}")
+    for name, ms in bd.get("top_kernels", []):
+        print(f"{'':12} {ms * 1e3:9.1f} us  {name}")
+    if row.kernels:
+        print("\n".join(f"{'':10} {line}" for line in kernel_text(row.kernels).splitlines()))
 
 
 def prefill_row(eng: Engine, args: argparse.Namespace, guard: Budget) -> dict[str, Any]:
@@ -603,6 +620,10 @@ def targets(rep: dict[str, Any]) -> list[str]:
     pl = rep.get("per_layer")
     if pl:
         x = pl["per_layer_ms"] / pl["per_layer_floor_ms"]
+        if x <= 0:      # the half model's step timed no faster than the whole's: noise, not a cost
+            out.append(f"real-width layer decode step at batch 1: not measured (all layers "
+                       f"{pl['step_ms_all_layers']:.2f} ms, half of them not faster)")
+            return out
         out.append(f"real-width layer decode step at batch 1 within 1.5x its byte floor: {x:.2f}x "
                    f"(per-layer cost: steps of all vs half the layers) -> {'met' if x <= 1.5 else 'not met'}")
     else:
@@ -654,6 +675,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--moe-tokens", type=_ints, default=[1, 8, 32, 64])
     p.add_argument("--kernel-iters", type=int, default=20)
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
+                   help="at the first context, batch 1: split STEPS eager steps by part under the profiler "
+                        "and count the kernels per layer (bench/kernel_count.py)")
     add_budget_args(p)
     p.add_argument("--progress", action="store_true", help="show the loader's progress bar")
     p.add_argument("--quick", action="store_true", help="4 layers, 4K and 128K, batch 1 and 32, a 16K prefill")

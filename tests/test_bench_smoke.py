@@ -267,7 +267,7 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
         "--preset", "tiny", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"), "--contexts", "256",
         "--batches", "1,max", "--max-batch", "2", "--prefill-context", "256", "--prefill-chunk", "128",
         "--steps", "1", "--warmup", "0", "--gemm-m", "1", "--moe-tokens", "2", "--kernel-iters", "1",
-        "--out", str(out)])
+        "--breakdown", "1", "--out", str(out)])
     assert json.loads(out.read_text())["weights"]["disk_layers"] == 1
     w = rep["weights"]
     assert w["layers"] == 4 and w["checkpoint_bytes"] > 0 and not (tmp_path / "ckpt").exists()
@@ -278,6 +278,9 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
     assert all(c["relative_error_norm"] == 0 for c in checks if c["kernel"] == "fp4_moe")
     assert [(d["batch"], d["status"]) for d in rep["decode"]] == [(1, "ok"), (2, "ok")]
     assert all(d["tokens_per_s"] > 0 and d["floor_ms"] > 0 for d in rep["decode"])
+    split, = [d for d in rep["decode"] if d["breakdown"]]       # --breakdown: the batch-1 row only
+    assert split["batch"] == 1 and split["breakdown"]["ms"]["moe"] > 0
+    assert split["kernels"]["per_kind"] and split["kernels"]["per_step_total"] > 0
     assert rep["prefill"]["status"] == "complete" and rep["prefill"]["tokens_done"] == 256
     pl = rep["per_layer"]
     assert pl["per_layer_floor_ms"] > 0 and pl["derived_layers"] == 4 and pl["derived_step_ms"] > 0

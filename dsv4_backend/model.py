@@ -42,6 +42,7 @@ from torch import nn
 from memory.quant import indexer_fake_quant
 
 from .config import DSV4Config, RopeScaling
+from .layers.head import LogitsHead
 from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, row_stack_of, shared_input, stack_rows
 from .weights import model_tensors
 
@@ -502,7 +503,8 @@ USE_STACKED_LINEARS = os.environ.get("DSV4_STACK_LINEARS", "1") != "0"
 
 
 def _stack_rows_for(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether DSV4Model allocates the linears of one input as row stacks (unquantised models)."""
+    """Whether DSV4Model allocates the linears of one input as row stacks (bf16 weights, or FP8
+    weights with their block scales: layers.linear.stack_rows)."""
     return USE_STACKED_LINEARS and device.type == "cuda" and dtype in (torch.float32, torch.bfloat16)
 
 
@@ -669,7 +671,7 @@ class DSV4Model(nn.Module):
         D, V, hc = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
         self.cfg, self.dtype, self.quantized, self.shard = cfg, dtype, quantized, shard
         self.embed = Embedding(V, D)
-        self.head = Linear(D, V)
+        self.head = LogitsHead(D, V)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * D), requires_grad=False)
         self.hc_head_base = nn.Parameter(torch.empty(hc), requires_grad=False)
@@ -696,7 +698,7 @@ class DSV4Model(nn.Module):
             raise RuntimeError(f"DSV4Model tensor names differ from weight_specs: "
                                f"missing {missing[:8]}, unexpected {extra[:8]}")
         stack = self.quantized or _stack_experts_for(device, dtype)
-        rows = not self.quantized and _stack_rows_for(device, dtype)
+        rows = _stack_rows_for(device, dtype)
         for name, t in own.items():
             spec = specs[name]
             if tuple(t.shape) != spec.shape:

@@ -69,4 +69,4 @@ class MTPDraftLayer:
         """Streams ``[N, hc, D]`` -> logits ``[N, V]`` (float32; float64 in float64 mode)."""
         blk = self.block
         y = blk.norm(hc_head_collapse(self.model.cfg, Y, blk.hc_head_fn, blk.hc_head_scale, blk.hc_head_base))
-        return torch.nn.functional.linear(y, self.model.head.weight.to(y.dtype))
+        return self.model.head(y)

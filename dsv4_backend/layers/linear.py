@@ -78,51 +78,70 @@ class Fp8Linear(nn.Module):
 
 
 class RowStack(NamedTuple):
-    """Linears of one input whose weights are consecutive row slices of ``weight``."""
+    """Linears of one input whose weights are consecutive row slices of ``weight`` (and, for
+    ``Fp8Linear``s, whose block scales are consecutive row slices of ``scale``)."""
     weight: torch.Tensor            # [sum of out_features, in_features]
     mods: tuple[nn.Module, ...]
+    scale: Optional[torch.Tensor] = None    # Fp8Linear stacks: [sum of out_features / 128, in / 128]
+
+
+def _restack(mods: tuple[nn.Module, ...], attr: str) -> torch.Tensor:
+    """One tensor holding the modules' ``attr`` tensors as consecutive row slices (values not kept)."""
+    ts = [getattr(m, attr) for m in mods]
+    big = torch.empty(sum(t.shape[0] for t in ts), *ts[0].shape[1:], dtype=ts[0].dtype, device=ts[0].device)
+    start = 0
+    for m, t in zip(mods, ts):
+        t.data = big[start:start + t.shape[0]]
+        start += t.shape[0]
+    return big
 
 
 def stack_rows(*mods: nn.Module) -> RowStack:
-    """Re-allocate the ``weight`` of plain linears of one input (same in_features, dtype, device)
-    as consecutive row slices of one tensor, so :func:`shared_input` runs them as one matmul.
+    """Re-allocate the ``weight`` of linears of one input (same in_features, dtype, device; all
+    plain or all ``Fp8Linear``) as consecutive row slices of one tensor, so :func:`shared_input`
+    runs them as one matmul. ``Fp8Linear``s stack their block scales too, so every one but the
+    last must have a multiple of 128 rows (its scale rows then cover exactly its weight rows).
     Values are not kept: call it before loading (``load_state_dict`` / ``load_stream`` copy into
     the slices in place)."""
     ws = [m.weight for m in mods]
     if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
         raise ValueError(f"stack_rows: weights differ in in_features / dtype / device: "
                          f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in ws]}")
-    big = torch.empty(sum(w.shape[0] for w in ws), ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
-    start = 0
-    for m, w in zip(mods, ws):
-        m.weight.data = big[start:start + w.shape[0]]
-        start += w.shape[0]
-    stack = RowStack(big, tuple(mods))
+    fp8 = all(isinstance(m, Fp8Linear) for m in mods)     # (a plain weight never has FP8's dtype)
+    if fp8 and any(w.shape[0] % 128 for w in ws[:-1]):
+        raise ValueError(f"stack_rows: stacked FP8 weights need multiples of 128 rows (block scales), "
+                         f"got {[w.shape[0] for w in ws]}")
+    stack = RowStack(_restack(mods, "weight"), tuple(mods), _restack(mods, "scale") if fp8 else None)
     for m in mods:
         m.row_stack = stack
     return stack
 
 
 def row_stack_of(mods: tuple[nn.Module, ...]) -> Optional[RowStack]:
-    """The modules' stack if their weights are still its slices, in this order (a ``.to()`` or a
-    replaced parameter ends that)."""
+    """The modules' stack if their weights (and scales) are still its slices, in this order (a
+    ``.to()`` or a replaced tensor ends that)."""
     st = getattr(mods[0], "row_stack", None)
     if st is None or len(st.mods) != len(mods) or any(a is not b for a, b in zip(st.mods, mods)):
         return None
-    start = 0
+    start = s_start = 0
     for m in mods:
         if m.weight.data_ptr() != st.weight[start].data_ptr() or not m.weight.is_contiguous():
             return None
+        if st.scale is not None and (m.scale.data_ptr() != st.scale[s_start].data_ptr()
+                                     or not m.scale.is_contiguous()):
+            return None
         start += m.weight.shape[0]
+        s_start += m.scale.shape[0] if st.scale is not None else 0
     return st
 
 
 def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     """``[m(x) for m in mods]`` for linears of one input (wq_a and wkv; an expert's w1 and w3; a
     compressor's wkv and wgate). When every module is an ``Fp8Linear``, x is rounded to e4m3 once
-    for all of them: one act-quant (one launch on the GPU) instead of one per projection. Plain
-    linears stacked by :func:`stack_rows` run as one matmul (x read once, one launch); the outputs
-    are then column views of its result. The fused paths run no forward hooks of ``mods``: a
+    for all of them: one act-quant (one launch on the GPU) instead of one per projection.
+    Linears stacked by :func:`stack_rows` run as one matmul (x read once, one launch; on the GPU
+    for ``Fp8Linear``s, the torch path runs them one by one); the outputs are then column views
+    of its result. The fused paths run no forward hooks of ``mods``: a
     collective on one of these outputs is the caller's explicit call (``Indexer.gather_heads``)."""
     if not all(isinstance(m, Fp8Linear) for m in mods):
         st = row_stack_of(mods)
@@ -136,7 +155,12 @@ def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
     gemm = _kernel("fp8_gemm", "fp8_block_gemm") if quant is not None else None
     if gemm is not None:
         xq, xs = quant(x2)
-        ys = [gemm(xq, xs, m.weight, m.scale, x.dtype) for m in mods]
+        st = row_stack_of(mods) if len(mods) > 1 else None
+        if st is not None:      # one GEMM over the stacked rows; the outputs are its column views
+            y = gemm(xq, xs, st.weight, st.scale, x.dtype)
+            ys = list(y.split([m.weight.shape[0] for m in mods], dim=-1))
+        else:
+            ys = [gemm(xq, xs, m.weight, m.scale, x.dtype) for m in mods]
     else:
         c = compute_dtype(x.dtype)
         xa = act_fake_quant(x2)

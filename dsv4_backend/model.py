@@ -397,9 +397,12 @@ class MoE(nn.Module):
             from .kernels.moe_bf16_decode import moe_bf16_decode
             se = self.shared_experts
             return moe_bf16_decode(x, ids, w, self._w13, self._w2, se.w1.row_stack.weight, se.w2.weight, self.limit)
-        out = self.shared_experts(x)
         if self.fp4 is not None:
-            return out + self.fp4.forward(x, ids, w, self.limit)
+            shared = self._shared_fp8_fused(x)
+            if shared is not None:    # the shared expert inside the routed kernels' launches
+                return self.fp4.forward(x, ids, w, self.limit, shared)
+            return self.shared_experts(x) + self.fp4.forward(x, ids, w, self.limit)
+        out = self.shared_experts(x)
         if self._grouped_applies(x):
             return self._grouped(x, ids, w, out)
         flat_ids = ids.reshape(-1)
@@ -428,6 +431,22 @@ class MoE(nn.Module):
         return (st is not None and st.weight.shape == self._w13.shape[1:] and se.w2.weight.shape == self._w2.shape[1:]
                 and se.w2.weight.dtype == torch.bfloat16 and se.w2.weight.is_contiguous()
                 and not any(m._forward_hooks or m._forward_pre_hooks for m in (se, se.w1, se.w3, se.w2)))
+
+    def _shared_fp8_fused(self, x: torch.Tensor) -> Optional[Any]:
+        """The shared expert's FP8 weights for ``fp4_mma.fp4_moe_mma`` to run beside the routed
+        experts (``SharedFp8``), or None for the module's own forward: CUDA, bf16, at most
+        SHARED_FUSED_MAX_TOKENS tokens (where the unfused expert runs the same Triton GEMMs), the
+        FP4 experts packed for MMA, ``[w1; w3]`` still one FP8 row stack, no hooks."""
+        if not (USE_FUSED_SHARED and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] <= SHARED_FUSED_MAX_TOKENS
+                and self.fp4.mma is not None):
+            return None
+        se = self.shared_experts
+        st = row_stack_of((se.w1, se.w3))
+        if (st is None or st.scale is None or not isinstance(se.w2, Fp8Linear) or se.w2.weight.shape[1] % 128
+                or any(m._forward_hooks or m._forward_pre_hooks for m in (se, se.w1, se.w3, se.w2))):
+            return None
+        from .kernels.fp4_mma import SharedFp8
+        return SharedFp8(st.weight, st.scale, se.w2.weight, se.w2.scale)
 
     def _stacks_intact(self, x: torch.Tensor) -> bool:
         """The routed experts' parameters are still slices of the bf16 stacks, on x's device."""
@@ -488,6 +507,11 @@ USE_MOE_DECODE_KERNEL = os.environ.get("DSV4_MOE_DECODE_KERNEL", "1") != "0"
 USE_GATE_KERNEL = os.environ.get("DSV4_GATE_KERNEL", "1") != "0"
 GATE_KERNEL_MAX_TOKENS = 64
 MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "24"))
+# A quantised MoE's shared expert runs inside the FP4 experts' decode launches (one act-quant of
+# x, its SwiGLU in the routed SwiGLU + act-quant kernel, its down projection summed in the routed
+# combine) for steps of at most this many tokens on CUDA; DSV4_FUSE_SHARED_EXPERT=0 runs it alone.
+USE_FUSED_SHARED = os.environ.get("DSV4_FUSE_SHARED_EXPERT", "1") != "0"
+SHARED_FUSED_MAX_TOKENS = 127   # from 128 tokens the unfused expert's GEMMs are cuBLAS's (fp8_gemm)
 _GROUPED_MM_OK: dict[int, bool] = {}
 
 

@@ -142,3 +142,57 @@ def test_moe_on_packed_weights_meets_the_contract(name, routed):
     ref, tol = combine_tol(yr, y_tol(yr, mag, carried, I, acc_ulps=2.0), ids, E)
     from test_fp4_moe import assert_within as moe_within
     moe_within(out, ref, tol, f"fp4_moe_mma {name}")
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3, 8, 64])
+def test_fused_shared_expert_equals_the_unfused_sum(T):
+    """``fp4_moe_mma(shared=...)`` against the quantised ``Expert`` run alone plus the routed MoE.
+
+    Both run the same FP8 GEMM kernels and the same roundings (bf16 g and u, bf16 h, e4m3 h
+    in 1x128 blocks, bf16 output, one bf16 add); they part only where silu's exp (the kernel's
+    against torch's) tips h's bf16 rounding. Such an h moves by at most one bf16 step (2^-7 |h|)
+    and its block scale at most doubles, so its dequantised e4m3 value moves by at most
+    (2^-4 + 2^-7 + 2^-4) |h| + 3 s 2^-10 (normal half-steps 2^-4 relative, subnormal 2^-10 s):
+    through w2 that is sum_k |w2| of it, plus both sides' fp32 accumulation (gamma(I + 2) of
+    sum_k |w2| |h|), and each side's two bf16 roundings (the expert's output, the add) add 2^-8
+    of |y| and |out| each."""
+    from test_fp4_moe import LIMIT, make_experts, make_x, random_ids
+    from dsv4_backend.layers.linear import row_stack_of, shared_input, stack_rows
+    from dsv4_backend.model import Expert
+
+    gen = torch.Generator().manual_seed(100 + T)
+    k, experts, dim, inter = 2, 8, 256, 256
+    w13, s13, w2, s2 = (t.cuda() for t in make_experts(experts, dim, inter, gen))
+    packs = F.pack_fp4_mma(w13, s13), F.pack_fp4_mma(w2, s2)
+    with torch.device("cuda"):
+        ex = Expert(dim, inter, LIMIT, quantized=True)
+    stack_rows(ex.w1, ex.w3)
+    for lin in (ex.w1, ex.w3, ex.w2):
+        n, kk = lin.weight.shape
+        lin.weight.copy_((torch.randn(n, kk, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn))
+        lin.scale.copy_(torch.pow(2.0, torch.randint(-9, -5, tuple(lin.scale.shape), generator=gen).float()))
+    st = row_stack_of((ex.w1, ex.w3))
+    assert st is not None and st.scale is not None
+    x = make_x(T, dim, gen).cuda()
+    ids = random_ids(T, k, experts, gen).cuda()
+    wts = (torch.rand(T, k, generator=gen) + 0.25).cuda()
+
+    routed = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT)
+    shared_alone = ex(x)
+    unfused = shared_alone + routed
+    fused = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=F.SharedFp8(st.weight, st.scale, ex.w2.weight,
+                                                                       ex.w2.scale))
+    assert fused.shape == unfused.shape and fused.dtype == torch.bfloat16
+
+    g, u = (y.float() for y in shared_input(x, ex.w1, ex.w3))
+    h = (torch.nn.functional.silu(g.clamp(max=LIMIT)) * u.clamp(-LIMIT, LIMIT)).to(torch.bfloat16)
+    _, hs = F.act_quant_fp8(h)
+    hd = h.double().abs().cpu()
+    s = hs.double().cpu().repeat_interleave(128, 1)
+    dh = (2.0 ** -3 + 2.0 ** -7) * hd + 3 * 2.0 ** -10 * s
+    w2d = ex.w2.weight.double().cpu() * ex.w2.scale.double().cpu().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    mag = ((1 + 2.0 ** -3) * hd + 2.0 ** -9 * s) @ w2d.abs().T      # sum_k |w2| |e4m3 h|, either side
+    tol = dh @ w2d.abs().T + 2 * gamma(inter + 2, U32) * mag + 2.0 ** -8 * (2 * shared_alone.double().abs().cpu() + fused.double().abs().cpu()
+                                           + unfused.double().abs().cpu()) * 1.01
+    assert_within(fused.cpu(), unfused.double().cpu(), tol, "fused shared expert")

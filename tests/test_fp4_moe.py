@@ -346,3 +346,31 @@ def test_route_fused_equals_route(T, k, E, block_m):
     check_routing(got, ids, E, block_m)
     for name in M.Routing._fields:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_unrouted_swiglu_and_the_shared_combine():
+    """The shared expert's pieces of ``fp4_mma.fp4_moe_mma(shared=...)``: the SwiGLU + act-quant
+    kernel without routing gives the codes and scales of expert 0 at weight 1 (an exact factor),
+    and the combine with shared partials is bf16(bf16(their ordered sum) + the routed combine),
+    the unfused ``shared + routed`` of two bf16 tensors, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    T, k, E, I, Dm = 3, 2, 4, 256, 384
+    part = torch.randn(2, T, 2 * I, generator=gen) * 4
+    hq, hs = D.swiglu_quant(part, None, None, 0, LIMIT)
+    hq1, hs1 = D.swiglu_quant(part, torch.zeros(T, dtype=torch.int64), torch.ones(T), 1, LIMIT)
+    assert torch.equal(hq.view(torch.uint8), hq1.view(torch.uint8)) and torch.equal(hs, hs1)
+    assert bool((hq.view(torch.uint8) != 0).any())
+    with pytest.raises(ValueError, match="together"):
+        D.swiglu_quant(part, torch.zeros(T, dtype=torch.int64), None, 1, LIMIT)
+
+    ids = torch.tensor([[0, 3], [-1, 1], [2, 2]])
+    down = torch.randn(2, T * k, Dm, generator=gen)
+    shared = torch.randn(3, T, Dm, generator=gen) * 8
+    routed = D.combine_splits(down, ids, E)
+    got = D.combine_splits(down, ids, E, shared)
+    sh = shared[0].clone()
+    for sp in (1, 2):
+        sh += shared[sp]
+    assert torch.equal(got, sh.to(torch.bfloat16) + routed)
+    with pytest.raises(ValueError, match="shared"):
+        D.combine_splits(down, ids, E, shared[:, :2])

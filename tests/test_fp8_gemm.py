@@ -10,7 +10,9 @@ a bf16 ulp (2^-8 relative) for bf16 outputs.
 import pytest
 import torch
 
-from dsv4_backend.kernels.fp8_gemm import Fp8GemvConfig, GemmConfig, act_quant_fp8, fp8_block_gemm, fp8_linear
+from dsv4_backend.kernels.fp8_gemm import (
+    Fp8GemvConfig, GemmConfig, act_quant_fp8, fp8_block_gemm, fp8_block_gemm_partials, fp8_linear,
+)
 
 U32 = 2.0 ** -24
 
@@ -126,6 +128,25 @@ def test_fp8_block_gemm(M, N, K, cfg, out_dtype):
     assert out.dtype == out_dtype and out.shape == (M, N)
     y, mag = gemm_sim(xq.double(), xs.double(), w, ws)
     assert_gemm_close(out, y, mag, K, out_dtype)
+
+
+@pytest.mark.parametrize("M,N,K,cfg", [CASES[0], CASES[2], CASES[4], CASES[6]])
+def test_partials_summed_in_order_are_the_gemm(M, N, K, cfg):
+    """fp8_block_gemm_partials leaves the K splits unsummed: added s = 0, 1, ... in fp32 they are
+    the GEMM's fp32 output bit for bit, and rounded once its bf16 output (the split-sum kernel's
+    own order; the consumers of the fused shared expert rely on it)."""
+    gen = torch.Generator().manual_seed(M * 7 + N + K)
+    w, ws = random_weight(N, K, gen)
+    xq, xs = act_quant_fp8(torch.randn(M, K, generator=gen) * 2)
+    part = fp8_block_gemm_partials(xq, xs, w, ws, config=cfg)
+    assert part.dtype == torch.float32 and part.shape[1:] == (M, N)
+    assert part.shape[0] == (cfg.split_k if cfg else 2)    # the shape rule splits K = 256 in two
+    acc = part[0].clone()
+    for sp in range(1, part.shape[0]):
+        acc += part[sp]
+    assert torch.equal(acc, fp8_block_gemm(xq, xs, w, ws, torch.float32, config=cfg, backend="triton"))
+    assert torch.equal(acc.to(torch.bfloat16), fp8_block_gemm(xq, xs, w, ws, torch.bfloat16, config=cfg,
+                                                              backend="triton"))
 
 
 def test_fp8_linear_matches_simulation_from_x():

@@ -44,7 +44,7 @@ import torch
 
 from dsv4_backend.kernels.fp4_moe import ROUTE_FUSED_MAX_PAIRS, route, route_fused
 from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
-from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
+from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm_partials
 
 SOURCE = Path(__file__).with_name("fp4_mma.cu")
 MAX_SCALE_BYTE = 240  # the packed byte s + 14 must stay below 255 (an fp32 exponent field)
@@ -275,19 +275,34 @@ def pick_mma_configs(num_pairs: int) -> tuple[MmaConfig, MmaConfig]:
     return MmaConfig(split), MmaConfig(split)
 
 
+class SharedFp8(NamedTuple):
+    """A shared expert's FP8 projections, for ``fp4_moe_mma`` to run beside the routed ones: the
+    ``[w1; w3]`` row stack ``w13`` e4m3 ``[2I, D]`` with its 128 x 128 scales, and ``w2`` ``[D, I]``."""
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+
+
 def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Fp4MmaPack,
                 w2: Fp4MmaPack, limit: float, gate_up: MmaConfig | None = None,
-                down: MmaConfig | None = None) -> torch.Tensor:
+                down: MmaConfig | None = None, shared: SharedFp8 | None = None) -> torch.Tensor:
     """``fp4_moe``'s contract over packed weights (CUDA): x ``[T, D]`` bf16, ids ``[T, k]``,
     weights fp32 ``[T, k]`` -> ``[T, D]`` bf16. act-quant, the gate-up GEMV, SwiGLU + act-quant and
     the combine of ``fp4_moe_decode`` around the two MMA GEMVs; long inputs run in slices of
-    tokens so that the partial sums stay below PART_BYTES_MAX."""
+    tokens so that the partial sums stay below PART_BYTES_MAX.
+
+    ``shared``: the shared expert too, returning ``shared(x) + routed`` as the unfused
+    ``Expert.forward`` + add would (bf16 g, u; bf16 h; bf16 output; one bf16 add): it reuses the
+    routed act-quant of x, its SwiGLU runs in the routed kernel without routing (and quantises h
+    for w2 itself) and its down partials are summed in the routed combine: five launches
+    fewer than the shared expert alone (act-quant twice, split sums twice, the SwiGLU's torch ops)."""
     T, k = ids.shape
     E = w13.words.shape[0]
     per_call = max(1, PART_BYTES_MAX // (4 * k * max(w13.n, w2.n)))
     if T > per_call:
         return torch.cat([fp4_moe_mma(x[t:t + per_call], ids[t:t + per_call], weights[t:t + per_call],
-                                      w13, w2, limit, gate_up, down) for t in range(0, T, per_call)])
+                                      w13, w2, limit, gate_up, down, shared) for t in range(0, T, per_call)])
     picked = pick_mma_configs(T * k)
     gate_up, down = gate_up or picked[0], down or picked[1]
     flat = ids.reshape(-1).contiguous()
@@ -295,4 +310,9 @@ def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     part = fp4_gemv_mma(xq, xs, flat, w13, k, gate_up)
     hq, hs = swiglu_quant(part, flat, weights.reshape(-1).contiguous(), E, limit)
     part = fp4_gemv_mma(hq, hs, flat, w2, 1, down)
-    return combine_splits(part, ids.contiguous(), E)
+    sh = None
+    if shared is not None:
+        sp = fp8_block_gemm_partials(xq, xs, shared.w13, shared.w13_scale)
+        shq, shs = swiglu_quant(sp, None, None, 0, limit)
+        sh = fp8_block_gemm_partials(shq, shs, shared.w2, shared.w2_scale)
+    return combine_splits(part, ids.contiguous(), E, sh)

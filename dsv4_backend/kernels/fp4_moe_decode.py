@@ -28,7 +28,7 @@ Launches: act-quant, gate-up GEMV, SwiGLU + quant, down GEMV, combine.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -166,13 +166,17 @@ def _fp4_gemv_kernel(a_ptr, as_ptr, ids_ptr, w_ptr, ws_ptr, lut_ptr, part_ptr,
 
 @triton.jit
 def _swiglu_quant_kernel(part_ptr, ids_ptr, wts_ptr, hq_ptr, hs_ptr, P, E, I, limit,
-                         SPLIT: tl.constexpr, NATIVE: tl.constexpr):
+                         SPLIT: tl.constexpr, ROUTED: tl.constexpr, NATIVE: tl.constexpr):
     """Per (pair, 128 columns of I): g, u = the split sums in order, rounded to bf16; h =
-    bf16(silu(min(g, limit)) clamp(u, +-limit) weight) and its 1x128 act-quant (0 for a skipped pair)."""
+    bf16(silu(min(g, limit)) clamp(u, +-limit) weight) and its 1x128 act-quant (0 for a skipped pair;
+    not ROUTED: every row valid, weight 1)."""
     pair = tl.program_id(0)
     col = tl.program_id(1) * 128 + tl.arange(0, 128)
-    e = tl.load(ids_ptr + pair)
-    ok = (e >= 0) & (e < E)
+    if ROUTED:
+        e = tl.load(ids_ptr + pair)
+        ok = (e >= 0) & (e < E)
+    else:
+        ok = pair >= 0
     base = part_ptr + pair.to(tl.int64) * (2 * I) + col
     g = tl.load(base, mask=ok & (col < I), other=0.0)
     u = tl.load(base + I, mask=ok & (col < I), other=0.0)
@@ -181,8 +185,10 @@ def _swiglu_quant_kernel(part_ptr, ids_ptr, wts_ptr, hq_ptr, hs_ptr, P, E, I, li
         u += tl.load(base + s * P * (2 * I) + I, mask=ok & (col < I), other=0.0)
     g = tl.minimum(round_bf16(g, NATIVE), limit)
     u = tl.minimum(tl.maximum(round_bf16(u, NATIVE), -limit), limit)
-    wt = tl.load(wts_ptr + pair)
-    h = round_bf16(g / (1.0 + tl.exp(-g)) * u * wt, NATIVE)
+    h = g / (1.0 + tl.exp(-g)) * u
+    if ROUTED:
+        h = h * tl.load(wts_ptr + pair)
+    h = round_bf16(h, NATIVE)
     h = tl.where(ok & (col < I), h, 0.0)
     codes, scale = quant_block_e4m3(h[None, :], NATIVE)
     tl.store(hq_ptr + pair.to(tl.int64) * I + col[None, :], codes, mask=(col < I)[None, :])
@@ -190,11 +196,14 @@ def _swiglu_quant_kernel(part_ptr, ids_ptr, wts_ptr, hq_ptr, hs_ptr, P, E, I, li
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, PR, P, D, E, TOPK: tl.constexpr, SPLIT: tl.constexpr,
-                           SHARED: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
+def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, sh_ptr, sh_ss, P, D, E, TOPK: tl.constexpr,
+                           SPLIT: tl.constexpr, SHARED: tl.constexpr, SH_SPLIT: tl.constexpr,
+                           BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
     """out[t] = bf16 of the sum over valid j, in order, of bf16(sum over splits, in order, of
-    part[s, t k + j]); with SHARED (the bf16 MoE of ``moe_bf16_decode``), the shared expert's row
-    PR + t is summed over its splits too and out[t] = bf16(bf16(shared) + that routed sum)."""
+    part[s, t k + j]); with SHARED, the shared expert's row t of ``sh`` (fp32 partials, split
+    stride ``sh_ss``: rows of ``part`` itself in ``moe_bf16_decode``, the FP8 GEMM's partials in
+    ``fp4_mma.fp4_moe_mma``) is summed over its SH_SPLIT splits too and out[t] =
+    bf16(bf16(shared) + that routed sum)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -209,10 +218,10 @@ def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, PR, P, D, E, TOPK: tl.con
         acc += round_bf16(y, NATIVE)
     out = round_bf16(acc, NATIVE)
     if SHARED:
-        base = part_ptr + (PR + t) * D + d
+        base = sh_ptr + t * D + d
         y = tl.load(base, mask=dmask, other=0.0).to(tl.float32)
-        for s in tl.static_range(1, SPLIT):
-            y += tl.load(base + s * P * D, mask=dmask, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, SH_SPLIT):
+            y += tl.load(base + s * sh_ss, mask=dmask, other=0.0).to(tl.float32)
         out = round_bf16(round_bf16(y, NATIVE) + out, NATIVE)
     tl.store(out_ptr + t * D + d, out.to(tl.bfloat16), mask=dmask)
 
@@ -269,29 +278,41 @@ def fp4_gemv(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, w: tor
     return part
 
 
-def swiglu_quant(part: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
-                 limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate-up partials [splits, P, 2I] -> (hq e4m3 [P, I], hs fp32 [P, I/128]) at each pair's row."""
+def swiglu_quant(part: torch.Tensor, ids: Optional[torch.Tensor], weights: Optional[torch.Tensor],
+                 num_experts: int, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate-up partials [splits, P, 2I] -> (hq e4m3 [P, I], hs fp32 [P, I/128]) at each pair's row.
+    ``ids`` and ``weights`` None: rows of one unrouted expert (the shared expert), every row
+    valid and weight 1 (an exact factor: the same codes as ids 0 and weights 1)."""
     split, P, I2 = part.shape
     I = I2 // 2
+    routed = ids is not None
+    if routed != (weights is not None):
+        raise ValueError("swiglu_quant: ids and weights are given together or not at all")
     hq = torch.empty(P, I, dtype=torch.float8_e4m3fn, device=part.device)
     hs = torch.empty(P, I // 128, dtype=torch.float32, device=part.device)
     _swiglu_quant_kernel[(P, I // 128)](
-        part, ids, weights, hq.view(torch.uint8), hs, P, num_experts, I, float(limit),
-        SPLIT=split, NATIVE=native(), num_warps=4)
+        part, ids if routed else part, weights if routed else part, hq.view(torch.uint8), hs, P, num_experts, I,
+        float(limit), SPLIT=split, ROUTED=routed, NATIVE=native(), num_warps=4)
     return hq, hs
 
 
-def combine_splits(part: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def combine_splits(part: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                   shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Down partials [splits, T k, D] (fp32, or bf16 rows with one split) -> out [T, D] bf16
-    (the contract's combine)."""
+    (the contract's combine); ``shared``: a shared expert's fp32 down partials [splits', T, D],
+    added as ``bf16(bf16(shared) + routed)`` (the unfused ``shared + routed`` of two bf16s)."""
     split, P, D = part.shape
     T, k = ids.shape
+    if shared is not None and (shared.dim() != 3 or shared.shape[1:] != (T, D) or shared.dtype != torch.float32
+                               or not shared.is_contiguous()):
+        raise ValueError(f"combine_splits: shared must be contiguous fp32 [splits, {T}, {D}], got "
+                         f"{shared.dtype} {tuple(shared.shape)}")
     out = torch.empty(T, D, dtype=torch.bfloat16, device=part.device)
     block_d = 1024
+    sh = part if shared is None else shared
     _combine_splits_kernel[(T, triton.cdiv(D, block_d))](
-        part, ids, out, 0, P, D, num_experts, TOPK=k, SPLIT=split, SHARED=False, BLOCK_D=block_d,
-        NATIVE=native(), num_warps=4)
+        part, ids, out, sh, T * D, P, D, num_experts, TOPK=k, SPLIT=split, SHARED=shared is not None,
+        SH_SPLIT=sh.shape[0], BLOCK_D=block_d, NATIVE=native(), num_warps=4)
     return out
 
 

@@ -287,7 +287,6 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
         raise ValueError(f"fp8_block_gemm: out_dtype must be bf16 or fp32, got {out_dtype}")
     M, K = xq.shape
     N = w.shape[0]
-    nb = triton.cdiv(K, QBLOCK)
     if M > 0 and N > 0 and _use_torch(backend, M, out_dtype, config, xq.device):
         if out_dtype != torch.bfloat16:
             raise ValueError("fp8_block_gemm: the torch backend writes bf16 only")
@@ -295,22 +294,58 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0 or N == 0:
         return out
-    if config is None and M <= GEMV_MAX_M:
-        config = pick_gemv_config(N, K, _num_sms(xq.device))
-    cfg = config or pick_config(M, N, K, _num_sms(xq.device))
-    kb_per_split = triton.cdiv(nb, cfg.split_k)
-    split = triton.cdiv(nb, kb_per_split)  # no empty split
+    cfg, kb_per_split, split = _launch_shape(M, N, K, config, xq.device)
     nat = native()
     if split == 1:
-        dest, c_ss, out_bf16 = out, 0, out_dtype == torch.bfloat16
-    else:
-        dest = torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
-        c_ss, out_bf16 = M * N, False
+        _launch_gemm(xq, xs, w, w_scale, out, 0, cfg, kb_per_split, out_dtype == torch.bfloat16)
+        return out
+    part = torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
+    _launch_gemm(xq, xs, w, w_scale, part, M * N, cfg, kb_per_split, False)
+    block = 1024
+    _split_sum_kernel[(triton.cdiv(M * N, block),)](
+        part, out, M * N, SPLIT=split, BLOCK=block, OUT_BF16=out_dtype == torch.bfloat16,
+        NATIVE=nat, num_warps=4)
+    return out
+
+
+def fp8_block_gemm_partials(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            config: "GemmConfig | Fp8GemvConfig | None" = None) -> torch.Tensor:
+    """The Triton kernel's K-split partial sums, fp32 ``[split, M, N]``, left unsummed for a
+    consumer that sums them in split order itself (the SwiGLU + act-quant and the combine of
+    ``fp4_mma.fp4_moe_mma``'s shared expert): summed s = 0, 1, ... in fp32 they are
+    ``fp8_block_gemm(..., torch.float32, config, "triton")`` bit for bit, one launch fewer."""
+    check_device(xq, xs, w, w_scale)
+    _check_gemm_inputs(xq, xs, w, w_scale)
+    M, K = xq.shape
+    N = w.shape[0]
+    cfg, kb_per_split, split = _launch_shape(M, N, K, config, xq.device)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
+    if M and N:
+        _launch_gemm(xq, xs, w, w_scale, part, M * N, cfg, kb_per_split, False)
+    return part
+
+
+def _launch_shape(M: int, N: int, K: int, config, device: torch.device):
+    """(config, 128-blocks of K per split, splits) by the shape rule; no empty split."""
+    if config is None and M <= GEMV_MAX_M:
+        config = pick_gemv_config(N, K, _num_sms(device))
+    cfg = config or pick_config(M, N, K, _num_sms(device))
+    nb = triton.cdiv(K, QBLOCK)
+    kb_per_split = triton.cdiv(nb, cfg.split_k)
+    return cfg, kb_per_split, triton.cdiv(nb, kb_per_split)
+
+
+def _launch_gemm(xq, xs, w, w_scale, dest, c_ss: int, cfg, kb_per_split: int, out_bf16: bool) -> None:
+    """One launch of the GEMV or the tensor-core kernel writing split s's sums at dest + s * c_ss."""
+    M, K = xq.shape
+    N = w.shape[0]
+    nb = triton.cdiv(K, QBLOCK)
+    split = triton.cdiv(nb, kb_per_split)
     if isinstance(cfg, Fp8GemvConfig):
         _fp8_gemv_kernel[(triton.cdiv(N, cfg.block_n), split)](
             xq.view(torch.uint8), xs, w.view(torch.uint8), w_scale, dest, M, N, K, nb,
             xq.stride(0), w_scale.stride(0), c_ss, kb_per_split,
-            BLOCK_N=cfg.block_n, OUT_BF16=out_bf16, NATIVE=nat,
+            BLOCK_N=cfg.block_n, OUT_BF16=out_bf16, NATIVE=native(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
@@ -318,14 +353,8 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
             xq.view(torch.uint8), xs, w.view(torch.uint8), w_scale, dest, M, N, K, nb,
             xq.stride(0), w_scale.stride(0), c_ss, N, kb_per_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-            EVEN_K=K % QBLOCK == 0, OUT_BF16=out_bf16, NATIVE=nat,
+            EVEN_K=K % QBLOCK == 0, OUT_BF16=out_bf16, NATIVE=native(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(M * N, block),)](
-            dest, out, M * N, SPLIT=split, BLOCK=block, OUT_BF16=out_dtype == torch.bfloat16,
-            NATIVE=nat, num_warps=4)
-    return out
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

@@ -171,6 +171,8 @@ def moe_bf16_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
                                   NATIVE=native(), num_warps=4)
     part = _gemv(h, flat, w2, shared2, PR, k, False, down or DOWN)
     out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
-    _combine_splits_kernel[(T, triton.cdiv(D, 1024))](part, flat, out, PR, P, D, E, TOPK=k, SPLIT=part.shape[0],
-                                                      SHARED=True, BLOCK_D=1024, NATIVE=native(), num_warps=4)
+    split = part.shape[0]
+    _combine_splits_kernel[(T, triton.cdiv(D, 1024))](part, flat, out, part[0, PR:], P * D, P, D, E, TOPK=k,
+                                                      SPLIT=split, SHARED=True, SH_SPLIT=split, BLOCK_D=1024,
+                                                      NATIVE=native(), num_warps=4)
     return out

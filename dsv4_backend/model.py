@@ -294,8 +294,12 @@ class Attention(nn.Module):
                         positions: torch.Tensor) -> IndexerInput:
         # iq: indexer.wq_b(qr) [T, local index_heads * 128]
         ix, T = self.indexer, x.shape[0]
-        iq = ix.gather_heads(iq)
-        q = indexer_fake_quant(hadamard(self.rope.apply(iq.view(T, ix.n_heads, ix.head_dim), positions)))
+        iq = ix.gather_heads(iq).view(T, ix.n_heads, ix.head_dim)
+        if _norm_rope_kernel_applies(iq) and iq.dtype == torch.bfloat16 and ix.head_dim == 128:
+            from .kernels.indexer_q import indexer_q     # RoPE, Hadamard and FP8 rounding: one launch
+            q = indexer_q(iq, positions, self.rope.inv_freq_on(x.device), hadamard_matrix(128, iq.dtype, x.device))
+        else:
+            q = indexer_fake_quant(hadamard(self.rope.apply(iq, positions)))
         w = ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
         return IndexerInput(q, w, comp)
 

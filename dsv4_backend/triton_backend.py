@@ -503,24 +503,22 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         ``hisparse_layer``: the rows go through the HiSparse hot pool to the host pool."""
         K = _kernels()
         rp = ring_plan
-        cz = torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)                # [T, 2 * coff * d]
         n_events = int(rp.dest_rows.numel())
         if rp.gather is None:
             # A static decode step (StaticDecode): one event per row, masked by dest_rows < 0,
             # whose sources are ring slots. A decode token's slot held position p - 8 (C4) or
             # p - 128 (C128), never a candidate of its block, so the ring is written first and
             # then read in place.
-            ring[rp.ring_slot] = cz[rp.ring_token]
+            K.ring_write(ring, rp.ring_slot, raw.c, raw.z, rp.ring_token)
             buf = ring
         else:
             if n_events:
                 # the candidates, gathered before the ring write below can overwrite their slots
-                buf = torch.cat([ring[rp.gather], cz])
-            if rp.ring_token.numel() == cz.shape[0]:
+                buf = torch.cat([ring[rp.gather], torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)])
+            if rp.ring_token.numel():
                 # ring_token is increasing, so writing every token means it is 0..T-1 (each decode step)
-                ring[rp.ring_slot] = cz
-            elif rp.ring_token.numel():
-                ring[rp.ring_slot] = cz[rp.ring_token]
+                every = rp.ring_token.numel() == raw.c.shape[0]
+                K.ring_write(ring, rp.ring_slot, raw.c, raw.z, None if every else rp.ring_token)
         if n_events:
             cos, sin = self._cos_sin(plan, m, layer.rope, rp.first_pos)
 

@@ -27,7 +27,7 @@ from dsv4_backend.kernels import reference as R  # noqa: E402
 from dsv4_backend.kernels._common import (  # noqa: E402
     bf16_bits, e4m3_decode, e4m3_encode, native, pow2_scale_exp, round_bf16,
 )
-from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update  # noqa: E402
+from dsv4_backend.kernels.compressor import CompressEvents, compress, online_c128_update, ring_write  # noqa: E402
 from dsv4_backend.kernels.indexer import IndexerConfig, indexer_topk  # noqa: E402
 from dsv4_backend.kernels.kv_store import kv_store  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import DecodeAttentionConfig, sparse_decode  # noqa: E402
@@ -151,6 +151,28 @@ def test_compress(ratio, indexer, state_dtype):
     close = assert_indexer_pools_close if indexer else assert_kv_pools_close
     close(pool, ref_pool, dest, pre, "compressed pool")
     assert_rows_are_stored(out, pool, dest, "rows", indexer)
+
+
+@pytest.mark.parametrize("ring_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gather", [False, True])
+def test_ring_write_is_cat_gather_index_put(ring_dtype, gather):
+    """ring_write equals the torch ops it replaces bit for bit (the casts round to nearest even),
+    from column views of one stacked projection, leaving every other slot untouched."""
+    gen = torch.Generator().manual_seed(3)
+    T, n = 5, 96
+    y = torch.randn(T, 3 * n, generator=gen) * 7
+    c, z = y[:, :n], y[:, 2 * n:]
+    ring = torch.randn(12, 2 * n, generator=gen).to(ring_dtype)
+    want = ring.clone()
+    tokens = torch.tensor([4, 0, 2]) if gather else None
+    slots = torch.tensor([7, 1, 10]) if gather else torch.tensor([3, 9, 0, 11, 5])
+    cz = torch.cat([c, z], dim=-1).to(ring_dtype)
+    want[slots] = cz[tokens] if gather else cz
+    ring_write(ring, slots, c, z, tokens)
+    assert torch.equal(ring.view(torch.int16) if ring_dtype == torch.bfloat16 else ring, want.view(torch.int16)
+                       if ring_dtype == torch.bfloat16 else want)
+    with pytest.raises(ValueError, match="slots"):
+        ring_write(ring, slots[:2], c, z, tokens)
 
 
 def test_online_c128_matches_ring_pooling():

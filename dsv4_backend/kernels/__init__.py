@@ -13,7 +13,7 @@ from typing import Any
 _EXPORTS = {
     "kv_store": "kv_store", "kv_store_rows": "kv_store", "finish_rows": "kv_store",
     "compress": "compressor", "compress_pool": "compressor", "CompressEvents": "compressor",
-    "online_c128_update": "compressor",
+    "online_c128_update": "compressor", "ring_write": "compressor",
     "indexer_scores": "indexer", "indexer_topk": "indexer", "topk_rows": "indexer",
     "IndexerConfig": "indexer", "IndexerTopK": "indexer",
     "sparse_decode": "sparse_attention", "DecodeAttentionConfig": "sparse_attention",

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, native
+from dsv4_backend.kernels._common import check_device, native, round_bf16
 from dsv4_backend.kernels.kv_store import (
     FinishConfig, finish_attention_rows, finish_indexer_row, finish_rows, load_hadamard,
     load_norm_weight, pool_args, sm_count,
@@ -304,6 +304,52 @@ def compress(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor, ap
     return finish_rows(pool, events.dest_rows, pooled, norm_weight, events.cos, events.sin, eps,
                        round_in=round_bf16, round_bf16=round_bf16, hadamard=hadamard, out=out,
                        config=finish_config)
+
+
+# ---- ring writes ---------------------------------------------------------------------------
+
+@triton.jit
+def _ring_write_kernel(ring_ptr, ring_stride, slot_ptr, tok_ptr, c_ptr, c_stride, z_ptr, z_stride, N,
+                       HAS_TOK: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+    w = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = col < N
+    if HAS_TOK:
+        t = tl.load(tok_ptr + w).to(tl.int64)
+    else:
+        t = w.to(tl.int64)
+    dest = ring_ptr + tl.load(slot_ptr + w).to(tl.int64) * ring_stride
+    cv = tl.load(c_ptr + t * c_stride + col, mask=ok)
+    zv = tl.load(z_ptr + t * z_stride + col, mask=ok)
+    if BF16:    # nearest even (the interpreter's own cast truncates)
+        cv, zv = round_bf16(cv.to(tl.float32), NATIVE), round_bf16(zv.to(tl.float32), NATIVE)
+    ty = ring_ptr.dtype.element_ty
+    tl.store(dest + col, cv.to(ty), mask=ok)
+    tl.store(dest + N + col, zv.to(ty), mask=ok)
+
+
+def ring_write(ring: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, z: torch.Tensor,
+               tokens: torch.Tensor | None = None) -> None:
+    """``ring[slots[w]] = [c[t] | z[t]]`` in the ring's dtype with ``t = tokens[w]`` (None: t = w):
+    the tokens' raw (C, Z) into their ring slots in one launch, for the torch ops ``cat``,
+    gather and ``index_put_`` (c, z may be column views of one stacked projection). Slots
+    must be distinct (as a step's tokens' are); the cast rounds to nearest as ``Tensor.to``."""
+    N = c.shape[-1]
+    if c.dim() != 2 or z.shape != c.shape or c.stride(1) != 1 or z.stride(1) != 1:
+        raise ValueError(f"ring_write: c, z must be [T, n] with unit column stride, got {tuple(c.shape)} "
+                         f"{c.stride()} and {tuple(z.shape)} {z.stride()}")
+    if ring.dim() != 2 or ring.shape[1] != 2 * N or ring.stride(1) != 1:
+        raise ValueError(f"ring_write: ring must be [slots, {2 * N}], got {tuple(ring.shape)}")
+    W = slots.numel()
+    if (tokens.numel() if tokens is not None else c.shape[0]) != W:
+        raise ValueError(f"ring_write: {W} slots for {c.shape[0] if tokens is None else tokens.numel()} tokens")
+    check_device(ring, slots, c, z)
+    if W:
+        block = min(1024, triton.next_power_of_2(N))
+        _ring_write_kernel[(W, triton.cdiv(N, block))](
+            ring, ring.stride(0), slots, tokens if tokens is not None else slots, c, c.stride(0), z, z.stride(0), N,
+            HAS_TOK=tokens is not None, BF16=ring.dtype == torch.bfloat16, BLOCK=block, NATIVE=native(),
+            num_warps=4)
 
 
 # ---- online C128 ---------------------------------------------------------------------------

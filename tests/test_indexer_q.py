@@ -21,6 +21,7 @@ from dsv4_backend.kernels.indexer_q import indexer_q
 from dsv4_backend.model import Rotary, hadamard_matrix
 
 THETA = 10000.0
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the interpreter on the CPU
 
 
 def reference(iq, positions, inv_freq):
@@ -71,13 +72,12 @@ def test_heads_tails_and_positions():
     big[1, :128] *= 1e-6                            # a head below the amax floor
     iq = big.to(torch.bfloat16)[:, 64:].view(T, H, 128)    # a column slice: token stride 2624
     positions = torch.tensor([0, 7, 1_000_003])
-    inv_freq = Rotary(THETA, None, 64).inv_freq
-    check(iq, positions, inv_freq)
+    check(iq.to(DEV), positions.to(DEV), Rotary(THETA, None, 64).inv_freq.to(DEV))
 
 
 def test_bad_inputs_are_named():
-    iq = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
-    pos, inv = torch.zeros(2, dtype=torch.int64), torch.ones(32)
+    iq = torch.zeros(2, 16, 128, dtype=torch.bfloat16, device=DEV)
+    pos, inv = torch.zeros(2, dtype=torch.int64, device=DEV), torch.ones(32, device=DEV)
     H = hadamard_matrix(128, torch.bfloat16, iq.device)
     with pytest.raises(ValueError, match="bf16"):
         indexer_q(iq.float(), pos, inv, H)

@@ -13,7 +13,8 @@ and compression. This module never imports the backend; the backend reads the la
 compressor norms, ``rope`` and ``attn_sink`` through the layer object it is given.
 
 On CUDA (float32 / bfloat16) the mHC mix, collapse and expand run as fused Triton kernels
-(``kernels/mhc.py``; ``DSV4_MHC_KERNELS=0`` turns them off), and in bfloat16 the routed experts
+(``kernels/mhc.py``; at decode sizes the mix straight from the streams; ``DSV4_MHC_KERNELS=0``
+turns them off), and in bfloat16 the routed experts
 are allocated as stacked slices and run as two ``torch._grouped_mm`` calls without a host sync
 (``DSV4_GROUPED_MOE=0`` keeps the per-expert loop). The CPU and float64 always take the torch
 code below, which is the reference for both.
@@ -563,6 +564,17 @@ def _mhc_kernels_apply(X: torch.Tensor) -> bool:
     return USE_MHC_KERNELS and X.is_cuda and X.dtype != torch.float64
 
 
+# Up to this many tokens (decode and verify steps) the kernel path computes the mix logits from
+# the streams itself (kernels.mhc.mhc_mix_from_streams: split-K over fn, two launches per mix
+# instead of the fp32 copy, matmul, norm ops and mhc_mix); above it one matmul reads fn once for
+# all tokens and feeds mhc_mix. 0 keeps the matmul path at every size (A/B timing).
+MHC_MIX_FROM_STREAMS_MAX_TOKENS = 256
+
+
+def _mix_from_streams(X: torch.Tensor, fn: torch.Tensor) -> bool:
+    return X.shape[0] <= MHC_MIX_FROM_STREAMS_MAX_TOKENS and fn.dtype == torch.float32 and X.is_contiguous()
+
+
 def hc_mix_logits(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """The 2 * hc + hc * hc mix logits of streams ``X [T, hc, D]``, RMS-scaled, in hi precision."""
     h = X.reshape(X.shape[0], -1).to(hi_dtype(X.dtype))
@@ -588,11 +600,14 @@ def hc_sinkhorn(cfg: DSV4Config, m: torch.Tensor, scale: torch.Tensor, base: tor
 def hc_mix_weights(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                    base: torch.Tensor) -> HCMix:
     """mHC mixes for streams ``X [T, hc, D]``: pre [T, hc], post [T, hc], C [T, hc, hc]."""
-    m = hc_mix_logits(cfg, X, fn)
     if _mhc_kernels_apply(X):
-        from .kernels.mhc import mhc_mix
-        return HCMix(*mhc_mix(m, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps))
-    return hc_sinkhorn(cfg, m, scale, base)
+        from .kernels import mhc
+        if _mix_from_streams(X, fn):
+            return HCMix(*mhc.mhc_mix_from_streams(X, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                                                   cfg.hc_eps, cfg.rms_norm_eps))
+        return HCMix(*mhc.mhc_mix(hc_mix_logits(cfg, X, fn), scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                                  cfg.hc_eps))
+    return hc_sinkhorn(cfg, hc_mix_logits(cfg, X, fn), scale, base)
 
 
 def hc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -646,9 +661,13 @@ class Block(nn.Module):
 
 
 def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch.Tensor:
-    h = X.reshape(X.shape[0], -1).to(hi_dtype(X.dtype))
-    m = (h @ fn.to(h.dtype).t()) * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
-    pre = torch.sigmoid(m * scale.to(h.dtype) + base.to(h.dtype)) + cfg.hc_eps
+    if _mhc_kernels_apply(X) and _mix_from_streams(X, fn):
+        from .kernels.mhc import mhc_head_pre
+        pre = mhc_head_pre(X, fn, scale, base, cfg.hc_eps, cfg.rms_norm_eps)
+    else:
+        h = X.reshape(X.shape[0], -1).to(hi_dtype(X.dtype))
+        m = (h @ fn.to(h.dtype).t()) * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
+        pre = torch.sigmoid(m * scale.to(h.dtype) + base.to(h.dtype)) + cfg.hc_eps
     return hc_collapse(X, pre)
 
 

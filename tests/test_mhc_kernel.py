@@ -10,9 +10,30 @@ same bound. Collapse and expand are sums of hc (+1) products: they are compared 
 gamma(terms) of the terms' magnitudes (tests/bounds.py), plus the bf16 rounding of the streams
 (half a step against float64, one step against another fp32 order), plus what a TOL difference
 in the mix weights moves.
+
+Mix weights from the streams (``mhc_mix_from_streams``, ``mhc_head_pre``) compute the logits
+``m_n = dot_n r``, ``dot_n = sum_k x_k fn_nk`` over ``K = hc D``, ``r = rsqrt(ssq / K + rms_eps)``,
+``ssq = sum_k x_k^2``, in fp32 (x: the streams' values, exact in fp32). The kernel sums each chunk
+of ``c`` products in some order, then the ``S = ceil(K / c)`` partials in some order, so (Higham
+3.1 at each level) ``|dot - dot64| <= g sum_k |x_k fn_nk|`` with ``g = gamma(c) + gamma(S) (1 +
+gamma(c))``; one K-term sum in any order (the torch matmul) has ``g = gamma(K)``. ssq likewise
+within ``g ssq``; the division and the add cost u each (the GPU's division 2u), halved by the
+square root, and the rsqrt 8u (tests/bounds.py), so r is within ``rho = (g + 3u) / 2 + 8u`` of its
+value relative, and the product ``dot r`` one more u:
+
+    |m - m64| <= (g sum_k |x_k fn_nk| + (rho + u) |dot64|) r64 (1 + 2 rho),
+
+the last factor for the products of the small terms. pre and post then move by at most
+``|scale_0| / 4`` and ``|scale_1| / 2`` times that (sigmoid's slope is at most 1/4), C by
+``2 |J| dm`` with J the float64 Jacobian of ``hc_sinkhorn``'s C at m64 (first order, doubled
+for the higher-order terms, of order dm^2: dm is ~1e-3 of the logits' size or less here), plus
+TOL for the fp32 evaluation of the mix from the kernel's own logits, as above. Against the
+model's torch fp32 path both sides' bounds add.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -20,8 +41,9 @@ import torch
 from bounds import BF16_HALF, BF16_STEP, U32, assert_within, gamma
 from dsv4_backend import model as model_mod
 from dsv4_backend.config import DSV4Config
-from dsv4_backend.kernels.mhc import mhc_collapse, mhc_expand, mhc_mix
-from dsv4_backend.model import hc_collapse, hc_expand, hc_mix_weights, hc_sinkhorn
+from dsv4_backend.kernels import mhc as mhc_mod
+from dsv4_backend.kernels.mhc import mhc_collapse, mhc_expand, mhc_head_pre, mhc_mix, mhc_mix_from_streams
+from dsv4_backend.model import hc_collapse, hc_expand, hc_head_collapse, hc_mix_logits, hc_mix_weights, hc_sinkhorn
 
 CFG = DSV4Config.preset("tiny")
 TOL = 2e-6
@@ -90,6 +112,104 @@ def test_mix_rejects_bad_shapes():
         mhc_mix(torch.randn(5, 24), torch.ones(2), torch.zeros(24), 4, 20, 1e-6)
 
 
+# ---- mix weights straight from the streams -----------------------------------------------------
+
+def stream_inputs(T: int, hc: int, D: int, dtype: torch.dtype, seed: int, n: int | None = None):
+    """Streams [T, hc, D] of uneven size per token (the rsqrt matters), fn at twice the release's
+    init scale (logits of order 1), scale and base as the mix's (3, n) or the head's (1, hc)."""
+    g = torch.Generator().manual_seed(seed)
+    n = hc * (2 + hc) if n is None else n
+    X = torch.randn(T, hc, D, generator=g) * torch.logspace(-2, 2, T)[:, None, None]
+    fn = torch.randn(n, hc * D, generator=g) * 2 * (hc * D) ** -0.5
+    scale = torch.rand(3 if n == hc * (2 + hc) else 1, generator=g) * 2 + 0.1
+    return X.to(dtype), fn, scale, torch.randn(n, generator=g)
+
+
+def logit_bound(X: torch.Tensor, fn: torch.Tensor, rms_eps: float, chunk: int | None) -> torch.Tensor:
+    """Bound on |m - m64| of the fp32 logits [T, n] (module docstring); chunk: the kernel's
+    split-K chunk, None for one K-term sum in any order (the torch matmul)."""
+    x, f = X.double().cpu().flatten(1), fn.double().cpu()
+    K = x.shape[1]
+    g = gamma(K) if chunk is None else gamma(chunk) + gamma(math.ceil(K / chunk)) * (1 + gamma(chunk))
+    rho = (g + 3 * U32) / 2 + 8 * U32
+    r = torch.rsqrt(x.square().mean(-1, keepdim=True) + rms_eps)
+    return (g * (x.abs() @ f.abs().t()) + (rho + U32) * (x @ f.t()).abs()) * r * (1 + 2 * rho)
+
+
+def mix_shift_bound(cfg: DSV4Config, m: torch.Tensor, dm: torch.Tensor, scale, base):
+    """How far the float64 (pre, post, C) can move when their logits m [T, n] move by at most dm."""
+    hc, s = cfg.hc_mult, scale.double().cpu().abs()
+    sc, b = scale.double().cpu(), base.double().cpu()
+    J = torch.func.vmap(torch.func.jacrev(lambda z: hc_sinkhorn(cfg, z[None], sc, b).C[0]))(m)  # [T, hc, hc, n]
+    return s[0] / 4 * dm[:, :hc], s[1] / 2 * dm[:, hc:2 * hc], 2 * (J.abs() * dm[:, None, None, :]).sum(-1)
+
+
+def check_mix_from_streams(cfg: DSV4Config, X, fn, scale, base, chunk: int):
+    """mhc_mix_from_streams against hc_sinkhorn(hc_mix_logits) in float64 and in the torch fp32 path."""
+    got = mhc_mix_from_streams(X, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                               cfg.rms_norm_eps, chunk=chunk)
+    Xc, fc, sc, bc = X.cpu(), fn.cpu(), scale.cpu(), base.cpu()
+    m64 = hc_mix_logits(cfg, Xc.double(), fc.double())
+    ref = hc_sinkhorn(cfg, m64, sc.double(), bc.double())
+    dm = logit_bound(X, fn, cfg.rms_norm_eps, chunk)
+    dm32 = logit_bound(X, fn, cfg.rms_norm_eps, None)
+    torch32 = hc_sinkhorn(cfg, hc_mix_logits(cfg, Xc, fc), sc, bc)
+    for name, g, r, t32, b, b2 in zip(("pre", "post", "C"), got, ref, torch32, mix_shift_bound(cfg, m64, dm, sc, bc),
+                                      mix_shift_bound(cfg, m64, dm + dm32, sc, bc)):
+        assert g.dtype == torch.float32 and g.shape == r.shape, name
+        assert_within(g, r, TOL + b, f"{name}: streams kernel vs float64")
+        assert_within(g, t32, 2 * TOL + b2, f"{name}: streams kernel vs torch fp32")
+    return got
+
+
+@interpreter_only
+@pytest.mark.parametrize("T, hc, D, chunk, dtype", [
+    (1, 4, 64, 64, torch.float32),        # K = 256: 4 chunks
+    (3, 4, 64, 64, torch.bfloat16),
+    (3, 4, 100, 64, torch.float32),       # K = 400: the 7th chunk is 16 wide
+    (5, 3, 40, 32, torch.bfloat16),       # hc = 3 (padded), N = 15; a second, partial token block
+    (2, 4, 64, 512, torch.float32),       # one chunk wider than K
+])
+def test_mix_from_streams_matches_float64(T, hc, D, chunk, dtype):
+    cfg = CFG.replace(hc_mult=hc)
+    X, fn, scale, base = stream_inputs(T, hc, D, dtype, seed=T * 100 + D)
+    got = check_mix_from_streams(cfg, X, fn, scale, base, chunk)
+    assert (got.C.sum(-2) - 1).abs().max().item() < 1e-5
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_pre_from_streams(dtype):
+    T, hc, D, chunk = 3, CFG.hc_mult, 100, 64
+    X, fn, scale, base = stream_inputs(T, hc, D, dtype, seed=11, n=hc)
+    pre = mhc_head_pre(X, fn, scale, base, CFG.hc_eps, CFG.rms_norm_eps, chunk=chunk)
+    x = X.double().flatten(1)
+    m64 = (x @ fn.double().t()) * torch.rsqrt(x.square().mean(-1, keepdim=True) + CFG.rms_norm_eps)
+    ref = torch.sigmoid(m64 * scale.double() + base.double()) + CFG.hc_eps
+    assert pre.dtype == torch.float32 and pre.shape == (T, hc)
+    dm = logit_bound(X, fn, CFG.rms_norm_eps, chunk)
+    assert_within(pre, ref, TOL + scale.double().abs() / 4 * dm, "head pre")
+
+
+def test_mix_from_streams_rejects_bad_inputs():
+    hc, D = 4, 16
+    X, fn, scale, base = stream_inputs(2, hc, D, torch.float32, seed=0)
+    mix = lambda **kw: mhc_mix_from_streams(**{**dict(X=X, fn=fn, scale=scale, base=base, hc=hc, sinkhorn_iters=20,
+                                                      hc_eps=1e-6, rms_eps=1e-6), **kw})
+    strided = X.transpose(1, 2).contiguous().transpose(1, 2)
+    for bad in (dict(X=X.flatten(1)), dict(X=strided), dict(X=X.double()), dict(X=X[:, :3].contiguous()),
+                dict(fn=fn[:, :-1]), dict(fn=fn.bfloat16()), dict(fn=fn.t().contiguous().t()), dict(fn=fn[:-1]),
+                dict(scale=scale[:2]), dict(base=base[:-1]), dict(sinkhorn_iters=0), dict(chunk=100),
+                dict(chunk=8)):
+        with pytest.raises(ValueError, match="mhc_mix_from_streams"):
+            mix(**bad)
+    Xh, fnh, sh, bh = stream_inputs(2, hc, D, torch.float32, seed=0, n=hc)
+    for args in ((Xh, fnh, scale, bh), (Xh, fnh, sh, bh[:-1]), (Xh, fn, sh, bh),
+                 (Xh.bfloat16()[..., ::2], fnh, sh, bh)):
+        with pytest.raises(ValueError, match="mhc_head_pre"):
+            mhc_head_pre(*args, 1e-6, 1e-6)
+
+
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_collapse_and_expand(dtype):
@@ -121,9 +241,11 @@ def test_collapse_and_expand(dtype):
 
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_dispatch_uses_kernels(monkeypatch, dtype):
+@pytest.mark.parametrize("max_tokens", [256, 0])
+def test_model_dispatch_uses_kernels(monkeypatch, dtype, max_tokens):
     """With the CUDA condition forced on, the model's mHC functions route to the kernels and
-    agree with their torch path (which the CPU keeps)."""
+    agree with their torch path (which the CPU keeps): at most MHC_MIX_FROM_STREAMS_MAX_TOKENS
+    tokens take the mix from the streams, more (here: a limit of 0) the matmul's logits."""
     g = torch.Generator().manual_seed(3)
     T, hc, D = 50, CFG.hc_mult, CFG.hidden_size
     X = torch.randn(T, hc, D, generator=g).to(dtype)
@@ -135,26 +257,61 @@ def test_model_dispatch_uses_kernels(monkeypatch, dtype):
     torch_y = hc_collapse(X, torch_mix.pre)
     torch_out = hc_expand(X, f, torch_mix.post, torch_mix.C)
 
-    calls = []
+    calls, streams = [], []
     monkeypatch.setattr(model_mod, "_mhc_kernels_apply",
                         lambda t: calls.append(t.dtype) or t.dtype != torch.float64)
+    monkeypatch.setattr(model_mod, "MHC_MIX_FROM_STREAMS_MAX_TOKENS", max_tokens)
+    monkeypatch.setattr(mhc_mod, "mhc_mix_from_streams",
+                        lambda *a, **k: streams.append(1) or mhc_mix_from_streams(*a, **k))
     mix = hc_mix_weights(CFG, X, fn, scale, base)
     y = hc_collapse(X, mix.pre)
     out = hc_expand(X, f, mix.post, mix.C)
-    assert len(calls) == 3
-    for a, b in zip(mix, torch_mix):
-        assert (a - b).abs().max().item() <= TOL
-    # two fp32 orders (2 gamma), and the mixes' own difference (<= TOL each) times what they weigh
+    assert len(calls) == 3 and len(streams) == (1 if max_tokens else 0)
+    if max_tokens:     # both sides' logits bounds (module docstring), and TOL each for the mix
+        m64 = hc_mix_logits(CFG, X.double(), fn.double())
+        dm = logit_bound(X, fn, CFG.rms_norm_eps, 128) + logit_bound(X, fn, CFG.rms_norm_eps, None)
+        dmix = [2 * TOL + b for b in mix_shift_bound(CFG, m64, dm, scale, base)]
+    else:              # the same logits: TOL
+        dmix = [torch.full(a.shape, TOL, dtype=torch.float64) for a in mix]
+    for name, a, b, d in zip(("pre", "post", "C"), mix, torch_mix, dmix):
+        assert_within(a, b, d, f"mix {name}")
+    # two fp32 orders (2 gamma), and the mixes' own difference times what they weigh
+    dpre, dpost, dC = dmix
     Xa, fa = X.double().abs(), f.double().abs()
     y_mag = torch.einsum("tj,tjd->td", torch_mix.pre.double(), Xa)
-    assert_within(y, torch_y, 2 * gamma(hc) * y_mag + TOL * Xa.sum(1) + 2 * U32 * torch_y.double().abs(),
-                  "collapse")
+    assert_within(y, torch_y, 2 * gamma(hc) * y_mag + torch.einsum("tj,tjd->td", dpre, Xa)
+                  + 2 * U32 * torch_y.double().abs(), "collapse")
     mag = (torch_mix.post.double()[:, :, None] * fa[:, None, :]
            + torch.einsum("tjk,tjd->tkd", torch_mix.C.double(), Xa))
-    bound = 2 * gamma(hc + 1) * mag + TOL * (fa[:, None, :] + Xa.sum(1, keepdim=True)) * (1 + 1e-6)
+    bound = 2 * gamma(hc + 1) * mag + (dpost[:, :, None] * fa[:, None, :]
+                                       + torch.einsum("tjk,tjd->tkd", dC, Xa)) * (1 + 1e-6)
     if dtype == torch.bfloat16:                       # both sides round to bf16: one step apart
         bound = bound + BF16_STEP * (torch_out.double().abs() + bound)
     assert_within(out, torch_out, bound, "expand")
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_head_collapse_uses_kernels(monkeypatch, dtype):
+    """hc_head_collapse on the kernel path (its pre from the streams, then the collapse kernel)
+    agrees with its torch path within both sides' logits bounds through sigmoid's slope."""
+    T, hc, D = 3, CFG.hc_mult, CFG.hidden_size
+    X, fn, scale, base = stream_inputs(T, hc, D, dtype, seed=5, n=hc)
+    torch_y = hc_head_collapse(CFG, X, fn, scale, base)
+    heads = []
+    monkeypatch.setattr(model_mod, "_mhc_kernels_apply", lambda t: t.dtype != torch.float64)
+    monkeypatch.setattr(mhc_mod, "mhc_head_pre", lambda *a, **k: heads.append(1) or mhc_head_pre(*a, **k))
+    y = hc_head_collapse(CFG, X, fn, scale, base)
+    assert heads == [1] and y.dtype == torch.float32
+    dm = logit_bound(X, fn, CFG.rms_norm_eps, 128) + logit_bound(X, fn, CFG.rms_norm_eps, None)
+    dpre = 2 * TOL + scale.double().abs() / 4 * dm
+    Xa = X.double().abs()
+    x = X.double().flatten(1)
+    pre64 = torch.sigmoid((x @ fn.double().t()) * torch.rsqrt(x.square().mean(-1, keepdim=True) + CFG.rms_norm_eps)
+                          * scale.double() + base.double()) + CFG.hc_eps
+    y_mag = torch.einsum("tj,tjd->td", pre64 + dpre, Xa)
+    assert_within(y, torch_y, 2 * gamma(hc) * y_mag + torch.einsum("tj,tjd->td", dpre, Xa)
+                  + 2 * U32 * torch_y.double().abs(), "head collapse")
 
 
 def test_float64_path_stays_torch(monkeypatch):
@@ -300,3 +457,27 @@ def test_cuda_grouped_moe_matches_expert_loop(monkeypatch, T):
     loop = moe(x, ids)
     scale = loop.abs().max().item()
     assert (grouped.double() - loop.double()).abs().max().item() <= 2 ** -6 * scale
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3, 64, 256])
+def test_cuda_mix_from_streams_at_flash_shape(T):
+    """Flash's streams (hc = 4, D = 4096: K = 16384 in 128 chunks) through the two launches, against
+    float64, the CPU's torch fp32 path and the GPU's matmul path (hc_mix_logits, then mhc_mix)."""
+    dev = torch.device("cuda")
+    hc, D = CFG.hc_mult, 4096
+    X, fn, scale, base = (t.to(dev) for t in stream_inputs(T, hc, D, torch.bfloat16, seed=T))
+    got = check_mix_from_streams(CFG, X, fn, scale, base, chunk=128)
+    matmul = mhc_mix(hc_mix_logits(CFG, X, fn), scale, base, hc, CFG.hc_sinkhorn_iters, CFG.hc_eps)
+    m64 = hc_mix_logits(CFG, X.double().cpu(), fn.double().cpu())
+    dm = logit_bound(X, fn, CFG.rms_norm_eps, 128) + logit_bound(X, fn, CFG.rms_norm_eps, None)
+    for name, a, b, d in zip(("pre", "post", "C"), got, matmul, mix_shift_bound(CFG, m64, dm, scale, base)):
+        assert_within(a, b, 2 * TOL + d, f"{name}: streams vs matmul path")
+
+    Xh, fnh, sh, bh = (t.to(dev) for t in stream_inputs(T, hc, D, torch.bfloat16, seed=T, n=hc))
+    pre = mhc_head_pre(Xh, fnh, sh, bh, CFG.hc_eps, CFG.rms_norm_eps)
+    x = Xh.double().cpu().flatten(1)
+    m64 = (x @ fnh.double().cpu().t()) * torch.rsqrt(x.square().mean(-1, keepdim=True) + CFG.rms_norm_eps)
+    ref = torch.sigmoid(m64 * sh.double().cpu() + bh.double().cpu()) + CFG.hc_eps
+    assert_within(pre, ref, TOL + sh.double().cpu().abs() / 4 * logit_bound(Xh, fnh, CFG.rms_norm_eps, 128),
+                  "head pre")

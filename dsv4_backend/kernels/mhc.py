@@ -8,6 +8,12 @@ replaces the ~90 small torch ops of a Sinkhorn mix (and the handful of a collaps
   scaling) plus ``scale [3]`` and ``base [hc * (2 + hc)]`` -> pre, post ``[T, hc]`` and the
   doubly-stochastic ``C [T, hc, hc]``; one program per block of tokens, hc padded to a power
   of two and masked.
+- ``mhc_mix_from_streams``: the same from the streams ``X [T, hc, D]`` and ``fn`` in two launches
+  (the model's path at decode sizes): a split-K kernel writes each chunk's partial dots with
+  fn's rows and partial sum of squares, in fp32 from X's own dtype, and a finalize sums the
+  partials per token, applies the rsqrt and does what ``mhc_mix`` does. Split-K because at a few
+  tokens the work is streaming fn (1.5 MB at Flash): K / chunk programs share it, where one per
+  token would leave most SMs idle. ``mhc_head_pre``: the hc_head's pre gate by the same launches.
 - ``mhc_collapse``: ``y[t] = sum_j pre[t, j] X[t, j]`` (fp32 out).
 - ``mhc_expand``: ``X'[t, k] = post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` (X's dtype out).
 - ``mhc_collapse_norm``: ``RMSNorm(sum_j pre[t, j] X[t, j]) * weight``, a sub-layer's input
@@ -32,36 +38,21 @@ class MixWeights(NamedTuple):
 
 
 @triton.jit
-def _mix_kernel(m_ptr, m_stride, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, eps,
-                HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    t64 = t.to(tl.int64)
-    j = tl.arange(0, HCP)
-    j_ok = j < HC
-    row = m_ptr + t64[:, None] * m_stride                                   # [BT, 1]
-    s_pre = tl.load(scale_ptr).to(tl.float32)
-    s_post = tl.load(scale_ptr + 1).to(tl.float32)
-    s_c = tl.load(scale_ptr + 2).to(tl.float32)
+def _gate(a, s, b_ptr, j, j_ok):
+    """``sigmoid(a s + b)`` for logits ``a [BT, HCP]`` (padded entries 0) and the HCP biases at b_ptr."""
+    b = tl.load(b_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
+    return tl.sigmoid(a * s + b[None, :])
 
-    # pre / post gates: [BT, HCP]
-    ok2 = t_ok[:, None] & j_ok[None, :]
-    out2 = t64[:, None] * HC + j[None, :]
-    a = tl.load(row + j[None, :], mask=ok2, other=0.0).to(tl.float32)
-    b = tl.load(base_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
-    tl.store(pre_ptr + out2, tl.sigmoid(a * s_pre + b[None, :]) + eps, mask=ok2)
-    a = tl.load(row + HC + j[None, :], mask=ok2, other=0.0).to(tl.float32)
-    b = tl.load(base_ptr + HC + j, mask=j_ok, other=0.0).to(tl.float32)
-    tl.store(post_ptr + out2, 2.0 * tl.sigmoid(a * s_post + b[None, :]), mask=ok2)
 
-    # C: [BT, HCP (j), HCP (k)]; padded rows get finite logits, padded columns -inf, and both
-    # are zeroed after the softmax so they never enter a row or column sum.
-    col = 2 * HC + j[:, None] * HC + j[None, :]                            # [HCP, HCP]
+@triton.jit
+def _sinkhorn(x, s, b_ptr, j, j_ok, eps, HC: tl.constexpr, ITERS: tl.constexpr):
+    """The doubly-stochastic C [BT, HCP (j), HCP (k)] from its logits x (padded entries 0): padded
+    rows get finite logits, padded columns -inf, and both are zeroed after the softmax so they
+    never enter a row or column sum."""
+    col = j[:, None] * HC + j[None, :]                                     # [HCP, HCP]
     ok_jk = j_ok[:, None] & j_ok[None, :]
-    ok3 = t_ok[:, None, None] & ok_jk[None, :, :]
-    x = tl.load(row[:, :, None] + col[None, :, :], mask=ok3, other=0.0).to(tl.float32)
-    bc = tl.load(base_ptr + col, mask=ok_jk, other=0.0).to(tl.float32)
-    x = x * s_c + bc[None, :, :]
+    bc = tl.load(b_ptr + col, mask=ok_jk, other=0.0).to(tl.float32)
+    x = x * s + bc[None, :, :]
     x = tl.where(j_ok[None, None, :], x, float("-inf"))
     e = tl.exp(x - tl.max(x, axis=2)[:, :, None])
     C = e / tl.sum(e, axis=2)[:, :, None] + eps
@@ -70,8 +61,49 @@ def _mix_kernel(m_ptr, m_stride, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, 
     for _ in range(ITERS - 1):
         C = C / (tl.sum(C, axis=2)[:, :, None] + eps)
         C = C / (tl.sum(C, axis=1)[:, None, :] + eps)
+    return C
+
+
+@triton.jit
+def _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC: tl.constexpr, HCP: tl.constexpr):
+    """``pre = sigmoid(a scale[0] + base[:hc]) + eps`` of tokens t64 [BT] from their logits a_pre [BT, HCP]."""
+    j = tl.arange(0, HCP)
+    j_ok = j < HC
+    pre = _gate(a_pre, tl.load(scale_ptr).to(tl.float32), base_ptr, j, j_ok) + eps
+    tl.store(pre_ptr + t64[:, None] * HC + j[None, :], pre, mask=t_ok[:, None] & j_ok[None, :])
+
+
+@triton.jit
+def _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps,
+               HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr):
+    """pre, post and C of tokens t64 [BT] from their logits a_pre, a_post [BT, HCP], x [BT, HCP, HCP]."""
+    _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
+    j = tl.arange(0, HCP)
+    j_ok = j < HC
+    post = 2.0 * _gate(a_post, tl.load(scale_ptr + 1).to(tl.float32), base_ptr + HC, j, j_ok)
+    tl.store(post_ptr + t64[:, None] * HC + j[None, :], post, mask=t_ok[:, None] & j_ok[None, :])
+    C = _sinkhorn(x, tl.load(scale_ptr + 2).to(tl.float32), base_ptr + 2 * HC, j, j_ok, eps, HC, ITERS)
+    ok3 = t_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
     out3 = t64[:, None, None] * (HC * HC) + (j[:, None] * HC + j[None, :])[None, :, :]
     tl.store(c_ptr + out3, C, mask=ok3)
+
+
+@triton.jit
+def _mix_kernel(m_ptr, m_stride, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, eps,
+                HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    j = tl.arange(0, HCP)
+    j_ok = j < HC
+    row = m_ptr + t64[:, None] * m_stride                                   # [BT, 1]
+    ok2 = t_ok[:, None] & j_ok[None, :]
+    a_pre = tl.load(row + j[None, :], mask=ok2, other=0.0).to(tl.float32)
+    a_post = tl.load(row + HC + j[None, :], mask=ok2, other=0.0).to(tl.float32)
+    col = 2 * HC + j[:, None] * HC + j[None, :]                            # [HCP, HCP]
+    ok3 = t_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
+    x = tl.load(row[:, :, None] + col[None, :, :], mask=ok3, other=0.0).to(tl.float32)
+    _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
 
 
 def mhc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
@@ -101,13 +133,136 @@ def mhc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
     return MixWeights(pre, post, C)
 
 
-# ---- collapse / expand ----------------------------------------------------------------------
+# ---- mix weights straight from the streams (decode sizes) ------------------------------------
 
 def _check_streams(X: torch.Tensor, what: str) -> None:
     if X.dim() != 3 or not X.is_contiguous():
         raise ValueError(f"{what}: streams must be a contiguous [T, hc, D], got "
                          f"{tuple(X.shape)} strides {X.stride()}")
 
+
+@triton.jit
+def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # program (i, s): chunk s of K for tokens [i BLOCK_T, (i + 1) BLOCK_T); fn's tile is read once for them
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    s = tl.program_id(1)
+    k = s * CHUNK + tl.arange(0, CHUNK)
+    k_ok = k < K
+    n = tl.arange(0, NP)
+    n_ok = n < N
+    x = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                other=0.0).to(tl.float32)                                   # [BT, CHUNK]
+    w = tl.load(fn_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [NP, CHUNK]
+    out = part_ptr + (t64 * S + s) * (N + 1)                                 # [BT]
+    tl.store(out[:, None] + n[None, :], tl.sum(x[:, None, :] * w[None, :, :], axis=2),
+             mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out + N, tl.sum(x * x, axis=1), mask=t_ok)
+
+
+@triton.jit
+def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
+                              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
+                              SP: tl.constexpr, PRE_ONLY: tl.constexpr):
+    # one program per token: its S partials are loaded as one [SP, ...] tile and summed by tl.sum,
+    # a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
+    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]
+    t_ok = t64 < T
+    s = tl.arange(0, SP)
+    s_ok = s < S
+    srow = part_ptr + t64 * S * (N + 1) + s * (N + 1)                      # [SP]
+    r = tl.rsqrt(tl.sum(tl.load(srow + N, mask=s_ok, other=0.0), axis=0) / K + rms_eps)
+    j = tl.arange(0, HCP)
+    j_ok = j < HC
+    ok2 = s_ok[:, None] & j_ok[None, :]
+    a_pre = tl.sum(tl.load(srow[:, None] + j[None, :], mask=ok2, other=0.0), axis=0, keep_dims=True) * r
+    if PRE_ONLY:
+        _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
+    else:
+        a_post = tl.sum(tl.load(srow[:, None] + HC + j[None, :], mask=ok2, other=0.0), axis=0, keep_dims=True) * r
+        col = 2 * HC + j[:, None] * HC + j[None, :]                        # [HCP, HCP]
+        ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
+        x = tl.sum(tl.load(srow[:, None, None] + col[None, :, :], mask=ok3, other=0.0), axis=0, keep_dims=True) * r
+        _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
+
+
+def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, what: str) -> None:
+    _check_streams(X, what)
+    if X.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{what}: streams must be float32, bfloat16 or float16, got {X.dtype}")
+    K = X.shape[1] * X.shape[2]
+    if fn.shape != (n, K) or fn.dtype != torch.float32 or not fn.is_contiguous():
+        raise ValueError(f"{what}: fn must be a contiguous float32 [{n}, {K}], got {fn.dtype} "
+                         f"{tuple(fn.shape)} strides {fn.stride()}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"{what}: chunk must be a power of two >= 16, got {chunk}")
+
+
+def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, iters, pre_only):
+    T, hc, _ = X.shape
+    N, K = fn.shape
+    S = triton.cdiv(K, chunk)
+    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)  # per (t, s): N dots, then ssq
+    block_t = min(4, triton.next_power_of_2(T))
+    _mix_partial_kernel[(triton.cdiv(T, block_t), S)](
+        X, fn, part, T, K, S, N=N, NP=triton.next_power_of_2(N), CHUNK=chunk, BLOCK_T=block_t,
+        num_warps=8 if block_t * triton.next_power_of_2(N) * chunk >= 16384 else 4)
+    _mix_from_partials_kernel[(T,)](
+        part, scale.contiguous(), base.contiguous(), pre, post, C, T, S, K, float(hc_eps), float(rms_eps),
+        N=N, HC=hc, HCP=triton.next_power_of_2(hc), ITERS=iters, SP=triton.next_power_of_2(S),
+        PRE_ONLY=pre_only)
+
+
+def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                         sinkhorn_iters: int, hc_eps: float, rms_eps: float, chunk: int = 128) -> MixWeights:
+    """``mhc_mix`` of ``model.hc_mix_logits(X, fn)`` in two launches, without the fp32 copy of X:
+    split-K partial dots and sums of squares of each ``chunk`` of ``X[t]`` (flattened to
+    ``K = hc * D``), then a finalize that sums them, scales by ``rsqrt(ssq / K + rms_eps)`` and
+    runs the gates and the Sinkhorn. ``K / chunk`` programs per block of up to 4 tokens stream
+    fn (128 at Flash's K = 16384: one per SM at T = 1).
+
+    X: contiguous [T, hc, D] (float32 / bfloat16 / float16); fn: contiguous float32
+    [hc * (2 + hc), hc * D]; scale: [3]; base: [hc * (2 + hc)]."""
+    n_mix = hc * (2 + hc)
+    if X.dim() != 3 or X.shape[1] != hc:
+        raise ValueError(f"mhc_mix_from_streams: streams must be [T, {hc}, D], got {tuple(X.shape)}")
+    _check_stream_logits(X, fn, n_mix, chunk, "mhc_mix_from_streams")
+    if scale.numel() != 3 or base.numel() != n_mix:
+        raise ValueError(f"mhc_mix_from_streams: scale must have 3 and base {n_mix} elements, "
+                         f"got {scale.numel()} and {base.numel()}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"mhc_mix_from_streams: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    check_device(X, fn, scale, base)
+    T = X.shape[0]
+    pre = torch.empty(T, hc, dtype=torch.float32, device=X.device)
+    post = torch.empty(T, hc, dtype=torch.float32, device=X.device)
+    C = torch.empty(T, hc, hc, dtype=torch.float32, device=X.device)
+    if T:
+        _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, sinkhorn_iters, False)
+    return MixWeights(pre, post, C)
+
+
+def mhc_head_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+                 rms_eps: float, chunk: int = 128) -> torch.Tensor:
+    """The hc_head's ``pre = sigmoid(m scale + base) + hc_eps`` with ``m`` the RMS-scaled
+    ``X @ fn.T`` (``model.hc_head_collapse``), by the same two launches as
+    ``mhc_mix_from_streams``. X: contiguous [T, hc, D]; fn: contiguous float32 [hc, hc * D];
+    scale: [1]; base: [hc] -> fp32 [T, hc]."""
+    hc = X.shape[1] if X.dim() == 3 else 0
+    _check_stream_logits(X, fn, hc, chunk, "mhc_head_pre")
+    if scale.numel() != 1 or base.numel() != hc:
+        raise ValueError(f"mhc_head_pre: scale must have 1 and base {hc} elements, "
+                         f"got {scale.numel()} and {base.numel()}")
+    check_device(X, fn, scale, base)
+    pre = torch.empty(X.shape[0], hc, dtype=torch.float32, device=X.device)
+    if X.shape[0]:
+        _launch_from_streams(X, fn, scale, base, pre, pre, pre, hc_eps, rms_eps, chunk, 1, True)
+    return pre
+
+
+# ---- collapse / expand ----------------------------------------------------------------------
 
 @triton.jit
 def _collapse_kernel(x_ptr, pre_ptr, y_ptr, D, HC: tl.constexpr, HCP: tl.constexpr,

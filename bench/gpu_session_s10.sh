@@ -29,3 +29,15 @@ if [ "$WHICH" = qfull ]; then
     --prefill-max-seconds 40 --time-budget 400 --out "$OUT/quant_full.json"
   tail -n 60 "$OUT/qfull.log"
 fi
+#   bash bench/gpu_session_s10.sh $OUT gemv    after the M = 1 GEMV rule: the FP8 and fused-expert tests on CUDA, the
+#                                              GEMV probe at M = 1, the 28-layer table again
+if [ "$WHICH" = gemv ]; then
+  part 200 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp4_mma.py tests/test_stacked_linears.py \
+    tests/test_quant_model.py tests/test_head.py
+  tail -n 4 "$OUT/tests.log"
+  part 200 gemv python3 bench/probe_fp8_gemv.py --m 1 --out "$OUT/gemv.json"
+  grep "^M=" "$OUT/gemv.log" | cut -c 1-260
+  part 300 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
+    --prefill-max-seconds 40 --time-budget 280 --out "$OUT/quant_full.json"
+  grep -A 60 "^decode" "$OUT/qfull.log"
+fi

@@ -106,7 +106,7 @@ def test_act_quant_partial_block_and_strided_rows():
 
 
 CASES = [  # (M, N, K, config or None for the shape rule)
-    (1, 64, 256, None),  # decode: the CUDA-core GEMV, split K
+    (1, 64, 1024, None),  # decode: the CUDA-core GEMV, K split in two (splits of four blocks)
     (3, 200, 320, None),  # the GEMV over three rows, K and N tails
     (2, 96, 384, Fp8GemvConfig(64, 3, 4, 2)),  # the GEMV, 64-row tiles, three splits
     (5, 200, 320, None),  # K not a multiple of 128, N not a multiple of 128
@@ -140,7 +140,7 @@ def test_partials_summed_in_order_are_the_gemm(M, N, K, cfg):
     xq, xs = act_quant_fp8(torch.randn(M, K, generator=gen) * 2)
     part = fp8_block_gemm_partials(xq, xs, w, ws, config=cfg)
     assert part.dtype == torch.float32 and part.shape[1:] == (M, N)
-    assert part.shape[0] == (cfg.split_k if cfg else 2)    # the shape rule splits K = 256 in two
+    assert part.shape[0] == (cfg.split_k if cfg else 2)    # the shape rule splits K = 1024 in two
     acc = part[0].clone()
     for sp in range(1, part.shape[0]):
         acc += part[sp]

@@ -202,10 +202,20 @@ class Fp8GemvConfig(NamedTuple):
     num_stages: int = 2
 
 
-def pick_gemv_config(N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> Fp8GemvConfig:
-    """32-row tiles; K split until there are about four programs per SM."""
+def pick_gemv_config(N: int, K: int, num_sms: int = NUM_SMS_DEFAULT, M: int = 1) -> Fp8GemvConfig:
+    """One row (M = 1): 16-row tiles on two warps, K split (a power of two) until there are about
+    2,048 programs but no split shorter than four 128-blocks: the best of
+    ``bench/probe_fp8_gemv.py``'s grid on each of Flash's six decode shapes on the H200
+    (docs/PERF.md, session 10: 7-25% faster than the rule below). More rows: 32-row tiles,
+    K split until there are about four programs per SM (there the grid's best varied by shape
+    and gained 10-20%; not adopted)."""
+    nb = triton.cdiv(K, QBLOCK)
+    if M <= 1:
+        tiles = triton.cdiv(N, 16)
+        split = 1 << (min(max(1, nb // 4), max(1, 2048 // tiles)).bit_length() - 1)
+        return Fp8GemvConfig(16, split, 2, 2)
     tiles = triton.cdiv(N, 32)
-    return Fp8GemvConfig(32, max(1, min(triton.cdiv(K, QBLOCK), (4 * num_sms) // tiles)))
+    return Fp8GemvConfig(32, max(1, min(nb, (4 * num_sms) // tiles)))
 
 
 @triton.jit
@@ -328,7 +338,7 @@ def fp8_block_gemm_partials(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
 def _launch_shape(M: int, N: int, K: int, config, device: torch.device):
     """(config, 128-blocks of K per split, splits) by the shape rule; no empty split."""
     if config is None and M <= GEMV_MAX_M:
-        config = pick_gemv_config(N, K, _num_sms(device))
+        config = pick_gemv_config(N, K, _num_sms(device), M)
     cfg = config or pick_config(M, N, K, _num_sms(device))
     nb = triton.cdiv(K, QBLOCK)
     kb_per_split = triton.cdiv(nb, cfg.split_k)

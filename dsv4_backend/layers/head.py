@@ -1,7 +1,6 @@
 """The output head: float32 logits from the bf16 ``head.weight`` without a float32 copy of it.
 
-The release computes logits in float32 (``../shared/docs/DSV4.md``: "norm -> head (fp32 logits)")
-from a bf16 weight ``[V, D]``. Written as ``F.linear(x32, W.float())`` that casts the whole
+The release computes logits in float32 (docs/model.md, "Precision") from a bf16 weight ``[V, D]``. Written as ``F.linear(x32, W.float())`` that casts the whole
 weight on every call: for Flash's 129,280 x 4,096 head a 1.06 GB read and a 2.1 GB write, then
 the 2.1 GB float32 GEMV, about 2 ms of a batch-1 decode step on an H200 (docs/PERF.md,
 "Session 9"), where the weight read alone is 0.25 ms.

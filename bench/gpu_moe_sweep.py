@@ -272,7 +272,7 @@ def bench_shared_fp8(copy_gbps: float, gen) -> None:
             xq, xs = act_quant_fp8(torch.randn(M, K, generator=gen, device=DEV).to(torch.bfloat16))
             floor = (N * K + ws.numel() * 4) / (copy_gbps * 1e9) * 1e6
             sms = num_sms()
-            rule = pick_gemv_config(N, K, sms) if M <= GEMV_MAX_M else pick_config(M, N, K, sms)
+            rule = pick_gemv_config(N, K, sms, M) if M <= GEMV_MAX_M else pick_config(M, N, K, sms)
             t = us(lambda: fp8_block_gemm(xq, xs, w, ws, backend="triton"))
             bm = max(16, 1 << (M - 1).bit_length())
             cands = [GemmConfig(bm, bn, s, True, 4, 4) for bn in (64, 128) for s in (2, 4, 8, 16)]

@@ -69,7 +69,7 @@ def main() -> None:
                                               generator=gen).float())
             xq, xs = act_quant_fp8(torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16))
             floor_us = (w.numel() + ws.numel() * 4) / bw / 1e3
-            rule = pick_gemv_config(N, K, torch.cuda.get_device_properties(0).multi_processor_count)
+            rule = pick_gemv_config(N, K, torch.cuda.get_device_properties(0).multi_processor_count, M)
             ref = fp8_block_gemm(xq, xs, w, ws, torch.float32, rule, "triton")
             nb = -(-K // QBLOCK)
             a_abs = xq.float().abs() * xs.repeat_interleave(QBLOCK, 1)[:, :K]

@@ -435,7 +435,7 @@ class MoE(nn.Module):
         st = row_stack_of((se.w1, se.w3))
         return (st is not None and st.weight.shape == self._w13.shape[1:] and se.w2.weight.shape == self._w2.shape[1:]
                 and se.w2.weight.dtype == torch.bfloat16 and se.w2.weight.is_contiguous()
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in (se, se.w1, se.w3, se.w2)))
+                and not self._shared_hooked())
 
     def _shared_fp8_fused(self, x: torch.Tensor) -> Optional[Any]:
         """The shared expert's FP8 weights for ``fp4_mma.fp4_moe_mma`` to run beside the routed
@@ -448,10 +448,15 @@ class MoE(nn.Module):
         se = self.shared_experts
         st = row_stack_of((se.w1, se.w3))
         if (st is None or st.scale is None or not isinstance(se.w2, Fp8Linear) or se.w2.weight.shape[1] % 128
-                or any(m._forward_hooks or m._forward_pre_hooks for m in (se, se.w1, se.w3, se.w2))):
+                or self._shared_hooked()):
             return None
         from .kernels.fp4_mma import SharedFp8
         return SharedFp8(st.weight, st.scale, se.w2.weight, se.w2.scale)
+
+    def _shared_hooked(self) -> bool:
+        """Whether the shared expert or its linears carry hooks (the fused kernels would skip them)."""
+        se = self.shared_experts
+        return any(m._forward_hooks or m._forward_pre_hooks for m in (se, se.w1, se.w3, se.w2))
 
     def _stacks_intact(self, x: torch.Tensor) -> bool:
         """The routed experts' parameters are still slices of the bf16 stacks, on x's device."""
@@ -665,9 +670,8 @@ def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch
         from .kernels.mhc import mhc_head_pre
         pre = mhc_head_pre(X, fn, scale, base, cfg.hc_eps, cfg.rms_norm_eps)
     else:
-        h = X.reshape(X.shape[0], -1).to(hi_dtype(X.dtype))
-        m = (h @ fn.to(h.dtype).t()) * torch.rsqrt(h.square().mean(-1, keepdim=True) + cfg.rms_norm_eps)
-        pre = torch.sigmoid(m * scale.to(h.dtype) + base.to(h.dtype)) + cfg.hc_eps
+        m = hc_mix_logits(cfg, X, fn)
+        pre = torch.sigmoid(m * scale.to(m.dtype) + base.to(m.dtype)) + cfg.hc_eps
     return hc_collapse(X, pre)
 
 

@@ -507,18 +507,14 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         if rp.gather is None:
             # A static decode step (StaticDecode): one event per row, masked by dest_rows < 0,
             # whose sources are ring slots. A decode token's slot held position p - 8 (C4) or
-            # p - 128 (C128), never a candidate of its block, so the ring is written first and
-            # then read in place.
-            K.ring_write(ring, rp.ring_slot, raw.c, raw.z, rp.ring_token)
+            # p - 128 (C128), never a candidate of its block, so the ring is written first (below)
+            # and then read in place.
             buf = ring
-        else:
-            if n_events:
-                # the candidates, gathered before the ring write below can overwrite their slots
-                buf = torch.cat([ring[rp.gather], torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)])
-            if rp.ring_token.numel():
-                # ring_token is increasing, so writing every token means it is 0..T-1 (each decode step)
-                every = rp.ring_token.numel() == raw.c.shape[0]
-                K.ring_write(ring, rp.ring_slot, raw.c, raw.z, None if every else rp.ring_token)
+        elif n_events:
+            # the candidates, gathered before the ring write below can overwrite their slots
+            buf = torch.cat([ring[rp.gather], torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)])
+        if rp.ring_token.numel():
+            K.ring_write(ring, rp.ring_slot, raw.c, raw.z, rp.ring_token)
         if n_events:
             cos, sin = self._cos_sin(plan, m, layer.rope, rp.first_pos)
 

@@ -44,7 +44,9 @@ from memory.quant import indexer_fake_quant
 
 from .config import DSV4Config, RopeScaling
 from .layers.head import LogitsHead
-from .layers.linear import Fp4Expert, Fp4ExpertStack, Fp8Linear, row_stack_of, shared_input, stack_rows
+from .layers.linear import (
+    Fp4Expert, Fp4ExpertStack, Fp8Linear, dense_linear, row_stack_of, shared_input, stack_rows,
+)
 from .weights import model_tensors
 
 
@@ -63,7 +65,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
+        return dense_linear(x, self.weight)
 
 
 def fp8_linear(in_features: int, out_features: int, quantized: bool) -> nn.Module:
@@ -287,8 +289,8 @@ class Attention(nn.Module):
         """Raw (C, Z) of the attention compressor and, in CSA layers, the indexer's: the four
         (or two) projections of x through one shared_input (one matmul where they are stacked)."""
         comps = [self.compressor] + ([self.indexer.compressor] if self.indexer is not None else [])
-        h = x.to(hi_dtype(x.dtype))  # the compressors run in fp32 (or float64)
-        ys = shared_input(h, *[lin for c in comps for lin in (c.wkv, c.wgate)])
+        # the compressors run in fp32 (or float64): x and the weights taken up to it exactly
+        ys = shared_input(x, *[lin for c in comps for lin in (c.wkv, c.wgate)], out_dtype=hi_dtype(x.dtype))
         return [CompressorInput(ys[2 * i], ys[2 * i + 1]) for i in range(len(comps))]
 
     def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, comp: CompressorInput,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bounds import U32, assert_within, gamma
-from dsv4_backend.kernels.moe_gate import moe_gate
+from dsv4_backend.kernels.moe_gate import moe_gate, scores_block_e
 
 
 def _reference(x, weight, bias, topk, scale, tid2eid=None, tokens=None):
@@ -26,8 +26,9 @@ def _reference(x, weight, bias, topk, scale, tid2eid=None, tokens=None):
     return z, s, ids, w / w.sum(-1, keepdim=True) * scale, mag
 
 
-@pytest.mark.parametrize("E,topk,dtype", [(8, 6, torch.bfloat16), (20, 2, torch.float32), (256, 6, torch.bfloat16)])
-def test_scored_routing(E, topk, dtype):
+@pytest.mark.parametrize("E,topk,dtype,block_e", [(8, 6, torch.bfloat16, None), (20, 2, torch.float32, 8),
+                                                   (256, 6, torch.bfloat16, None), (256, 6, torch.bfloat16, 8)])
+def test_scored_routing(E, topk, dtype, block_e):
     T, D, scale = 3, 96, 1.5
     g = torch.Generator().manual_seed(E)
     x = torch.randn(T, D, generator=g).to(dtype)
@@ -38,7 +39,7 @@ def test_scored_routing(E, topk, dtype):
     key = (s + bias.double()).sort(-1, descending=True).values
     if topk < E:
         assert bool(((key[:, topk - 1] - key[:, topk]) > 2 * tol_s.max()).all()), "inputs with a near-tie"
-    ids, w = moe_gate(x, weight, bias, topk, scale)
+    ids, w = moe_gate(x, weight, bias, topk, scale, block_e=block_e)
     assert torch.equal(ids, ids_ref)
     ts = tol_s.gather(-1, ids_ref)
     sj = s.gather(-1, ids_ref)
@@ -72,6 +73,16 @@ def test_softplus_tails():
     ids, w = moe_gate(x, weight, bias, 6, 1.0)
     assert torch.equal(ids, ids_ref)
     assert_within(w, w_ref, 1e-6 * w_ref.abs() + 1e-12, "routing weights")
+
+
+def test_scores_block_e_covers_the_sms():
+    """Eight experts a program while that leaves two programs per SM; one token of Flash's 256
+    experts gets one a program (256 programs on 132 SMs), never fewer than one."""
+    assert scores_block_e(64, 256, 132) == 8
+    assert scores_block_e(1, 256, 132) == 1
+    assert scores_block_e(4, 256, 132) == 2
+    assert scores_block_e(1, 8, 132) == 1
+    assert scores_block_e(1000, 4, 132) == 4
 
 
 def test_bad_inputs():

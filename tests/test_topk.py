@@ -130,13 +130,14 @@ def test_rejects_bad_input():
         topk_positions(torch.randn(2, 8).to(DEV), 4, config=TopKConfig(method="bogus"))
 
 
-@pytest.mark.parametrize("use_table", [False, True])
-def test_topk_rows_kernel_path(monkeypatch, use_table):
-    """topk_rows through topk_positions == topk_rows through torch.topk, -1 padding included."""
+@pytest.mark.parametrize("use_table,L", [(False, 640), (True, 640), (True, 64), (False, 64)])
+def test_topk_rows_kernel_path(monkeypatch, use_table, L):
+    """topk_rows through topk_positions == topk_rows through torch.topk, -1 padding included
+    (L = 64 < k: the rows past L are padding too)."""
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
-    b, L, k, P = 3, 640, 96, 64
-    s = _scores(b, L, g, finite=[640, 50, 301])
+    b, k, P = 3, 96, 64
+    s = _scores(b, L, g, finite=[L, 50, min(301, L - 3)])
     if use_table:
         table = torch.randperm(4 * L // P, generator=g)[: b * L // P].view(b, L // P)
         kw = dict(page_table=table, page_size=P)

@@ -258,22 +258,49 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
     return scores
 
 
+@triton.jit(do_not_specialize=["kk", "k"])
+def _rows_kernel(top_ptr, top_sb, kk, score_ptr, score_sb, map_ptr, map_sb, P, out_ptr, k,
+                 USE_TABLE: tl.constexpr, BLOCK: tl.constexpr):
+    """List positions ``top [b, kk]`` -> physical row ids int32 ``[b, k]``: -1 where the score is
+    -inf (not visible) and past kk; through the page table or the row ids."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    have = j < kk
+    p = tl.load(top_ptr + b * top_sb + j, mask=have, other=0)
+    s = tl.load(score_ptr + b * score_sb + p, mask=have, other=float("-inf"))
+    vis = have & (s > float("-inf"))
+    if USE_TABLE:
+        page = tl.load(map_ptr + b * map_sb + p // P, mask=vis, other=0).to(tl.int64)
+        row = page * P + p % P
+    else:
+        row = tl.load(map_ptr + b * map_sb + p, mask=vis, other=-1).to(tl.int64)
+    tl.store(out_ptr + b * k + j, tl.where(vis, row, -1).to(tl.int32), mask=j < k)
+
+
 def topk_rows(scores: torch.Tensor, k: int, *, row_ids: torch.Tensor | None = None,
               page_table: torch.Tensor | None = None, page_size: int = 64) -> torch.Tensor:
     """The best ``min(k, visible)`` positions of ``scores [b, L]`` as physical row ids int32
-    [b, k], best first, -1 padded; equal scores go to the lower position."""
+    [b, k], best first, -1 padded; equal scores go to the lower position. Where the top-k
+    kernels run, positions become rows in one launch (``_rows_kernel``)."""
     from dsv4_backend.kernels.topk import kernels_wanted, topk_positions
 
     b, L = scores.shape
     kk = min(k, L)
     if kernels_wanted(scores) and b > 0 and kk > 0:
         top = topk_positions(scores, kk)  # [b, kk] positions, same as the torch.topk below
-    else:
-        bits = scores.contiguous().view(torch.int32)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
-        pos = torch.arange(L, device=scores.device, dtype=torch.int64)
-        key = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - pos)[None, :]
-        top = torch.topk(key, kk, dim=1).indices  # [b, kk] positions
+        rows = torch.empty(b, k, dtype=torch.int32, device=scores.device)
+        mapping = (page_table if row_ids is None else row_ids).contiguous()
+        scores = scores.contiguous()
+        block = min(1024, triton.next_power_of_2(k))
+        _rows_kernel[(b, triton.cdiv(k, block))](
+            top, top.stride(0), kk, scores, scores.stride(0), mapping, mapping.stride(0), page_size,
+            rows, k, USE_TABLE=row_ids is None, BLOCK=block, num_warps=4)
+        return rows
+    bits = scores.contiguous().view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
+    pos = torch.arange(L, device=scores.device, dtype=torch.int64)
+    key = (ordered.to(torch.int64) << 32) | (0xFFFFFFFF - pos)[None, :]
+    top = torch.topk(key, kk, dim=1).indices  # [b, kk] positions
     visible = torch.gather(scores, 1, top) > float("-inf")
     if row_ids is not None:
         rows = torch.gather(row_ids.long(), 1, top)

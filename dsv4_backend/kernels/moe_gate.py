@@ -5,7 +5,8 @@ the linear, softplus, sqrt, the bias, top-k, a gather, the sum and the scaling);
 they cost a third of the whole bf16 MoE layer on an H200 (bench/probe_moe_bf16.py). Here:
 
 1. **scores** (grid: tokens x ``E / BLOCK_E``): ``s = sqrt(softplus(x . W_e))`` in fp32 for a block
-   of experts, x and W read once; softplus as torch's (``x`` past 20, else ``log(1 + e^x)``, the
+   of experts, x and W read once; ``BLOCK_E`` (``scores_block_e``) shrinks at few tokens so
+   that the launch still covers the SMs (one token, 256 experts: one expert row per program); softplus as torch's (``x`` past 20, else ``log(1 + e^x)``, the
    log taken as ``y - y^2 / 2`` for ``y = e^-|x| < 1e-4`` where ``1 + y`` would round away y);
 2. **select** (grid: tokens): top-k of ``s + bias`` by k rounds of an argmax (the lowest index
    wins a tie), or the hash-routed layer's ``tid2eid[token]``; weights ``s`` of the chosen,
@@ -76,12 +77,27 @@ def _select_kernel(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, E, scale
     tl.store(wts_ptr + t * TOPK + kk, w / total * scale, mask=kmask)
 
 
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def scores_block_e(T: int, E: int, num_sms: int) -> int:
+    """Experts per scores program: 8 (each program's x chunk serves eight weight rows) while the
+    launch has two programs per SM, fewer when it would not (at one token, 8 rows a program put
+    32 programs on 132 SMs: each read 64 KB of weights in turn)."""
+    block = 8
+    while block > 1 and T * triton.cdiv(E, block) < 2 * num_sms:
+        block //= 2
+    return min(block, triton.next_power_of_2(E))
+
+
 def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], topk: int, scale: float,
-             tid2eid: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             tid2eid: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
+             block_e: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids int64 [T, topk] and routing weights fp32 [T, topk] of ``x [T, D]`` against the
     gate ``weight [E, D]``: top-k of ``sqrt(softplus(x W^T)) + bias``, or, with ``tid2eid [V,
-    topk]`` (a hash-routed layer, ``bias`` None), ``tid2eid[input_ids]``."""
+    topk]`` (a hash-routed layer, ``bias`` None), ``tid2eid[input_ids]``. ``block_e``: experts per
+    scores program (None: ``scores_block_e``)."""
     T, D = x.shape
     E = weight.shape[0]
     if weight.shape[1] != D or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -95,7 +111,8 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     w = torch.empty(T, topk, dtype=torch.float32, device=x.device)
     if T == 0:
         return ids, w
-    block_e = min(triton.next_power_of_2(E), 8)
+    if block_e is None:
+        block_e = scores_block_e(T, E, _num_sms(x.device))
     _scores_kernel[(T, triton.cdiv(E, block_e))](x, weight, s, E, D, x.stride(0), weight.stride(0),
                                                  BLOCK_E=block_e, BLOCK_D=512, num_warps=4)
     hashed = tid2eid is not None

@@ -135,20 +135,49 @@ def row_stack_of(mods: tuple[nn.Module, ...]) -> Optional[RowStack]:
     return st
 
 
-def shared_input(x: torch.Tensor, *mods: nn.Module) -> list[torch.Tensor]:
+def dense_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x @ w^T`` in ``out_dtype`` (default x's), x and w cast to it first. On CUDA, for an fp32
+    product of a narrower stored weight (the compressors' bf16 weights) over at most
+    ``kernels.gemv.GEMV_MAX_M`` rows, the Triton GEMV reads w as stored instead: the same fp32
+    products without writing an fp32 copy of w every call."""
+    out_dtype = out_dtype or x.dtype
+    if (x.is_cuda and out_dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float16)
+            and x.dtype in (torch.float32, torch.bfloat16) and w.stride(-1) == 1):
+        gemv = _kernel("gemv", "gemv")
+        rows = x.numel() // max(1, x.shape[-1])
+        if gemv is not None and rows <= _kernel_const("gemv", "GEMV_MAX_M", 0):
+            x2 = x.reshape(rows, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            return gemv(x2, w, out_dtype).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x.to(out_dtype), w.to(out_dtype))
+
+
+def _kernel_const(module: str, name: str, default: Any) -> Any:
+    value = _kernel(module, name)
+    return default if value is None else value
+
+
+def shared_input(x: torch.Tensor, *mods: nn.Module, out_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
     """``[m(x) for m in mods]`` for linears of one input (wq_a and wkv; an expert's w1 and w3; a
     compressor's wkv and wgate). When every module is an ``Fp8Linear``, x is rounded to e4m3 once
     for all of them: one act-quant (one launch on the GPU) instead of one per projection.
     Linears stacked by :func:`stack_rows` run as one matmul (x read once, one launch; on the GPU
     for ``Fp8Linear``s, the torch path runs them one by one); the outputs are then column views
     of its result. The fused paths run no forward hooks of ``mods``: a
-    collective on one of these outputs is the caller's explicit call (``Indexer.gather_heads``)."""
+    collective on one of these outputs is the caller's explicit call (``Indexer.gather_heads``).
+    ``out_dtype`` (plain linears only): compute and return in it (the compressors' fp32 of a
+    bf16 input), through :func:`dense_linear`."""
     if not all(isinstance(m, Fp8Linear) for m in mods):
         st = row_stack_of(mods)
         if st is None:
-            return [m(x) for m in mods]
-        y = F.linear(x, st.weight.to(x.dtype))
+            if out_dtype is None:
+                return [m(x) for m in mods]
+            return [dense_linear(x, m.weight, out_dtype) for m in mods]
+        y = dense_linear(x, st.weight, out_dtype)
         return list(y.split([m.weight.shape[0] for m in mods], dim=-1))
+    if out_dtype is not None and out_dtype != x.dtype:
+        raise ValueError("shared_input: out_dtype is for plain linears; Fp8Linear outputs are in x's dtype")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     quant = _kernel("fp8_gemm", "act_quant_fp8") if _on_gpu(x) else None

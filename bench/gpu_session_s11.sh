@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# H200 calls of session 11 (carry the pytest wheels of .whl for the test parts):
+#   bash bench/gpu_session_s11.sh $OUT probe   the new small-batch kernels' CUDA tests (dense GEMV of the compressors,
+#                                              gate scores per SM count, top-k rows in one launch), the batch-1
+#                                              launch-shape probe (sparse decode, gate), the 4-layer step's kernels
+#                                              by part, the 28-layer model at 4K x 1 and x 32
+set -uo pipefail
+OUT=${1:?output directory}
+WHICH=${2:-probe}
+mkdir -p "$OUT"
+source bench/_gpu_session.sh
+if [ "$WHICH" = probe ]; then
+  part 240 tests python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_moe_gate.py tests/test_topk.py \
+    tests/test_kernels.py tests/test_quant_model.py tests/test_stacked_linears.py
+  tail -n 6 "$OUT/tests.log"
+  part 150 probe python3 bench/probe_batch1.py --out "$OUT/probe_batch1.json"
+  grep -v "^  .*failed" "$OUT/probe.log" | head -n 70
+  part 150 qsplit python3 bench/bench_quant_model.py --layers 4 --contexts 4096 --batches 1 --skip-kernels \
+    --prefill-context 8192 --prefill-max-seconds 5 --steps 4 --breakdown 2 --time-budget 140 --out "$OUT/qsplit.json"
+  grep -B 2 -A 30 "where the step goes" "$OUT/qsplit.log" | grep -v "^ *layer \|^ *attention:\|^ *moe:\|^ *mhc_norms:" | head -n 45
+  part 200 q28 python3 bench/bench_quant_model.py --contexts 4096 --batches 1,32 --skip-kernels --steps 8 \
+    --prefill-max-seconds 5 --prefill-context 8192 --time-budget 190 --out "$OUT/q28.json"
+  grep -A 12 "^decode" "$OUT/q28.log"
+fi

@@ -5,7 +5,7 @@ key tiles, no split) and took ~20 us per layer in the 4-layer breakdown (docs/PE
 10). This times every ``DecodeAttentionConfig`` of a grid (heads per program, keys per tile,
 warps) at every split count on Flash's key lists at 4K and 1M (window only; HCA 4K: 128 + 32;
 CSA: 128 + 512; HCA 1M: 128 + 8192) at batch 1 and 4, as CUDA-graph replays after an L2 flush,
-beside what ``sparse_decode`` picks by itself; each output is checked against the default
+beside what ``sparse_decode`` picks by itself (``decode_launch_rule``); each output is checked against the default
 config's (bf16 outputs of the same softmax: relative L2 error under 1e-2, a wrong index gives
 order 1).
 
@@ -61,7 +61,7 @@ def probe_decode(batch: int, results: list) -> None:
         win, ext = x["sets"][0]
         ref = sparse_decode(x["q"], x["swa"], win, x["extra"] if k else None, ext[:, :k] if k else None,
                             x["sink"], 512 ** -0.5).out.float()
-        auto = cold_replay_us(lambda: run_decode(x, k, DecodeAttentionConfig(), None))
+        auto = cold_replay_us(lambda: run_decode(x, k, None, None))
         rows = []
         for cfg in grid:
             n_tiles = -(-128 // cfg.block_n) + -(-k // cfg.block_n)

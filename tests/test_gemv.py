@@ -14,6 +14,8 @@ import torch
 from bounds import BF16_HALF, assert_within, gamma
 from dsv4_backend.kernels.gemv import GemvConfig, gemv, pick_gemv_config
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _inputs(M, N, K, x_dtype, seed, stride_pad=0):
     g = torch.Generator().manual_seed(seed)
@@ -35,7 +37,7 @@ def test_gemv_against_float64(M, N, K, x_dtype, out_dtype, config):
     x, w = _inputs(M, N, K, x_dtype, seed=M * 1000 + N, stride_pad=8)
     ref = x.double() @ w.double().T
     mag = x.double().abs() @ w.double().abs().T
-    y = gemv(x, w, out_dtype, config)
+    y = gemv(x.to(DEV), w.to(DEV), out_dtype, config)
     assert y.dtype == out_dtype and y.shape == (M, N)
     bound = gamma(K) * mag
     if out_dtype == torch.bfloat16:
@@ -53,11 +55,11 @@ def test_rule_splits_k_to_about_2048_programs():
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="share K"):
-        gemv(torch.zeros(1, 8), torch.zeros(4, 9, dtype=torch.bfloat16))
+        gemv(torch.zeros(1, 8, device=DEV), torch.zeros(4, 9, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(ValueError, match="out_dtype"):
-        gemv(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.bfloat16), torch.float16)
+        gemv(torch.zeros(1, 8, device=DEV), torch.zeros(4, 8, dtype=torch.bfloat16, device=DEV), torch.float16)
     with pytest.raises(ValueError, match="dense along K"):
-        gemv(torch.zeros(8, 2).T, torch.zeros(4, 8, dtype=torch.bfloat16))
+        gemv(torch.zeros(8, 2, device=DEV).T, torch.zeros(4, 8, dtype=torch.bfloat16, device=DEV))
 
 
 def test_compressor_projections_keep_their_cpu_values():

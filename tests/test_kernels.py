@@ -323,3 +323,28 @@ def test_sparse_decode_window_only():
     got = sparse_decode(q, swa, win, None, None, sink, 0.05)
     ref = R.sparse_decode_ref(q.float(), swa, win, None, None, sink, 0.05)
     _check_attention(got, ref, q, swa, win, None, None, sink, 0.05)
+
+
+def test_sparse_decode_small_batch_rule():
+    """One request of 64 heads (Flash's) over 128 + 200 keys with no config given: the
+    small-batch rule's launch (4 head blocks of 16, 32-key tiles, 11 splits, the merge) against
+    the float64 reference; and the rule's boundaries."""
+    from dsv4_backend.kernels.sparse_attention import SMALL_BATCH_CONFIG, decode_launch_rule
+    assert decode_launch_rule(1, 128 + 200) == (SMALL_BATCH_CONFIG, 11)
+    assert decode_launch_rule(4, 128) == (SMALL_BATCH_CONFIG, 4)
+    assert decode_launch_rule(4, 128 + 512) == (SMALL_BATCH_CONFIG, 16)
+    assert decode_launch_rule(5, 128) == (DecodeAttentionConfig(), None)
+    assert decode_launch_rule(1, 128 + 8192) == (DecodeAttentionConfig(), None)
+    g = _gen(51)
+    h, k = 64, 200
+    swa = _kv_pool(2, 128, g)
+    extra = _kv_pool(4, 64, g)
+    win = torch.randint(0, 256, (1, 128), generator=g)
+    ext = torch.randint(0, 256, (1, k), generator=g)
+    ext[0, 5::7] = -1
+    q = torch.randn(1, h, 512, generator=g) * 3
+    qd = q.to(DEV).to(torch.bfloat16 if DEV == "cuda" else torch.float32)
+    sink = torch.randn(h, generator=g)
+    got = sparse_decode(qd, swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), 512 ** -0.5)
+    ref = R.sparse_decode_ref(qd.float(), swa, win.to(DEV), extra, ext.to(DEV), sink.to(DEV), 512 ** -0.5)
+    _check_attention(got, ref, qd, swa, win, extra, ext, sink, 512 ** -0.5)

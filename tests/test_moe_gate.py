@@ -16,6 +16,15 @@ import torch
 from bounds import U32, assert_within, gamma
 from dsv4_backend.kernels.moe_gate import moe_gate, scores_block_e
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gate(x, weight, bias, topk, scale, tid2eid=None, tokens=None, block_e=None):
+    """moe_gate on DEV (the interpreter off the GPU), results back on the CPU."""
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    ids, w = moe_gate(dev(x), dev(weight), dev(bias), topk, scale, dev(tid2eid), dev(tokens), block_e=block_e)
+    return ids.cpu(), w.cpu()
+
 
 def _reference(x, weight, bias, topk, scale, tid2eid=None, tokens=None):
     z = x.double() @ weight.double().T
@@ -39,7 +48,7 @@ def test_scored_routing(E, topk, dtype, block_e):
     key = (s + bias.double()).sort(-1, descending=True).values
     if topk < E:
         assert bool(((key[:, topk - 1] - key[:, topk]) > 2 * tol_s.max()).all()), "inputs with a near-tie"
-    ids, w = moe_gate(x, weight, bias, topk, scale, block_e=block_e)
+    ids, w = _gate(x, weight, bias, topk, scale, block_e=block_e)
     assert torch.equal(ids, ids_ref)
     ts = tol_s.gather(-1, ids_ref)
     sj = s.gather(-1, ids_ref)
@@ -55,7 +64,7 @@ def test_hash_routing():
     tid2eid = torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(V)])
     tokens = torch.tensor([3, 49, 0, 3])
     z, s, ids_ref, w_ref, mag = _reference(x, weight, None, topk, 1.0, tid2eid, tokens)
-    ids, w = moe_gate(x, weight, None, topk, 1.0, tid2eid, tokens)
+    ids, w = _gate(x, weight, None, topk, 1.0, tid2eid, tokens)
     assert torch.equal(ids, ids_ref)
     tol_s = 0.5 * gamma(D) * mag + 8 * U32 * s
     ts, sj = tol_s.gather(-1, ids_ref), s.gather(-1, ids_ref)
@@ -70,7 +79,7 @@ def test_softplus_tails():
     weight = torch.tensor([[-30.0], [-12.0], [-3.0], [0.0], [5.0], [25.0]])
     bias = torch.zeros(6)
     z, s, ids_ref, w_ref, _ = _reference(x, weight, bias, 6, 1.0)
-    ids, w = moe_gate(x, weight, bias, 6, 1.0)
+    ids, w = _gate(x, weight, bias, 6, 1.0)
     assert torch.equal(ids, ids_ref)
     assert_within(w, w_ref, 1e-6 * w_ref.abs() + 1e-12, "routing weights")
 
@@ -86,8 +95,8 @@ def test_scores_block_e_covers_the_sms():
 
 
 def test_bad_inputs():
-    x = torch.zeros(2, 8)
+    x = torch.zeros(2, 8, device=DEV)
     with pytest.raises(ValueError, match="bias"):
-        moe_gate(x, torch.zeros(4, 8), None, 2, 1.0)
+        moe_gate(x, torch.zeros(4, 8, device=DEV), None, 2, 1.0)
     with pytest.raises(ValueError, match="share D"):
-        moe_gate(x, torch.zeros(4, 9), torch.zeros(4), 2, 1.0)
+        moe_gate(x, torch.zeros(4, 9, device=DEV), torch.zeros(4, device=DEV), 2, 1.0)

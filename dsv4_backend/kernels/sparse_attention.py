@@ -15,6 +15,12 @@ row, and (``halves``) dequantised and multiplied as two 256-dim halves, which ha
 registers of the dequantisation. Long key lists (HCA at 1M context: 128 + 8192 rows) are split
 over programs when that finishes sooner (``default_num_splits``); the partial (O, lse) pairs are
 merged, with the sink, by a second kernel.
+
+Few requests with short lists (batch 1-4 at any context for CSA, to ~114K for HCA, every
+window-only layer) launch too few programs to hide the latency of a tile: there
+``decode_launch_rule`` takes 16 heads a program, 32-key tiles and about one tile per split
+(``bench/probe_batch1.py`` on the H200, docs/PERF.md session 11: 23 -> 13 us for a window-only
+layer at batch 1, 27 -> 18 us for CSA at 4K).
 """
 
 from __future__ import annotations
@@ -247,6 +253,21 @@ def _merge_kernel(po_ptr, plse_ptr, sink_ptr, out_ptr, out_sb, out_sh, lse_ptr, 
     tl.store(lse_ptr + b * num_heads + h, lse)
 
 
+SMALL_BATCH_CONFIG = DecodeAttentionConfig(16, 32, 8, 1, "word", True)
+SMALL_BATCH_MAX_REQUESTS = 4   # the probe's batches; larger ones keep the tuned default
+SMALL_BATCH_MAX_KEYS = 1024    # window + extra rows; the 1M HCA list (8,320) ran faster on the default
+SMALL_BATCH_MAX_SPLITS = 16
+
+
+def decode_launch_rule(b: int, n_keys: int) -> tuple[DecodeAttentionConfig, int | None]:
+    """(config, splits or None for ``default_num_splits``) for ``b`` requests of ``n_keys`` keys
+    each (window slots + extra rows)."""
+    if b <= SMALL_BATCH_MAX_REQUESTS and n_keys <= SMALL_BATCH_MAX_KEYS:
+        tiles = triton.cdiv(n_keys, SMALL_BATCH_CONFIG.block_n)
+        return SMALL_BATCH_CONFIG, max(1, min(SMALL_BATCH_MAX_SPLITS, tiles))
+    return DecodeAttentionConfig(), None
+
+
 @functools.lru_cache(maxsize=4096)
 def default_num_splits(programs: int, n_tiles: int, num_sms: int) -> int:
     """Splits of the key list that finish soonest, counting in key tiles per SM.
@@ -274,7 +295,7 @@ def default_num_splits(programs: int, n_tiles: int, num_sms: int) -> int:
 def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.Tensor,
                   extra_pool: torch.Tensor | None, extra_rows: torch.Tensor | None,
                   attn_sink: torch.Tensor, softmax_scale: float, num_splits: int | None = None,
-                  config: DecodeAttentionConfig = DecodeAttentionConfig(),
+                  config: DecodeAttentionConfig | None = None,
                   out: torch.Tensor | None = None) -> DecodeAttentionOutput:
     """Decode attention of one query token per request.
 
@@ -282,6 +303,8 @@ def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.T
     window_slots: int32 [b, W] SWA slots, -1 = none; extra_pool: uint8 [pages, 64 * 584] or None;
     extra_rows: int32 [b, k] rows of extra_pool, -1 = none, or None; attn_sink: fp32 [h].
     num_splits: programs per (request, head block) along the key list (None: a heuristic).
+    config: the launch shape (None: ``decode_launch_rule``, whose splits then apply too unless
+    ``num_splits`` is given).
     """
     b, h, dim = q.shape
     if dim != 512 or q.stride(2) != 1:
@@ -301,9 +324,12 @@ def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.T
     extra_rows = extra_rows.to(torch.int32).contiguous()
     attn_sink = attn_sink.float().contiguous()
 
+    n_win, n_ext = window_slots.shape[1], extra_rows.shape[1]
+    if config is None:
+        config, rule_splits = decode_launch_rule(b, n_win + n_ext)
+        num_splits = rule_splits if num_splits is None else num_splits
     block_h = max(16, min(config.block_h, triton.next_power_of_2(h)))
     head_blocks = triton.cdiv(h, block_h)
-    n_win, n_ext = window_slots.shape[1], extra_rows.shape[1]
     n_tiles = triton.cdiv(n_win, config.block_n) + triton.cdiv(n_ext, config.block_n)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132

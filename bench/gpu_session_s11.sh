@@ -22,3 +22,23 @@ if [ "$WHICH" = probe ]; then
     --prefill-max-seconds 5 --prefill-context 8192 --time-budget 190 --out "$OUT/q28.json"
   grep -A 12 "^decode" "$OUT/q28.log"
 fi
+#   bash bench/gpu_session_s11.sh $OUT final   after the small-batch rule: CUDA tests, the probe at batch 1 (the rule's
+#                                              pick against the grid), issue 13's 28-layer table, then (FlashMLA wheel
+#                                              carried in .whl/flashmla/) the bf16 benchmark model at 128K x 17,
+#                                              compressed and dense (issue 14's 4x target)
+if [ "$WHICH" = final ]; then
+  part 100 tests python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_moe_gate.py tests/test_topk.py \
+    tests/test_kernels.py tests/test_quant_model.py tests/test_stacked_linears.py tests/test_host_syncs.py
+  tail -n 4 "$OUT/tests.log"
+  part 90 probe python3 bench/probe_batch1.py --batches 1 --out "$OUT/probe_batch1.json"
+  grep -A 2 "^decode\|^gate" "$OUT/probe.log" | head -n 24
+  part 150 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
+    --prefill-max-seconds 40 --time-budget 140 --out "$OUT/quant_full.json"
+  grep -A 40 "^decode" "$OUT/qfull.log" | head -n 40
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 220 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
+    --time-budget 200 --out "$OUT/dense.json"
+  grep -E "decode (compressed|dense)|engine built|attention kernel|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-300
+  tail -n 15 "$OUT/dense.log"
+fi

@@ -31,7 +31,7 @@ if [ "$WHICH" = final ]; then
     tests/test_kernels.py tests/test_quant_model.py tests/test_stacked_linears.py tests/test_host_syncs.py
   tail -n 4 "$OUT/tests.log"
   part 90 probe python3 bench/probe_batch1.py --batches 1 --out "$OUT/probe_batch1.json"
-  grep -A 2 "^decode\|^gate" "$OUT/probe.log" | head -n 24
+  grep -A 2 "^decode\|^gate\|^mhc" "$OUT/probe.log" | head -n 40
   part 150 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
     --prefill-max-seconds 40 --time-budget 140 --out "$OUT/quant_full.json"
   grep -A 40 "^decode" "$OUT/qfull.log" | head -n 40

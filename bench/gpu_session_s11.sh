@@ -32,6 +32,9 @@ if [ "$WHICH" = final ]; then
   tail -n 4 "$OUT/tests.log"
   part 90 probe python3 bench/probe_batch1.py --batches 1 --out "$OUT/probe_batch1.json"
   grep -A 2 "^decode\|^gate\|^mhc" "$OUT/probe.log" | head -n 40
+  part 80 qsplit python3 bench/bench_quant_model.py --layers 4 --contexts 4096 --batches 1 --skip-kernels \
+    --prefill-context 8192 --prefill-max-seconds 5 --steps 4 --breakdown 2 --time-budget 70 --out "$OUT/qsplit.json"
+  grep -A 9 "where the step goes\|kernels per decode step" "$OUT/qsplit.log" | grep -v "^ *[0-9.]* us " | head -n 16
   part 150 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
     --prefill-max-seconds 40 --time-budget 140 --out "$OUT/quant_full.json"
   grep -A 40 "^decode" "$OUT/qfull.log" | head -n 40

@@ -35,13 +35,13 @@ if [ "$WHICH" = final ]; then
   part 80 qsplit python3 bench/bench_quant_model.py --layers 4 --contexts 4096 --batches 1 --skip-kernels \
     --prefill-context 8192 --prefill-max-seconds 5 --steps 4 --breakdown 2 --time-budget 70 --out "$OUT/qsplit.json"
   grep -A 9 "where the step goes\|kernels per decode step" "$OUT/qsplit.log" | grep -v "^ *[0-9.]* us " | head -n 16
-  part 150 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
-    --prefill-max-seconds 40 --time-budget 140 --out "$OUT/quant_full.json"
+  part 130 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
+    --prefill-max-seconds 40 --time-budget 120 --out "$OUT/quant_full.json"
   grep -A 40 "^decode" "$OUT/qfull.log" | head -n 40
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
-  part 220 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
+  part 200 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
     --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
-    --time-budget 200 --out "$OUT/dense.json"
+    --time-budget 180 --out "$OUT/dense.json"
   grep -E "decode (compressed|dense)|engine built|attention kernel|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-300
   tail -n 15 "$OUT/dense.log"
 fi

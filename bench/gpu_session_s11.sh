@@ -30,14 +30,14 @@ if [ "$WHICH" = final ]; then
   part 100 tests python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_moe_gate.py tests/test_topk.py \
     tests/test_kernels.py tests/test_quant_model.py tests/test_stacked_linears.py tests/test_host_syncs.py
   tail -n 4 "$OUT/tests.log"
-  part 90 probe python3 bench/probe_batch1.py --batches 1 --out "$OUT/probe_batch1.json"
+  part 80 probe python3 bench/probe_batch1.py --batches 1 --out "$OUT/probe_batch1.json"
   grep -A 2 "^decode\|^gate\|^mhc" "$OUT/probe.log" | head -n 40
   part 80 qsplit python3 bench/bench_quant_model.py --layers 4 --contexts 4096 --batches 1 --skip-kernels \
     --prefill-context 8192 --prefill-max-seconds 5 --steps 4 --breakdown 2 --time-budget 70 --out "$OUT/qsplit.json"
   grep -A 9 "where the step goes\|kernels per decode step" "$OUT/qsplit.log" | grep -v "^ *[0-9.]* us " | head -n 16
-  part 130 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
-    --prefill-max-seconds 40 --time-budget 120 --out "$OUT/quant_full.json"
-  grep -A 40 "^decode" "$OUT/qfull.log" | head -n 40
+  part 140 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
+    --prefill-max-seconds 40 --timeline 6 --time-budget 130 --out "$OUT/quant_full.json"
+  grep -A 70 "^decode" "$OUT/qfull.log" | head -n 70
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
   part 200 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
     --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \

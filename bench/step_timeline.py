@@ -1,0 +1,115 @@
+"""Where a decode step's wall time goes on the GPU: graph kernels, eager kernels, copies, idle.
+
+At batch 1 the quantised 28-layer step was 7.79 ms of which its CUDA graph's replay took 6.98 ms of
+GPU time (docs/PERF.md, session 11): this finds out what the rest is. It runs decode steps of an
+engine (graphs on, the overlap schedule as configured) under ``torch.profiler``, exports the trace
+and classifies every GPU activity by the runtime call that launched it (kineto's correlation ids):
+a ``cudaGraphLaunch`` -> the graph; any other launch -> an eager kernel; copies and memsets by
+their category. Reported per step: the wall time, GPU busy time by class, the idle time, the eager
+kernels and copies by name, and the largest idle gaps with the activities on either side.
+
+    from step_timeline import profile_steps
+    report = profile_steps(eng, context=4096, batch=1, steps=6)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -> dict[str, Any]:
+    """The chrome trace of ``steps`` profiled steps taking ``wall_s`` -> per-step figures (ms)."""
+    events = trace.get("traceEvents", [])
+    launched_by = {}
+    for e in events:
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and corr is not None:
+            launched_by[corr] = e.get("name", "")
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
+    busy = defaultdict(float)
+    count = defaultdict(int)
+    eager_names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    gaps: list[tuple[float, str, str]] = []
+    end, last = None, ""
+    for e in gpu:
+        corr = (e.get("args") or {}).get("correlation")
+        if e["cat"] == "kernel":
+            kind = "graph" if launched_by.get(corr, "").startswith("cudaGraphLaunch") else "eager_kernel"
+        else:
+            kind = "memcpy" if e["cat"] == "gpu_memcpy" else "memset"
+        busy[kind] += e["dur"]
+        count[kind] += 1
+        if kind != "graph":
+            n = eager_names[f"{kind}: {e.get('name', '?')[:90]}"]
+            n[0] += 1
+            n[1] += e["dur"]
+        if end is not None and e["ts"] > end:
+            gaps.append((e["ts"] - end, last, e.get("name", "?")[:60]))
+        end = max(end or e["ts"], e["ts"] + e["dur"])
+        last = e.get("name", "?")[:60]
+    span = (end - gpu[0]["ts"]) if gpu else 0.0
+    idle = sum(g for g, _, _ in gaps)
+    per = max(steps, 1) * 1e3   # us over all steps -> ms per step
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_s * 1e3 / max(steps, 1),
+        "gpu_span_ms_per_step": span / per,
+        "busy_ms_per_step": {k: v / per for k, v in busy.items()},
+        "activities_per_step": {k: v / max(steps, 1) for k, v in count.items()},
+        "idle_ms_per_step": idle / per,
+        "idle_gaps_over_5us_per_step": sum(1 for g, _, _ in gaps if g > 5) / max(steps, 1),
+        "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:top]],
+        "outside_graph_by_name": sorted(((name, n / max(steps, 1), t / per) for name, (n, t) in eager_names.items()),
+                                        key=lambda r: -r[2])[:top],
+        "classified": bool(launched_by),
+    }
+
+
+def profile_steps(eng: Any, context: int, batch: int, steps: int = 6, warmup: int = 3) -> dict[str, Any]:
+    """Admit ``batch`` synthetic requests of ``context`` tokens, run ``warmup`` steps, then profile
+    ``steps`` steps; the requests are finished afterwards."""
+    from bench._bench_common import admit_synthetic, finish_all
+    from torch.profiler import ProfilerActivity, profile
+
+    rids = admit_synthetic(eng, context, batch, warmup + steps + 4)
+    path = os.path.join(tempfile.mkdtemp(prefix="dsv4_timeline_"), "trace.json")
+    try:
+        for _ in range(warmup):
+            eng.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        finish_all(eng, rids)
+    return summarize(trace, steps, wall)
+
+
+def print_timeline(rep: dict[str, Any], indent: str = "  ") -> None:
+    busy = rep["busy_ms_per_step"]
+    acts = rep["activities_per_step"]
+    print(f"{indent}step timeline ({rep['steps']} profiled steps{'' if rep['classified'] else ', launches not classified'}): "
+          f"wall {rep['wall_ms_per_step']:.2f} ms/step, GPU span {rep['gpu_span_ms_per_step']:.2f}, idle "
+          f"{rep['idle_ms_per_step']:.3f} ms in {rep['idle_gaps_over_5us_per_step']:.1f} gaps > 5 us")
+    print(f"{indent}  busy per step: " + ", ".join(f"{k} {v:.3f} ms ({acts.get(k, 0):.0f})" for k, v in sorted(busy.items())))
+    print(f"{indent}  outside the graph, per step:")
+    for name, n, ms in rep["outside_graph_by_name"]:
+        print(f"{indent}    {ms * 1e3:8.1f} us  x{n:<5.1f} {name}")
+    print(f"{indent}  largest idle gaps:")
+    for g, a, b in rep["largest_gaps_us"]:
+        print(f"{indent}    {g:8.1f} us  after {a}  before {b}")

@@ -30,3 +30,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def default_decode_launch(monkeypatch):
+    """Sparse decode with its tuned default launch at every batch size. Tests that compare, bit
+    for bit, steps whose key lists are padded or batched differently (a static step against an
+    eager one, HiSparse's query blocks against one pass) need one launch shape for both: the
+    small-batch rule (``sparse_attention.decode_launch_rule``) picks its splits by list length
+    and batch size, and another split sums in another order. The rule itself is checked against
+    float64 in tests/test_kernels.py."""
+    from dsv4_backend.kernels import sparse_attention
+    monkeypatch.setattr(sparse_attention, "SMALL_BATCH_MAX_REQUESTS", 0)

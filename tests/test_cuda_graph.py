@@ -39,6 +39,10 @@ def test_buckets():
     assert context_bucket(1 << 20) == 1 << 20 and context_bucket(5000) == 5120
 
 
+# bit-for-bit comparisons of padded (static) and unpadded (eager) key lists: one decode launch shape
+pytestmark = pytest.mark.usefixtures("default_decode_launch")
+
+
 @pytest.fixture(scope="module")
 def weights():
     return random_weights(CFG, seed=5, dtype=torch.float32, include_mtp=False)

@@ -491,6 +491,7 @@ def test_engine_bit_identical_on_cuda(attention_kernel):
 
 # ---- the Triton backend (interpreter) -------------------------------------------------------
 
+@pytest.mark.usefixtures("default_decode_launch")   # query blocks of 2 rows against one pass of 12
 def test_triton_backend_bit_identical():
     """One CSA layer, top-2 of 3 rows, buffers of 2 rows and 4 staging rows: the 12-query prefill
     runs in 6 staging blocks, the decode swaps rows into its buffer (rows moved by the copy kernel)."""

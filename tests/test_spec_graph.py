@@ -84,6 +84,10 @@ def _schedule(runner: ModelRunner):
     return out
 
 
+# bit-for-bit comparisons of padded (static) and unpadded (eager) key lists: one decode launch shape
+pytestmark = pytest.mark.usefixtures("default_decode_launch")
+
+
 @pytest.fixture(scope="module")
 def weights():
     return random_weights(CFG, seed=7, dtype=torch.float32, include_mtp=False)

@@ -615,7 +615,8 @@ def run(args: argparse.Namespace) -> Report:
                        f"(overlap / synchronous {row.ms_per_step / row.sync_ms_per_step:.2f})"
                        if row.sync_ms_per_step else "")
                     + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
-                       f"{row.graph['host_prep_ms']:.2f} ms)" if row.graph else ""))
+                       f"{row.graph['host_prep_ms']:.2f} ms, GPU before the replay {row.graph.get('fill_gpu_ms', 0):.2f} "
+                       f"ms, between replays {row.graph.get('between_replays_ms', 0):.2f} ms)" if row.graph else ""))
                 if row.breakdown:
                     say(breakdown_text(row, "  "))
                 if row.kernels:

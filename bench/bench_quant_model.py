@@ -454,6 +454,11 @@ def decode_rows(eng: Engine, args: argparse.Namespace, guard: Budget, headroom: 
             pct = f"{100 * floor_ms / row.ms_per_step:7.1f}" if row.ms_per_step else "      -"
             print(f"{'':10} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
                   f"{nbytes / 1e9:9.3f} {floor_ms:9.2f} {pct}  {row.status} {row.note}")
+            if row.graph:
+                g = row.graph
+                print(f"{'':19} graph replay {g['replay_gpu_ms']:.2f} ms GPU; before it (metadata, fills) "
+                      f"{g.get('fill_gpu_ms', 0):.2f} ms; between replays {g.get('between_replays_ms', 0):.2f} ms; "
+                      f"host prep {g['host_prep_ms']:.2f} ms")
             if row.breakdown:
                 print_breakdown(row)
     return rows

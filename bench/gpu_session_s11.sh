@@ -45,3 +45,14 @@ if [ "$WHICH" = final ]; then
   grep -E "decode (compressed|dense)|engine built|attention kernel|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-300
   tail -n 15 "$OUT/dense.log"
 fi
+#   bash bench/gpu_session_s11.sh $OUT expand  the mHC expand's few-token block (64) and the graph step's GPU time around
+#                                              its replay (metadata before it, sampling and idle between replays)
+if [ "$WHICH" = expand ]; then
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_cuda_graph.py \
+    tests/test_host_syncs.py
+  tail -n 4 "$OUT/tests.log"
+  part 170 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1,32 --skip-kernels --steps 8 \
+    --prefill-max-seconds 5 --prefill-context 8192 --time-budget 160 --out "$OUT/q28.json"
+  grep -A 16 "^decode" "$OUT/q28.log"
+  grep "per layer\|43-layer" "$OUT/q28.log"
+fi

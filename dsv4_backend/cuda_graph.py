@@ -152,27 +152,38 @@ class DecodeGraphs:
 
     def reset_stats(self) -> None:
         self._prep_s, self._gpu_ms, self._timed = 0.0, 0.0, 0
-        self._pending: list[tuple[Any, Any]] = []
+        self._fill_ms, self._between_ms, self._betweens = 0.0, 0.0, 0
+        self._pending: list[tuple[Any, Any, Any, Any]] = []   # (previous replay's end, fill, start, end)
+        self._last_end: Any = None
 
     def _collect(self) -> None:
         """Fold the finished replays' event pairs into the totals (a served engine never asks
         for stats, so they must not pile up)."""
         still = []
-        for a, b in self._pending:
+        for prev, f, a, b in self._pending:
             if b.query():
                 self._gpu_ms += a.elapsed_time(b)
+                self._fill_ms += f.elapsed_time(a)
+                if prev is not None:
+                    self._between_ms += prev.elapsed_time(f)
+                    self._betweens += 1
             else:
-                still.append((a, b))
+                still.append((prev, f, a, b))
         self._pending = still
 
     def stats(self) -> dict[str, float]:
         """Means over the replays since :meth:`reset_stats`: host preparation (metadata and
-        buffer fills, ms) and the replay's own GPU time (ms, between events around it)."""
-        for _, b in self._pending:
+        buffer fills, ms), the replay's own GPU time (ms, between events around it), the GPU time
+        from a step's first metadata kernel to its replay (``fill_gpu_ms``: the eager metadata and
+        buffer fills, and any wait for the host to queue them) and from one replay's end to the
+        next step's first metadata kernel (``between_replays_ms``: the sampling and whatever else
+        runs eagerly between, and idle time while the host is behind)."""
+        for *_, b in self._pending:
             b.synchronize()
         self._collect()
         n = max(self._timed, 1)
-        return {"replays": self._timed, "host_prep_ms": 1e3 * self._prep_s / n, "replay_gpu_ms": self._gpu_ms / n}
+        return {"replays": self._timed, "host_prep_ms": 1e3 * self._prep_s / n, "replay_gpu_ms": self._gpu_ms / n,
+                "fill_gpu_ms": self._fill_ms / n, "between_replays_ms": self._between_ms / max(self._betweens, 1)}
 
     def run(self, reqs: list, prev_ids: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """One step of :meth:`can_run`'s kind: (the step's metadata, logits [T, vocab], the final
@@ -181,6 +192,10 @@ class DecodeGraphs:
         are copied into the static input buffer."""
         t0 = time.perf_counter()
         self._collect()
+        fill = None
+        if self.capture and self.runner.device.type == "cuda":    # the step's first GPU work: its metadata follows
+            fill = torch.cuda.Event(enable_timing=True)
+            fill.record()
         runner = self.runner
         backend = runner.backend
         q = len(reqs[0].input_ids)
@@ -210,9 +225,11 @@ class DecodeGraphs:
             start.record()
             entry.graph.replay()
             end.record()
-            self._pending.append((start, end))
+            self._pending.append((self._last_end, fill, start, end))
+            self._last_end = end
             logits, hidden = entry.logits, entry.hidden
         else:
+            self._last_end = None
             logits, hidden = self._body(entry.static)
         self.replays += 1
         T = len(reqs) * q

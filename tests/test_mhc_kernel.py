@@ -227,16 +227,17 @@ def test_collapse_and_expand(dtype):
     y_mag = torch.einsum("tj,tjd->td", pre.double(), X.double().abs())
     assert_within(y, y_ref, gamma(hc) * y_mag + U32 * y_ref.abs(), "collapse")
 
-    out = mhc_expand(X, f, post, C)
     out_ref = (post.double()[:, :, None] * f.double()[:, None, :]
                + torch.einsum("tjk,tjd->tkd", C.double(), X.double()))
     mag = (post.double()[:, :, None] * f.double().abs()[:, None, :]
            + torch.einsum("tjk,tjd->tkd", C.double(), X.double().abs()))
-    assert out.dtype == dtype and out.shape == X.shape
     bound = gamma(hc + 1) * mag + U32 * out_ref.abs()
     if dtype == torch.bfloat16:                       # the stored stream: half a bf16 step more
         bound = bound + BF16_HALF * (out_ref.abs() + bound)
-    assert_within(out, out_ref, bound, "expand")
+    for block_d in (None, 256):                       # the few-token default (64) and the large-T one
+        out = mhc_expand(X, f, post, C, block_d=block_d)
+        assert out.dtype == dtype and out.shape == X.shape
+        assert_within(out, out_ref, bound, f"expand (block_d {block_d})")
 
 
 @interpreter_only

@@ -311,14 +311,21 @@ def _expand_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
         tl.store(out_ptr + t * HC * D + k * D + d, y.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+EXPAND_SMALL_T = 16   # tokens up to which the expand spreads a row over more, smaller programs
+
+
 def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
-               block_d: int = 256) -> torch.Tensor:
+               block_d: int | None = None) -> torch.Tensor:
     """New streams ``post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` in fp32, stored in X's dtype.
 
     X: [T, hc, D]; f: [T, D]; post: fp32 [T, hc]; C: fp32 [T, hc, hc] -> [T, hc, D].
+    ``block_d``: D values a program (None: 64 up to ``EXPAND_SMALL_T`` tokens, else 256; at one
+    token of Flash 64 took 5.98 us against 10.14 for 256 on the H200, bench/probe_batch1.py).
     """
     _check_streams(X, "mhc_expand")
     T, hc, D = X.shape
+    if block_d is None:
+        block_d = 64 if T <= EXPAND_SMALL_T else 256
     if f.shape != (T, D) or post.shape != (T, hc) or C.shape != (T, hc, hc):
         raise ValueError(f"mhc_expand: shapes X {tuple(X.shape)}, f {tuple(f.shape)}, "
                          f"post {tuple(post.shape)}, C {tuple(C.shape)} do not agree")

@@ -56,3 +56,12 @@ if [ "$WHICH" = expand ]; then
   grep -A 16 "^decode" "$OUT/q28.log"
   grep "per layer\|43-layer" "$OUT/q28.log"
 fi
+#   bash bench/gpu_session_s11.sh $OUT bf16b1  the bf16 benchmark model (FlashMLA wheel in .whl/flashmla/) at batch 1,
+#                                              4K and 1M (issue 14's 2x target on the long-context benchmark's model)
+if [ "$WHICH" = bf16b1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 230 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget 210 --out "$OUT/step.json"
+  grep -E "decode compressed|engine built|attention kernel" "$OUT/step.log" | cut -c1-400
+fi

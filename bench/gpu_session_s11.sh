@@ -65,3 +65,9 @@ if [ "$WHICH" = bf16b1 ]; then
     --time-budget 210 --out "$OUT/step.json"
   grep -E "decode compressed|engine built|attention kernel" "$OUT/step.log" | cut -c1-400
 fi
+#   bash bench/gpu_session_s11.sh $OUT layer   the per-layer cost from the graphs' GPU time (28 against 14 layers)
+if [ "$WHICH" = layer ]; then
+  part 150 q28 python3 bench/bench_quant_model.py --contexts 4096 --batches 1 --skip-kernels --steps 8 \
+    --prefill-max-seconds 3 --prefill-context 8192 --time-budget 120 --out "$OUT/q28.json"
+  grep -A 3 "^decode" "$OUT/q28.log"; grep -A 1 "^per layer" "$OUT/q28.log"; grep "layer decode step" "$OUT/q28.log"
+fi

@@ -10,7 +10,7 @@ WHICH=${2:-probe}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
 if [ "$WHICH" = probe ]; then
-  part 240 tests python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_moe_gate.py tests/test_topk.py \
+  part 240 tests python3 -m pytest -q -p no:cacheprovider tests/test_dense_linear.py tests/test_moe_gate.py tests/test_topk.py \
     tests/test_kernels.py tests/test_quant_model.py tests/test_stacked_linears.py
   tail -n 6 "$OUT/tests.log"
   part 150 probe python3 bench/probe_batch1.py --out "$OUT/probe_batch1.json"
@@ -27,7 +27,7 @@ fi
 #                                              carried in .whl/flashmla/) the bf16 benchmark model at 128K x 17,
 #                                              compressed and dense (issue 14's 4x target)
 if [ "$WHICH" = final ]; then
-  part 100 tests python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py tests/test_moe_gate.py tests/test_topk.py \
+  part 100 tests python3 -m pytest -q -p no:cacheprovider tests/test_dense_linear.py tests/test_moe_gate.py tests/test_topk.py \
     tests/test_kernels.py tests/test_quant_model.py tests/test_stacked_linears.py tests/test_host_syncs.py
   tail -n 4 "$OUT/tests.log"
   part 80 probe python3 bench/probe_batch1.py --batches 1 --out "$OUT/probe_batch1.json"

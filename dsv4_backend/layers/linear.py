@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..weights import fp4_packed_shape, fp4_scale_shape, fp8_scale_shape
+from .fp32_products import fp32_applies, fp32_linear
 from .quant import act_fake_quant, compute_dtype, dequant_fp4, dequant_fp8, fp4_moe_ref, moe_act_quant
 
 logger = logging.getLogger(__name__)
@@ -136,45 +137,13 @@ def row_stack_of(mods: tuple[nn.Module, ...]) -> Optional[RowStack]:
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``x @ w^T`` in ``out_dtype`` (default x's), x and w cast to it first. On CUDA, for an fp32
-    product of a narrower stored weight (the compressors' bf16 weights) over at most
-    ``kernels.gemv.GEMV_MAX_M`` rows, the Triton GEMV reads w as stored instead: the same fp32
-    products without writing an fp32 copy of w every call; more rows of a 16-bit x take cuBLAS's
-    16-bit product with fp32 accumulation and output, where this torch has it."""
+    """``x @ w^T`` in ``out_dtype`` (default x's), x and w cast to it first. A float32 product of a
+    bf16 weight on CUDA (the head's logits, the compressors' projections) reads w as stored
+    instead: :func:`.fp32_products.fp32_linear`, the same products without an fp32 copy of w."""
     out_dtype = out_dtype or x.dtype
-    if (x.is_cuda and out_dtype == torch.float32 and w.dtype in (torch.bfloat16, torch.float16)
-            and x.dtype in (torch.float32, w.dtype) and w.stride(-1) == 1):
-        rows = x.numel() // max(1, x.shape[-1])
-        x2 = x.reshape(rows, x.shape[-1])
-        gemv = _kernel("gemv", "gemv")
-        if gemv is not None and rows <= _kernel_const("gemv", "GEMV_MAX_M", 0):
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            return gemv(x2, w, out_dtype).view(*x.shape[:-1], w.shape[0])
-        if x.dtype == w.dtype and _mm_out_fp32_works():
-            # cuBLAS: the 16-bit operands as stored, fp32 accumulation and output
-            return torch.mm(x2, w.t(), torch.float32).view(*x.shape[:-1], w.shape[0])
+    if out_dtype == torch.float32 and fp32_applies(x, w):
+        return fp32_linear(x, w)
     return F.linear(x.to(out_dtype), w.to(out_dtype))
-
-
-_MM_OUT_FP32: list[bool] = []
-
-
-def _mm_out_fp32_works() -> bool:
-    """Whether this torch has ``torch.mm(a, b, out_dtype)`` (16-bit inputs, fp32 output on CUDA):
-    from torch 2.9; probed once."""
-    if not _MM_OUT_FP32:
-        try:
-            a = torch.ones(1, 8, dtype=torch.bfloat16, device="cuda")
-            _MM_OUT_FP32.append(torch.mm(a, a.t(), torch.float32).dtype == torch.float32)
-        except (TypeError, RuntimeError):
-            _MM_OUT_FP32.append(False)
-    return _MM_OUT_FP32[0]
-
-
-def _kernel_const(module: str, name: str, default: Any) -> Any:
-    value = _kernel(module, name)
-    return default if value is None else value
 
 
 def shared_input(x: torch.Tensor, *mods: nn.Module, out_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:

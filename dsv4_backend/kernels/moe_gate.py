@@ -5,9 +5,10 @@ the linear, softplus, sqrt, the bias, top-k, a gather, the sum and the scaling);
 they cost a third of the whole bf16 MoE layer on an H200 (bench/probe_moe_bf16.py). Here:
 
 1. **scores** (grid: tokens x ``E / BLOCK_E``): ``s = sqrt(softplus(x . W_e))`` in fp32 for a block
-   of experts, x and W read once; ``BLOCK_E`` (``scores_block_e``) shrinks at few tokens so
-   that the launch still covers the SMs (one token, 256 experts: one expert row per program); softplus as torch's (``x`` past 20, else ``log(1 + e^x)``, the
-   log taken as ``y - y^2 / 2`` for ``y = e^-|x| < 1e-4`` where ``1 + y`` would round away y);
+   of experts, x and W read once; ``BLOCK_E`` (``scores_block_e``) shrinks at few tokens so that
+   the launch still covers the SMs (one token, 256 experts: one expert row per program); softplus
+   as torch's (``x`` past 20, else ``log(1 + e^x)``, the log taken as ``y - y^2 / 2`` for
+   ``y = e^-|x| < 1e-4`` where ``1 + y`` would round away y);
 2. **select** (grid: tokens): top-k of ``s + bias`` by k rounds of an argmax (the lowest index
    wins a tie), or the hash-routed layer's ``tid2eid[token]``; weights ``s`` of the chosen,
    divided by their sum (added in choice order) and times the routed scaling factor.
@@ -23,6 +24,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from dsv4_backend.kernels.fp8_gemm import _num_sms
 
 
 @triton.jit
@@ -75,10 +78,6 @@ def _select_kernel(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, E, scale
         total += tl.sum(tl.where(kk == j, w, 0.0), axis=0)
     tl.store(ids_ptr + t * TOPK + kk, chosen.to(tl.int64), mask=kmask)
     tl.store(wts_ptr + t * TOPK + kk, w / total * scale, mask=kmask)
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def scores_block_e(T: int, E: int, num_sms: int) -> int:

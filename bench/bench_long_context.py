@@ -67,8 +67,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench._bench_common import (  # noqa: E402
-    Breakdown, KernelBreakdown, LayerTimer, admit_synthetic, finish_all, fmt_bytes, fmt_tokens, kv_bytes_held,
-    plan_bytes_per_request, sync, timed_decode_steps,
+    Breakdown, KernelBreakdown, LayerTimer, admit_synthetic, finish_all, fmt_bytes, fmt_tokens, graph_timing_text,
+    kv_bytes_held, plan_bytes_per_request, sync, timed_decode_steps,
 )
 from bench._floor import EXPERTS_UNIFORM, copy_gbps, decode_step_floor  # noqa: E402
 from bench.kernel_count import KernelCounter, report as kernel_report, report_text as kernel_text, syncs_per_step  # noqa: E402,E501
@@ -614,9 +614,7 @@ def run(args: argparse.Namespace) -> Report:
                     + (f"  synchronous steps {row.sync_ms_per_step:.2f} ms/step "
                        f"(overlap / synchronous {row.ms_per_step / row.sync_ms_per_step:.2f})"
                        if row.sync_ms_per_step else "")
-                    + (f"  (graph replay {row.graph['replay_gpu_ms']:.2f} ms GPU, host prep "
-                       f"{row.graph['host_prep_ms']:.2f} ms, GPU before the replay {row.graph.get('fill_gpu_ms', 0):.2f} "
-                       f"ms, between replays {row.graph.get('between_replays_ms', 0):.2f} ms)" if row.graph else ""))
+                    + (f"  ({graph_timing_text(row.graph)})" if row.graph else ""))
                 if row.breakdown:
                     say(breakdown_text(row, "  "))
                 if row.kernels:

@@ -64,7 +64,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._bench_common import admit_synthetic, finish_all, fmt_bytes, fmt_tokens, sync, timed_decode_steps  # noqa: E402,E501
+from bench._bench_common import (  # noqa: E402
+    admit_synthetic, finish_all, fmt_bytes, fmt_tokens, graph_timing_text, sync, timed_decode_steps,
+)
 from bench._floor import copy_gbps, decode_step_floor  # noqa: E402
 from bench.bench_long_context import DecodeRow, PrefillRow, is_oom, measure_decode, measure_prefill  # noqa: E402
 from bench.kernel_count import report_text as kernel_text  # noqa: E402
@@ -461,10 +463,7 @@ def decode_rows(eng: Engine, args: argparse.Namespace, guard: Budget, headroom: 
             print(f"{'':10} {fmt_tokens(ctx):>8} {b:>6} {row.ms_per_step:9.2f} {row.tokens_per_s:9.1f} "
                   f"{nbytes / 1e9:9.3f} {floor_ms:9.2f} {pct}  {row.status} {row.note}")
             if row.graph:
-                g = row.graph
-                print(f"{'':19} graph replay {g['replay_gpu_ms']:.2f} ms GPU; before it (metadata, fills) "
-                      f"{g.get('fill_gpu_ms', 0):.2f} ms; between replays {g.get('between_replays_ms', 0):.2f} ms; "
-                      f"host prep {g['host_prep_ms']:.2f} ms")
+                print(f"{'':19} {graph_timing_text(row.graph)}")
             if row.breakdown:
                 print_breakdown(row)
     return rows

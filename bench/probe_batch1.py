@@ -15,6 +15,11 @@ count, beside ``scores_block_e``'s pick.
 mHC expand: one token's four bf16 streams of 4,096 (``mhc_expand``) at each ``block_d``, the
 output checked equal to the default's (the same fp32 sums per element, so bit for bit).
 
+Compressor projections: one token through a layer's stacked bf16 compressor weights (CSA: C4
+and indexer compressors, 2,560 x 4,096; HCA: 1,024 x 4,096) as the model runs them, one cuBLAS
+GEMM with float32 output (``layers/fp32_products.py``), beside the weight read at the copy
+bandwidth measured here.
+
     python3 bench/probe_batch1.py [--out FILE.json]
 """
 
@@ -120,6 +125,21 @@ def probe_expand(results: list) -> None:
               f"{'same' if same else 'DIFFERS'}", flush=True)
 
 
+def probe_compressor(results: list) -> None:
+    from dsv4_backend.layers.fp32_products import fp32_linear
+    from _floor import copy_gbps
+    bw = copy_gbps(torch.device("cuda")) * 1e9
+    torch.manual_seed(2)
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    for name, n in (("csa", 2560), ("hca", 1024)):
+        w = (torch.randn(n, 4096, device="cuda") * 0.02).to(torch.bfloat16)
+        us = cold_replay_us(lambda: fp32_linear(x, w))
+        floor = w.numel() * 2 / bw * 1e6
+        results.append(dict(kernel="compressor_proj", layer=name, rows=n, us=us, floor_us=floor))
+        print(f"compressor projection {name} ({n} x 4096 bf16, T=1): {us:.2f} us, weight read at "
+              f"{bw / 1e9:,.0f} GB/s {floor:.2f} us ({floor / us:.0%})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,4")
@@ -128,6 +148,7 @@ def main() -> None:
     results: list = []
     probe_gate(results)
     probe_expand(results)
+    probe_compressor(results)
     for b in (int(v) for v in args.batches.split(",")):
         probe_decode(b, results)
     if args.out:

@@ -205,10 +205,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch, events: bool = True) -> ForwardMetadata:
-        """The step's metadata. ``events=False`` leaves out the compression events, ring writes
-        and online segments (``CompressedMeta`` then has only ``rows`` and ``num_visible``): a
-        static decode step derives its own (``TritonDSV4Backend.fill_static_decode``)."""
-        """Everything per step that does not depend on a layer (built once per step)."""
+        """The step's metadata: everything per step that does not depend on a layer (built once
+        per step). ``events=False`` leaves out the compression events, ring writes and online
+        segments (``CompressedMeta`` then has only ``rows`` and ``num_visible``)."""
 
     @abstractmethod
     def forward(self, layer_id: int, layer: Any, inputs: AttentionInputs, meta: ForwardMetadata) -> torch.Tensor:
@@ -403,7 +402,7 @@ class TorchDSV4Backend(AttentionBackend):
                               compressed: bool = True) -> ForwardMetadata:
         """The step's metadata. ``events=False`` leaves out the compression events, ring writes
         and online segments (``CompressedMeta`` then has only ``rows`` and ``num_visible``): a
-        static decode step derives its own (``TritonDSV4Backend.fill_static_decode``).
+        step whose layers compress nothing (the eager MTP pass).
         ``compressed=False`` leaves out the compressed layers' part altogether (no
         ``meta.compressed``): a step of window-only layers, the MTP layer's."""
         # Everything whose size is the step's (tokens, events, ring writes) is laid out on the host
@@ -461,14 +460,18 @@ class TorchDSV4Backend(AttentionBackend):
             full = req_to_token[slots[:, None], torch.where(valid, pos, 0)]
         else:   # every row starts at position 0 (dense mode, short requests): a row copy
             full = req_to_token[:, :width].index_select(0, slots)
-        # every window position must have an SWA slot: checked on the allocator's page
-        # bookkeeping (reading full_to_swa back would be a host sync per step)
-        for slot, k, s in zip(lists.req_slots, lists.kv_start, lists.seq_lens):
+        self.check_windows(lists.req_slots, lists.kv_start, lists.seq_lens)
+        ks = full_to_swa[full].to(torch.int64)
+        return torch.where(valid, ks, -1)
+
+    def check_windows(self, req_slots: list[int], starts: list[int], seq_lens: list[int]) -> None:
+        """Every position ``starts[r] .. seq_lens[r] - 1`` of each request must have an SWA slot:
+        checked on the allocator's page bookkeeping (reading full_to_swa back would be a host
+        sync per step)."""
+        for slot, k, s in zip(req_slots, starts, seq_lens):
             if gone := self.tables.unmapped(slot, k, s):
                 raise RuntimeError(f"request slot {slot}: positions {gone[:8]} of the step's windows have no "
                                    "SWA slot (evicted, or the allocator was not extended before the forward)")
-        ks = full_to_swa[full].to(torch.int64)
-        return torch.where(valid, ks, -1)
 
     def _block_rows(self, m: int, meta: ForwardMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio m's row of every complete block of each request, [R, max blocks] (-1 padded),

@@ -14,10 +14,10 @@ graph captured for its bucket:
   most 25% more indexer scan than the exact length, and a request growing from 4K to 1M
   crosses ~32 of them.
 
-What runs outside the graph: the step's metadata (the torch backend's
-``init_forward_metadata``, built from the scheduler's ints and the page tables), ~30 small
-copies into the static buffers, the replay, and sampling. Mixed steps (any prefill chunk)
-run eagerly.
+What runs outside the graph: one upload of the step's ints (request slots, prefix lengths, input
+ids) and one kernel that fills the static buffers from them and the slot tables
+(``kernels/static_tables.py``), the replay, and sampling. Mixed steps (any prefill chunk) run
+eagerly.
 
 Speculative verify steps (every request runs its last token and k drafts, k + 1 rows, as in
 ``scheduler_hooks/speculative.py``) replay graphs of their own, keyed by (batch, context,
@@ -48,8 +48,6 @@ import torch
 
 from memory.configurator import FULL_PAGE
 
-from .backend import ForwardBatch, TorchDSV4Backend
-from .input_ids import device_input_ids
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +106,17 @@ class GraphUnavailable(RuntimeError):
 
 
 @dataclass
+class _Step:
+    """What a static step is filled from: the requests' slots and prefix lengths, the rows' input
+    ids (host ints, placeholders among them, or a device tensor) and the previous step's ids."""
+
+    req_slots: list[int]
+    prefix_lens: list[int]
+    input_ids: Any
+    prev_ids: Optional[torch.Tensor] = None
+
+
+@dataclass
 class _Captured:
     static: Any                          # StaticDecode
     graph: Optional[torch.cuda.CUDAGraph]
@@ -120,7 +129,7 @@ class DecodeGraphs:
 
     ``capture=False`` runs the same static path eagerly (no graph): how the CPU tests check
     the static tables against the ordinary step. ``window_only`` (a subclass's): the body runs
-    window-only layers, so the step's compressed metadata and tables are neither built nor filled."""
+    window-only layers, so the step's compressed tables are not filled."""
 
     window_only = False
 
@@ -172,12 +181,12 @@ class DecodeGraphs:
         self._pending = still
 
     def stats(self) -> dict[str, float]:
-        """Means over the replays since :meth:`reset_stats`: host preparation (metadata and
-        buffer fills, ms), the replay's own GPU time (ms, between events around it), the GPU time
-        from a step's first metadata kernel to its replay (``fill_gpu_ms``: the eager metadata and
-        buffer fills, and any wait for the host to queue them) and from one replay's end to the
-        next step's first metadata kernel (``between_replays_ms``: the sampling and whatever else
-        runs eagerly between, and idle time while the host is behind)."""
+        """Means over the replays since :meth:`reset_stats`: host preparation (the step's ints,
+        their upload and the fill launch, ms), the replay's own GPU time (ms, between events around
+        it), the GPU time from a step's first GPU work to its replay (``fill_gpu_ms``: the upload
+        and the fill kernel, and any wait for the host to queue them) and from one replay's end to
+        the next step's first GPU work (``between_replays_ms``: the sampling, the slot tables'
+        updates and whatever else runs eagerly between, and idle time while the host is behind)."""
         for *_, b in self._pending:
             b.synchronize()
         self._collect()
@@ -185,31 +194,25 @@ class DecodeGraphs:
         return {"replays": self._timed, "host_prep_ms": 1e3 * self._prep_s / n, "replay_gpu_ms": self._gpu_ms / n,
                 "fill_gpu_ms": self._fill_ms / n, "between_replays_ms": self._between_ms / max(self._betweens, 1)}
 
-    def run(self, reqs: list, prev_ids: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """One step of :meth:`can_run`'s kind: (the step's metadata, logits [T, vocab], the final
-        streams [T, hc, D]), T = B * q rows in request order; both buffers are the graph's own.
-        ``prev_ids``: resolves placeholder input ids on the device (``input_ids.py``) before they
-        are copied into the static input buffer."""
+    def run(self, reqs: list, prev_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of :meth:`can_run`'s kind: (logits [T, vocab], the final streams [T, hc, D]),
+        T = B * q rows in request order; both buffers are the graph's own. ``prev_ids``: resolves
+        placeholder input ids on the device (``input_ids.py``) as the static input buffer is filled."""
         t0 = time.perf_counter()
         self._collect()
         fill = None
-        if self.capture and self.runner.device.type == "cuda":    # the step's first GPU work: its metadata follows
+        if self.capture and self.runner.device.type == "cuda":    # the step's first GPU work: its table fill follows
             fill = torch.cuda.Event(enable_timing=True)
             fill.record()
-        runner = self.runner
-        backend = runner.backend
         q = len(reqs[0].input_ids)
-        batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs], [q] * len(reqs))
-        # the ordinary layout, without the events (the static tables derive their own) and
-        # without the per-layer Triton tables (the static ones replace them)
-        meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False, compressed=not self.window_only)
-        ids = device_input_ids([t for r in reqs for t in r.input_ids], runner.device, prev_ids)
+        step = _Step([r.req_slot for r in reqs], [r.prefix_len for r in reqs],
+                     [t for r in reqs for t in r.input_ids], prev_ids)
         bs = next(b for b in self.buckets if b >= len(reqs))
-        ctx = context_bucket(max(meta.host.seq_lens), self.min_context)
+        ctx = context_bucket(max(step.prefix_lens) + q, self.min_context)
         entry = self._graphs.get((bs, ctx, q))
         if entry is None:
             try:
-                entry = self._build(bs, ctx, q, meta, ids)
+                entry = self._build(bs, ctx, q, step)
             except Exception as e:  # noqa: BLE001 (an op that cannot be captured: fall back, loudly)
                 self.enabled = False
                 self._graphs.clear()
@@ -217,7 +220,7 @@ class DecodeGraphs:
                                "at %s (%s: %s); every step now runs eagerly", bs, q, ctx, _our_frame(e),
                                type(e).__name__, e)
                 raise GraphUnavailable(str(e)) from e
-        self._fill(meta, ids, entry.static)
+        self._fill(step, entry.static)
         if entry.graph is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self._prep_s += time.perf_counter() - t0
@@ -233,13 +236,11 @@ class DecodeGraphs:
             logits, hidden = self._body(entry.static)
         self.replays += 1
         T = len(reqs) * q
-        return meta, logits[:T], hidden[:T]
+        return logits[:T], hidden[:T]
 
-    def _fill(self, meta: Any, ids: torch.Tensor, st: Any, count_tokens: bool = True) -> None:
-        if self.window_only:
-            self.runner.backend.fill_static_decode(meta, ids, st, count_tokens=count_tokens, compressed=False)
-        else:
-            self.runner.backend.fill_static_decode(meta, ids, st, count_tokens=count_tokens)
+    def _fill(self, step: "_Step", st: Any, count_tokens: bool = True) -> None:
+        self.runner.backend.fill_static_decode(step.req_slots, step.prefix_lens, step.input_ids, st, step.prev_ids,
+                                               count_tokens=count_tokens, compressed=not self.window_only)
 
     def _body(self, st: Any) -> tuple[torch.Tensor, torch.Tensor]:
         model, backend = self.runner.model, self.runner.backend
@@ -247,7 +248,7 @@ class DecodeGraphs:
         X = model(st.input_ids, st.meta.positions, backend, st.meta)
         return model.logits(X), X
 
-    def _build(self, bs: int, ctx: int, q: int, meta: Any, ids: torch.Tensor) -> _Captured:
+    def _build(self, bs: int, ctx: int, q: int, step: "_Step") -> _Captured:
         backend = self.runner.backend
         st = backend.static_decode(bs, ctx, q)
         if not self.capture:
@@ -261,7 +262,7 @@ class DecodeGraphs:
         # Warm-up on a side stream (compiles the kernels, sets up cuBLAS), with this step's own
         # values: every write it makes is the one the replay makes, except the online C128
         # fold, which a token count of 0 switches off.
-        self._fill(meta, ids, st, count_tokens=False)
+        self._fill(step, st, count_tokens=False)
         stream = torch.cuda.Stream(device=self.runner.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -25,7 +25,7 @@ from memory.upload import upload
 
 from . import triton_backend  # noqa: F401  (registers "triton"; triton itself loads on first use)
 from .flashmla_backend import FLASHMLA_PAGE_ALIGN, resolve_attention_kernel  # registers "flashmla"
-from .backend import ForwardBatch, ForwardMetadata, get_attention_backend
+from .backend import ForwardBatch, get_attention_backend
 from .checkpoint import WeightStream
 from .input_ids import device_input_ids
 from .cuda_graph import DecodeGraphs, GraphUnavailable, cuda_graph_default, graphs_supported
@@ -131,7 +131,6 @@ class ModelRunner:
         self.backend_name = backend
         self.attention_kernel, self.attention_kernel_reason = backend, why
         self.backend = get_attention_backend(self.backend_name)(config, pools, allocator, dtype=dtype, dense=dense)
-        self.last_metadata: Optional[ForwardMetadata] = None
         # the last forward's final streams [T, hc, D] (the MTP draft layer's input)
         self.last_hidden: Optional[torch.Tensor] = None
         self.cuda_graphs: Optional[DecodeGraphs] = None
@@ -163,12 +162,12 @@ class ModelRunner:
                                  f"got {r.logits!r}")
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(reqs):
             try:
-                meta, logits, hidden = self.cuda_graphs.run(reqs, prev_ids)
+                logits, hidden = self.cuda_graphs.run(reqs, prev_ids)
             except GraphUnavailable:
                 pass     # logged; this step and the next run eagerly
             else:
                 # the graph's output buffers are rewritten by the next replay: hand out copies
-                self.last_metadata, self.last_hidden = meta, hidden.clone()
+                self.last_hidden = hidden.clone()
                 logits, q = logits.clone(), len(reqs[0].input_ids)
                 rows = {"last": slice(q - 1, q), "all": slice(0, q), "none": slice(0, 0)}
                 return [logits[i * q:(i + 1) * q][rows[r.logits]] for i, r in enumerate(reqs)]
@@ -179,7 +178,6 @@ class ModelRunner:
         batch = ForwardBatch([r.req_slot for r in reqs], [r.prefix_len for r in reqs],
                              [len(r.input_ids) for r in reqs], rollback)
         meta = self.backend.init_forward_metadata(batch)
-        self.last_metadata = meta
         ids = device_input_ids([t for r in reqs for t in r.input_ids], self.device, prev_ids)
         X = self.model(ids, meta.positions.to(self.device), self.backend, meta)          # [T, hc, D]
         self.last_hidden = X

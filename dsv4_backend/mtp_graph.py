@@ -20,6 +20,7 @@ past the request's new length, where nothing reads before that position's next r
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -69,13 +70,15 @@ class MTPDraftGraphs(DecodeGraphs):
         toks = [0] * (len(batch.req_slots) * q) if self._ids is not None else [int(t) for t in ids]
         reqs = [_Row(s, p, toks[i * q:(i + 1) * q]) for i, (s, p) in enumerate(zip(batch.req_slots, batch.prefix_lens))]
         try:
-            _, logits, Y = self.run(reqs)
+            logits, Y = self.run(reqs)
         finally:
             self._ids = None
         return Y.clone(), logits.clone()
 
-    def _fill(self, meta: Any, ids: torch.Tensor, st: Any, count_tokens: bool = True) -> None:
-        super()._fill(meta, ids if self._ids is None else self._ids, st, count_tokens)
+    def _fill(self, step: Any, st: Any, count_tokens: bool = True) -> None:
+        if self._ids is not None:    # the previous pass's argmax, on the device
+            step = dataclasses.replace(step, input_ids=self._ids)
+        super()._fill(step, st, count_tokens)
         key = (st.bs, st.ctx, st.q)
         buf = self._hidden_in.get(key)
         if buf is None:

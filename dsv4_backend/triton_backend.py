@@ -48,7 +48,8 @@ from typing import Any, Optional
 
 import torch
 
-from memory.configurator import COMPRESSED_PAGE, FULL_PAGE, SWA_PAGE
+from memory.configurator import COMPRESSED_PAGE, FULL_PAGE
+from memory.upload import upload
 
 from .backend import (
     CompressedMeta, ForwardMetadata, TorchDSV4Backend, register_attention_backend,
@@ -253,77 +254,45 @@ class _StaticDecodeMixin:
         self._plan_meta, self._plan = st.meta, st.plan
 
     @torch.no_grad()
-    def fill_static_decode(self, meta: ForwardMetadata, input_ids: torch.Tensor, st: StaticDecode,
-                           count_tokens: bool = True, compressed: bool = True) -> None:
-        """Copy a step of ``st.q`` tokens per request (``meta`` from
-        :meth:`TorchDSV4Backend.init_forward_metadata`) into ``st``. ``count_tokens=False`` gives
-        every row an online-C128 token count of 0: the warm-up before a capture then leaves the
-        online state untouched (every other write of the step is idempotent).
-        ``compressed=False`` fills only the window part (the MTP layer's static steps; the
-        compressed tables keep what they held and must not be read)."""
-        B, T, q, dev = len(meta.token_offsets) - 1, meta.num_tokens, st.q, self.device
-        if (B > st.bs or any(n != q for n in meta.host.extend_lens) or max(meta.host.seq_lens) > st.ctx):
-            raise ValueError(f"a step of {B} requests x {sorted(set(meta.host.extend_lens))} rows, contexts <= "
-                             f"{max(meta.host.seq_lens)}, does not fit a static step of {st.bs} requests x "
-                             f"{q} rows, contexts <= {st.ctx}")
-        i32 = torch.int32
-        ar = torch.arange(st.bs * q, device=dev)
-        real = ar < T
-        g = torch.where(real, ar, 0)                    # token of the step each static row copies
-        greq = meta.token_req[g]                        # and its request
-        pos = meta.positions[g]
-        slot = meta.req_slots[greq]
-        sm = st.meta
-        st.input_ids.copy_(input_ids[g])
-        sm.positions.copy_(pos)
-        sm.req_slots.copy_(slot[::q])
-        sm.swa_slots.copy_(torch.where(real, meta.swa_slots[g], -1))
-        if st.plan.hs_owners is not None:
-            st.plan.hs_owners.copy_(torch.where(real, slot, -1))
-        if self.dense:
-            window = _dense_window(meta, g, pos)
-            st.plan.window_slots.fill_(-1)
-            st.plan.window_slots[:, : window.shape[1]].copy_(window)
-        else:
-            window = meta.window_slots[g]
-            st.plan.window_slots.copy_(window)
+    def fill_static_decode(self, req_slots: list[int], prefix_lens: list[int], input_ids: list[int] | torch.Tensor,
+                           st: StaticDecode, prev_ids: Optional[torch.Tensor] = None, count_tokens: bool = True,
+                           compressed: bool = True) -> None:
+        """Fill ``st`` for a step in which request ``req_slots[i]`` runs ``st.q`` rows from
+        position ``prefix_lens[i]``: one upload of the step's ints and one kernel
+        (``kernels/static_tables.py``), which reads the slot tables on the device. ``input_ids``:
+        the rows' ids, host ints (placeholders ``-(i + 1)`` for ``prev_ids[i]``) or a device
+        tensor. ``count_tokens=False`` gives every row an online-C128 token count of 0: the
+        warm-up before a capture then leaves the online state untouched (every other write of
+        the step is idempotent). ``compressed=False`` fills only the window part (the MTP
+        layer's static steps; the compressed tables keep what they held and must not be read)."""
+        B, q = len(req_slots), st.q
+        seqs = [p + q for p in prefix_lens]
+        if not 0 < B <= st.bs or min(prefix_lens) < 0 or max(seqs) > st.ctx:
+            raise ValueError(f"a step of {B} requests x {q} rows, contexts <= {max(seqs, default=0)}, does not fit "
+                             f"a static step of {st.bs} requests x {q} rows, contexts <= {st.ctx}")
+        starts = [0 if self.dense else max(0, p - self.window + 1) for p in prefix_lens]
+        self.check_windows(req_slots, starts, seqs)
+        host = [req_slots, prefix_lens]
+        if not isinstance(input_ids, torch.Tensor):
+            host.append(list(input_ids))
+        packed = upload(torch.tensor([v for part in host for v in part], dtype=torch.int64), self.device)
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else packed[2 * B:]
+        plan, sm = st.plan, st.meta
+        out = {"input_ids": st.input_ids, "positions": sm.positions, "req_slots": sm.req_slots,
+               "swa_slots": sm.swa_slots, "window_slots": plan.window_slots, "hs_owners": plan.hs_owners}
         for m in self.ratios if compressed else ():
-            cm = meta.compressed[m]
-            rows = cm.rows[greq]                                     # [bs * q, blocks so far]
-            block = pos // m
-            done = real & ((pos + 1) % m == 0)
-            dest = rows[ar, block.clamp(max=rows.shape[1] - 1)] if rows.shape[1] else torch.zeros_like(pos)
-            dest = torch.where(done, dest, -1)
             if m == 128 and self.online_compress:
-                op = st.plan.online
-                op.token_count.copy_(real.to(i32) if count_tokens else torch.zeros_like(op.token_count))
-                op.dest_rows.copy_(dest)
-                op.first_pos.copy_(block * m)
+                out["online"] = (plan.online.token_count, plan.online.dest_rows, plan.online.first_pos)
             else:
-                rp = st.plan.rings[m]
-                rp.dest_rows.copy_(dest)
-                rp.first_pos.copy_(block * m)
-                rp.ring_token.copy_(g)
-                if m == 4:   # candidates p - 7 .. p hang off their own SWA pages (the window's last 8)
-                    cand = pos[:, None] - 7 + torch.arange(8, device=dev)[None, :]
-                    swa = window[:, self.window - 8:]
-                    R = self.c4_ring
-                    rp.sources.copy_(torch.where((cand >= 0) & (swa >= 0), (swa // SWA_PAGE) * R + cand % R, -1))
-                    rp.ring_slot.copy_((meta.swa_slots[g] // SWA_PAGE) * R + pos % R)
-                else:        # the block's 128 ring rows of the request, in position order
-                    R = self.c128_ring
-                    cand = block[:, None] * m + torch.arange(m, device=dev)[None, :]
-                    rp.sources.copy_(slot[:, None] * R + cand % R)
-                    rp.ring_slot.copy_(slot * R + pos % R)
-            visible = cm.num_visible[g]
+                rp = plan.rings[m]
+                out[f"c{m}"] = (rp.dest_rows, rp.first_pos, rp.sources, rp.ring_token, rp.ring_slot)
             if m == 4:
-                pages = _c4_pages(rows)
-                st.plan.c4_pages.zero_()
-                st.plan.c4_pages[:, : pages.shape[1]].copy_(pages)
-                st.plan.c4_visible.copy_(visible)
+                out["c4_pages"], out["c4_visible"] = plan.c4_pages, plan.c4_visible
             else:
-                st.plan.c128_rows.fill_(-1)
-                st.plan.c128_rows[:, : rows.shape[1]].copy_(_visible_rows(rows, visible))
+                out["c128_rows"] = plan.c128_rows
+        _kernels().static_fill(packed[:2 * B].view(2, B), ids.reshape(-1), prev_ids, self.tables.req_to_token,
+                               self.tables.full_to_swa, q, out, self.window, dense=self.dense, c4_ring=self.c4_ring,
+                               c128_ring=self.c128_ring, count_tokens=count_tokens)
 
 
 @register_attention_backend("triton")

@@ -25,7 +25,7 @@ import torch
 
 from bench._bench_common import admit_synthetic, finish_all
 from bench.kernel_count import count_syncs
-from dsv4_backend.backend import ForwardBatch, TorchDSV4Backend
+from dsv4_backend.backend import ForwardBatch
 from dsv4_backend.config import DSV4Config
 from dsv4_backend.model_runner import ModelRunner
 from scheduler_hooks.io import SamplingParams
@@ -87,20 +87,36 @@ def _requests(alloc, lens: dict[str, int]) -> None:
             alloc.evict_swa(rid)
 
 
-def test_decode_metadata_reads_nothing_back(runner):
+def test_decode_metadata_reads_nothing_back(runner, monkeypatch):
     alloc, backend = runner.allocator, runner.backend
     lens = {"a": 300, "b": 131, "c": 7}
     _requests(alloc, lens)
     for rid, n in lens.items():             # the decode step's reservation
         alloc.extend(rid, n + 1)
-    batch = ForwardBatch([alloc.req_slot(r) for r in lens], list(lens.values()), [1, 1, 1])
+    slots = [alloc.req_slot(r) for r in lens]
+    batch = ForwardBatch(slots, list(lens.values()), [1, 1, 1])
     DeviceMemory.reads = []
-    meta = TorchDSV4Backend.init_forward_metadata(backend, batch, events=False)    # the graph path's
-    assert isinstance(meta.window_slots, DeviceMemory)                              # it did read the tables
+    meta = backend.init_forward_metadata(batch)                                    # the eager step's
+    assert isinstance(meta.compressed[4].events.src_ring, DeviceMemory)             # it did read the tables
+    # the graph path's fill: its host part reads nothing; its kernel reads the tables on the
+    # device (the interpreter's own reads are not counted), and it did get them
+    from dsv4_backend.kernels import static_tables as module
+    from dsv4_backend.kernels._common import interpreting
+    kernel, launched = module.static_fill, []
+
+    def on_device(*args, **kwargs):
+        launched.append(all(isinstance(t, DeviceMemory) for t in args[3:5]))
+        if interpreting():     # the CPU stands in for the device only under the interpreter
+            DeviceMemory.paused = True
+            try:
+                kernel(*args, **kwargs)
+            finally:
+                DeviceMemory.paused = False
+
+    monkeypatch.setattr(module, "static_fill", on_device)
     st = backend.static_decode(4, 512)
-    backend.fill_static_decode(meta, torch.tensor([1, 2, 3]), st)
-    eager = TorchDSV4Backend.init_forward_metadata(backend, batch)                  # with events
-    assert isinstance(eager.compressed[4].events.src_ring, DeviceMemory)
+    backend.fill_static_decode(slots, list(lens.values()), [1, 2, 3], st)
+    assert launched == [True]
     assert DeviceMemory.reads == []
 
 

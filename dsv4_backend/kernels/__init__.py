@@ -19,7 +19,7 @@ _EXPORTS = {
     "sparse_decode": "sparse_attention", "DecodeAttentionConfig": "sparse_attention",
     "DecodeAttentionOutput": "sparse_attention",
     "sparse_verify": "verify_attention", "VerifyAttentionConfig": "verify_attention",
-    "copy_rows": "row_copy", "hisparse_lookup": "hisparse_table",
+    "static_fill": "static_tables", "copy_rows": "row_copy", "hisparse_lookup": "hisparse_table",
 }
 
 __all__ = sorted(_EXPORTS)

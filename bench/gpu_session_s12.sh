@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# H200 calls of session 12 (carry the pytest wheels of .whl for the test parts):
+#   bash bench/gpu_session_s12.sh $OUT fill   the static tables from one kernel (kernels/static_tables.py): its CUDA
+#                                             tests, the graph check (graph = static bit for bit), the batch-1 probe
+#                                             (with the compressors' projections), the 28-layer quantised model at
+#                                             4K and 1M x 1 and 32 (the GPU time before each replay), per layer
+set -uo pipefail
+OUT=${1:?output directory}
+WHICH=${2:-fill}
+mkdir -p "$OUT"
+source bench/_gpu_session.sh
+if [ "$WHICH" = fill ]; then
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_static_tables.py tests/test_host_syncs.py \
+    tests/test_dense_linear.py tests/test_quant_model.py
+  tail -n 6 "$OUT/tests.log"
+  part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"
+  tail -n 12 "$OUT/graph.log"
+  part 60 probe python3 bench/probe_batch1.py --batches 1 --out "$OUT/probe_batch1.json"
+  grep "^compressor\|^gate\|^mhc\|^decode" "$OUT/probe.log" | head -n 20
+  part 220 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1,32 --skip-kernels --steps 8 \
+    --prefill-max-seconds 5 --prefill-context 8192 --time-budget 200 --out "$OUT/q28.json"
+  grep -A 16 "^decode" "$OUT/q28.log"
+  grep -A 1 "^per layer" "$OUT/q28.log"; grep "layer decode step\|43-layer" "$OUT/q28.log"
+fi
+#   bash bench/gpu_session_s12.sh $OUT bf16   the bf16 benchmark model (FlashMLA wheel in .whl/flashmla/): batch 1 at
+#                                             4K and 1M (issue 14's 2x), then 128K x 17 compressed and dense (4x)
+if [ "$WHICH" = bf16 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 230 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget 210 --out "$OUT/step.json"
+  grep -E "decode compressed|engine built|attention kernel" "$OUT/step.log" | cut -c1-400
+  part 250 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
+    --time-budget 230 --out "$OUT/dense.json"
+  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
+fi

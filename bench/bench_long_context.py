@@ -103,6 +103,7 @@ class DecodeRow:
     kernels: Optional[dict[str, Any]] = None  # bench/kernel_count.report of one eager step
     overlap_steps: int = 0               # timed steps launched before the previous step's tokens were read
     sync_ms_per_step: Optional[float] = None  # --overlap-ab: the same row, same engine, synchronous steps
+    timeline: Optional[dict[str, Any]] = None  # --timeline: bench/step_timeline.summarize of profiled steps
 
     @property
     def floor_ms(self) -> float:
@@ -615,6 +616,11 @@ def run(args: argparse.Namespace) -> Report:
                        f"(overlap / synchronous {row.ms_per_step / row.sync_ms_per_step:.2f})"
                        if row.sync_ms_per_step else "")
                     + (f"  ({graph_timing_text(row.graph)})" if row.graph else ""))
+                if (args.timeline and row.status == "ok" and device.type == "cuda" and mode == "compressed"
+                        and guard.left > args.guard_margin + 10):
+                    from bench.step_timeline import print_timeline, profile_steps
+                    row.timeline = profile_steps(eng, row.context, row.batch, args.timeline)
+                    print_timeline(row.timeline)
                 if row.breakdown:
                     say(breakdown_text(row, "  "))
                 if row.kernels:
@@ -892,6 +898,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--breakdown-steps", type=int, default=2)
     ap.add_argument("--breakdown-max-batch", type=int, default=1 << 30,
                     help="break down (and count kernels of) only rows of at most this batch")
+    ap.add_argument("--timeline", type=int, default=0, metavar="STEPS",
+                    help="after each compressed decode row, profile STEPS more steps: GPU time in and out of the "
+                         "graph, the graph's kernels by name, idle gaps (bench/step_timeline.py)")
     ap.add_argument("--kernel-count", action="store_true",
                     help="at --breakdown-contexts also count kernels per layer (bench/kernel_count.py)")
     ap.add_argument("--prefill-contexts", type=_ints, default=None,

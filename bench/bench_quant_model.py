@@ -570,11 +570,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return fl.total_bytes, {"floor": fl.to_dict(bw)}
 
     rep["decode"] = decode_rows(eng, args, guard, headroom, bw, floor)
-    if args.timeline and device.type == "cuda" and guard.left > args.guard_margin + 10:
+    if args.timeline and device.type == "cuda":
         from bench.step_timeline import print_timeline, profile_steps
-        rep["timeline"] = profile_steps(eng, args.contexts[0], 1, args.timeline)
-        print(f"\nbatch 1 at {fmt_tokens(args.contexts[0])}:")
-        print_timeline(rep["timeline"])
+        rep["timeline"] = {}
+        for ctx in args.contexts:
+            if guard.left <= args.guard_margin + 10:
+                break
+            rep["timeline"][ctx] = profile_steps(eng, ctx, 1, args.timeline)
+            print(f"\nbatch 1 at {fmt_tokens(ctx)}:")
+            print_timeline(rep["timeline"][ctx])
     rep["prefill"] = prefill_row(eng, args, guard)
 
     # per-layer cost and the derived 43-layer step
@@ -703,8 +707,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "and count the kernels per layer (bench/kernel_count.py)")
     add_budget_args(p)
     p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
-                   help="profile STEPS graph steps at batch 1 and the first context: GPU time in and out of the "
-                        "graph, idle gaps (bench/step_timeline.py)")
+                   help="profile STEPS graph steps at batch 1 at each context: GPU time in and out of the "
+                        "graph, the graph's kernels by name, idle gaps (bench/step_timeline.py)")
     p.add_argument("--progress", action="store_true", help="show the loader's progress bar")
     p.add_argument("--quick", action="store_true", help="4 layers, 4K and 128K, batch 1 and 32, a 16K prefill")
     p.add_argument("--out", help="write the results as JSON")

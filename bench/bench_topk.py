@@ -1,6 +1,6 @@
 """Exactness and timing of the CSA top-k paths (``dsv4_backend/kernels/topk.py``) on a GPU.
 
-    python3 bench/bench_topk.py [--quick] [--out DIR]
+    python3 bench/bench_topk.py [--quick | --floor-sweep] [--out DIR]
     TRITON_INTERPRET=1 python bench/bench_topk.py --smoke   # CPU dry run of this script
 
 For every shape (b, L, k) and every variant: exactness against one ``torch.topk`` on the packed
@@ -43,6 +43,8 @@ VARIANTS = {
     "radix/hist-only": TopKConfig(sparse=0),
     "radix/plain": TopKConfig(floor=False, sparse=0),  # no floor, always tl.histogram
     "radix/sparse512": TopKConfig(sparse=512),
+    # the floor with a program per 1,024 elements (at b = 1 the floor launch before session 12)
+    "radix/floor-1K": TopKConfig(floor_tile=1024, floor_segments=1 << 20),
 }
 DEFAULT = "radix"
 
@@ -129,6 +131,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (CPU ok)")
+    ap.add_argument("--floor-sweep", action="store_true",
+                    help="the default against no floor at b 1..64, L 1K..256K, k 512 (where the floor pays)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,6 +141,9 @@ def main() -> None:
         shapes = [(2, 300, 16), (1, 1000, 64)]
         variants = {n: c._replace(block=min(c.block, 256), segment=min(c.segment, 128),
                                   sparse=min(c.sparse, 16)) for n, c in VARIANTS.items()}
+    elif args.floor_sweep:
+        shapes = [(b, L, 512) for L in (1024, 8192, 32768, 262144) for b in (1, 2, 4, 8, 16, 32, 64)]
+        variants = {n: VARIANTS[n] for n in (DEFAULT, "radix/no-floor")}
     else:
         bs, Ls, ks = ([1, 32], [2048, 262144], [512]) if args.quick else \
             ([1, 8, 32, 128], [2048, 32768, 262144], [512, 1024])
@@ -181,7 +188,7 @@ def main() -> None:
     for r in rows:
         for n, e in r["errors"].items():
             print(f"ERROR b={r['b']} L={r['L']} k={r['k']} {n}: {e}")
-    if dev == "cuda" and not args.quick:
+    if dev == "cuda" and not (args.quick or args.floor_sweep):
         for b, L in ((1, 262144), (128, 262144)):
             try:
                 print(kernel_breakdown(b, L, 512, g, dev))

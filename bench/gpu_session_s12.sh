@@ -35,3 +35,50 @@ if [ "$WHICH" = bf16 ]; then
     --time-budget 230 --out "$OUT/dense.json"
   grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
 fi
+#   bash bench/gpu_session_s12.sh $OUT where  what the batch-1 step spends at 4K and 1M: the graph's kernels by name
+#                                             (28-layer quantised model, --timeline), the compressors' projections
+if [ "$WHICH" = where ]; then
+  part 60 probe python3 bench/probe_batch1.py --batches "" --out "$OUT/probe_batch1.json"
+  grep "^compressor" "$OUT/probe.log"
+  part 300 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1 --skip-kernels --steps 6 \
+    --prefill-max-seconds 2 --prefill-context 8192 --timeline 4 --time-budget 280 --out "$OUT/q28.json"
+  grep -A 3 "^decode" "$OUT/q28.log"
+  grep -A 60 "^batch 1 at" "$OUT/q28.log" | grep -v "^ *[0-9.]* us  after" | head -n 110
+fi
+#   bash bench/gpu_session_s12.sh $OUT topk   the top-k floor in at most 32 programs a row: its CUDA tests, bench_topk
+#                                             --quick (the old one-program-per-tile floor beside it), the 1M timeline of
+#                                             the 28-layer model, the bf16 benchmark model at batch 1
+if [ "$WHICH" = topk ]; then
+  part 100 tests python3 -m pytest -q -p no:cacheprovider tests/test_topk.py tests/test_static_tables.py tests/test_host_syncs.py
+  tail -n 3 "$OUT/tests.log"
+  part 150 topk python3 bench/bench_topk.py --quick --out "$OUT"
+  tail -n 30 "$OUT/topk.log"
+  part 200 q28 python3 bench/bench_quant_model.py --contexts 1048576,4096 --batches 1 --skip-kernels --steps 6 \
+    --prefill-max-seconds 2 --prefill-context 8192 --timeline 4 --time-budget 180 --out "$OUT/q28.json"
+  grep -A 3 "^decode" "$OUT/q28.log"
+  grep -A 30 "^batch 1 at" "$OUT/q28.log" | grep "at\|floor\|radix\|compact\|indexer\|wall" | head -n 20
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 120 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget 110 --out "$OUT/step.json"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+fi
+#   bash bench/gpu_session_s12.sh $OUT final  the top-k floor only above 2^21 scores: CUDA tests, the 28-layer table
+#                                             (4K, 1M x 1, 4K x 32), the bf16 model at batch 1 (4K, 1M) and 128K x 17
+if [ "$WHICH" = final ]; then
+  part 90 tests python3 -m pytest -q -p no:cacheprovider tests/test_topk.py tests/test_static_tables.py tests/test_host_syncs.py \
+    tests/test_kernels.py
+  tail -n 3 "$OUT/tests.log"
+  part 170 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1,32 --skip-kernels --steps 8 \
+    --prefill-max-seconds 3 --prefill-context 8192 --time-budget 150 --out "$OUT/q28.json"
+  grep -A 12 "^decode" "$OUT/q28.log"; grep -A 1 "^per layer" "$OUT/q28.log"; grep "43-layer" "$OUT/q28.log"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 120 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget 110 --out "$OUT/step.json"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+  part 150 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
+    --time-budget 140 --out "$OUT/dense.json"
+  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
+fi

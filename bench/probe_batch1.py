@@ -17,8 +17,8 @@ output checked equal to the default's (the same fp32 sums per element, so bit fo
 
 Compressor projections: one token through a layer's stacked bf16 compressor weights (CSA: C4
 and indexer compressors, 2,560 x 4,096; HCA: 1,024 x 4,096) as the model runs them, one cuBLAS
-GEMM with float32 output (``layers/fp32_products.py``), beside the weight read at the copy
-bandwidth measured here.
+GEMM with float32 output (``layers/fp32_products.py``), the same products as ``W x^T``, and a
+bf16-output GEMV (the weight read's speed), beside the weight read at the copy bandwidth.
 
     python3 bench/probe_batch1.py [--out FILE.json]
 """
@@ -133,23 +133,32 @@ def probe_compressor(results: list) -> None:
     x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
     for name, n in (("csa", 2560), ("hca", 1024)):
         w = (torch.randn(n, 4096, device="cuda") * 0.02).to(torch.bfloat16)
-        us = cold_replay_us(lambda: fp32_linear(x, w))
+        ref = fp32_linear(x, w)
         floor = w.numel() * 2 / bw * 1e6
-        results.append(dict(kernel="compressor_proj", layer=name, rows=n, us=us, floor_us=floor))
-        print(f"compressor projection {name} ({n} x 4096 bf16, T=1): {us:.2f} us, weight read at "
-              f"{bw / 1e9:,.0f} GB/s {floor:.2f} us ({floor / us:.0%})", flush=True)
+        # the model's call, then the same products as W x^T (cuBLAS sees N = 1), and a bf16-output
+        # GEMV for the speed of the weight read alone (not exact in fp32: not a candidate)
+        ways = {"fp32_linear": lambda: fp32_linear(x, w),
+                "W @ x^T fp32": lambda: torch.mm(w, x.t(), out_dtype=torch.float32).t(),
+                "bf16 out (F.linear)": lambda: torch.nn.functional.linear(x, w)}
+        for how, fn in ways.items():
+            err = float((fn().float() - ref).abs().max() / ref.abs().max())
+            us = cold_replay_us(fn)
+            results.append(dict(kernel="compressor_proj", layer=name, rows=n, how=how, us=us, floor_us=floor,
+                                max_rel_diff=err))
+            print(f"compressor projection {name} ({n} x 4096 bf16, T=1) {how:20s}: {us:6.2f} us, weight read at "
+                  f"{bw / 1e9:,.0f} GB/s {floor:.2f} us ({floor / us:.0%}); max diff {err:.1e}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--batches", default="1,4", help="sparse decode batches ('' for none)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     results: list = []
     probe_gate(results)
     probe_expand(results)
     probe_compressor(results)
-    for b in (int(v) for v in args.batches.split(",")):
+    for b in (int(v) for v in args.batches.split(",") if v):
         probe_decode(b, results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

@@ -6,7 +6,7 @@ engine (graphs on, the overlap schedule as configured) under ``torch.profiler``,
 and classifies every GPU activity by the runtime call that launched it (kineto's correlation ids):
 a ``cudaGraphLaunch`` -> the graph; any other launch -> an eager kernel; copies and memsets by
 their category. Reported per step: the wall time, GPU busy time by class, the idle time, the eager
-kernels and copies by name, and the largest idle gaps with the activities on either side.
+kernels and copies by name, the graph's kernels by name, and the largest idle gaps with the activities on either side.
 
     from step_timeline import profile_steps
     report = profile_steps(eng, context=4096, batch=1, steps=6)
@@ -38,6 +38,7 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
     busy = defaultdict(float)
     count = defaultdict(int)
     eager_names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    graph_names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     gaps: list[tuple[float, str, str]] = []
     end, last = None, ""
     for e in gpu:
@@ -48,10 +49,9 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
             kind = "memcpy" if e["cat"] == "gpu_memcpy" else "memset"
         busy[kind] += e["dur"]
         count[kind] += 1
-        if kind != "graph":
-            n = eager_names[f"{kind}: {e.get('name', '?')[:90]}"]
-            n[0] += 1
-            n[1] += e["dur"]
+        n = graph_names[e.get("name", "?")[:90]] if kind == "graph" else eager_names[f"{kind}: {e.get('name', '?')[:90]}"]
+        n[0] += 1
+        n[1] += e["dur"]
         if end is not None and e["ts"] > end:
             gaps.append((e["ts"] - end, last, e.get("name", "?")[:60]))
         end = max(end or e["ts"], e["ts"] + e["dur"])
@@ -68,10 +68,16 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
         "idle_ms_per_step": idle / per,
         "idle_gaps_over_5us_per_step": sum(1 for g, _, _ in gaps if g > 5) / max(steps, 1),
         "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:top]],
-        "outside_graph_by_name": sorted(((name, n / max(steps, 1), t / per) for name, (n, t) in eager_names.items()),
-                                        key=lambda r: -r[2])[:top],
+        "outside_graph_by_name": _by_time(eager_names, steps, top),
+        "graph_kernels_by_name": _by_time(graph_names, steps, 2 * top),
         "classified": bool(launched_by),
     }
+
+
+def _by_time(names: dict[str, list[float]], steps: int, top: int) -> list[tuple[str, float, float]]:
+    """(name, launches per step, ms per step), the most time first."""
+    rows = ((name, n / max(steps, 1), t / (max(steps, 1) * 1e3)) for name, (n, t) in names.items())
+    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 def profile_steps(eng: Any, context: int, batch: int, steps: int = 6, warmup: int = 3) -> dict[str, Any]:
@@ -107,6 +113,9 @@ def print_timeline(rep: dict[str, Any], indent: str = "  ") -> None:
           f"wall {rep['wall_ms_per_step']:.2f} ms/step, GPU span {rep['gpu_span_ms_per_step']:.2f}, idle "
           f"{rep['idle_ms_per_step']:.3f} ms in {rep['idle_gaps_over_5us_per_step']:.1f} gaps > 5 us")
     print(f"{indent}  busy per step: " + ", ".join(f"{k} {v:.3f} ms ({acts.get(k, 0):.0f})" for k, v in sorted(busy.items())))
+    print(f"{indent}  graph kernels by name, per step:")
+    for name, n, ms in rep.get("graph_kernels_by_name", []):
+        print(f"{indent}    {ms * 1e3:8.1f} us  x{n:<5.1f} {name}")
     print(f"{indent}  outside the graph, per step:")
     for name, n, ms in rep["outside_graph_by_name"]:
         print(f"{indent}    {ms * 1e3:8.1f} us  x{n:<5.1f} {name}")

@@ -35,6 +35,10 @@ def test_classifies_by_launching_call_and_finds_gaps():
     assert rep["wall_ms_per_step"] == pytest.approx(0.1)
     names = [n for n, _, _ in rep["outside_graph_by_name"]]
     assert names == ["eager_kernel: fill", "memcpy: Memcpy HtoD"]
+    # the graph's kernels by name, most time first: (name, launches per step, ms per step)
+    assert rep["graph_kernels_by_name"] == [("layer_a", 0.5, pytest.approx(25e-3)),
+                                            ("layer_b", 0.5, pytest.approx(15e-3)),
+                                            ("head", 0.5, pytest.approx(10e-3))]
 
 
 def test_overlapping_activities_are_not_gaps():

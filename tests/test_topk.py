@@ -21,7 +21,8 @@ from dsv4_backend.kernels.indexer import topk_rows  # noqa: E402
 from dsv4_backend.kernels.topk import TopKConfig, topk_positions, topk_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL = TopKConfig(block=128)  # several tiles and segments per row even at L ~ 1000
+# several tiles and segments per row even at L ~ 1000, and the floor (step 1) at these sizes too
+SMALL = TopKConfig(block=128, floor_min_elements=0)
 
 
 def _seed() -> int:
@@ -73,12 +74,13 @@ def test_matches_stable_sort(b, L, k):
 
 
 @pytest.mark.parametrize("config", [
-    TopKConfig(block=128, sparse=0),  # every live tile through tl.histogram
-    TopKConfig(block=128, sparse=1 << 20),  # every live tile through atomics
+    TopKConfig(block=128, sparse=0, floor_min_elements=0),  # every live tile through tl.histogram
+    TopKConfig(block=128, sparse=1 << 20, floor_min_elements=0),  # every live tile through atomics
     TopKConfig(block=128, floor=False),
-    TopKConfig(block=256, num_warps=8, programs=3),
-    TopKConfig(),  # default tile: one tile per row here
-], ids=["hist", "atomics", "no-floor", "few-programs", "default"])
+    TopKConfig(block=256, num_warps=8, programs=3, floor_min_elements=0),
+    TopKConfig(block=128, floor_tile=64, floor_segments=3, floor_min_elements=0),  # the floor: 3 segments of 4 tiles
+    TopKConfig(),  # default tile: one tile per row here; no floor at this size
+], ids=["hist", "atomics", "no-floor", "few-programs", "floor-segments", "default"])
 def test_configs(config):
     seed = _seed()
     g = torch.Generator().manual_seed(seed)

@@ -17,6 +17,8 @@ Radix select (``method="radix"``, the default), all kernels over (row, segment) 
    program takes its tiles' group maxima and ``atomic_max``es them into ``gmax[row, G]``. With
    v = min_g gmax[row, g], at least G >= k elements are >= v, so the k-th largest score T >= v
    and every element below v can be ignored from here on. On random scores v keeps a few k.
+   Only in launches of more than 2^21 scores (``TopKConfig.floor_min_elements``): below that
+   the passes over every element cost less than this extra read (measured, see the config).
 2. Passes p = 0..ceil(32/BITS)-1 histogram digit p of u = ordered ^ 0x80000000 (an unsigned
    order) over the kept elements whose higher digits equal the prefix found so far. Each
    program re-derives that prefix from the finished histograms of the earlier passes (the bin
@@ -34,7 +36,8 @@ Radix select (``method="radix"``, the default), all kernels over (row, segment) 
    programs, and it is stored at out[row, rank].
 
 Cost: 1 + ceil(32/BITS) + 1 reads of the scores (4 B per element), histogram work only where
-elements survive the floor, k^2 key compares per row, 8 launches (2 fills + 6 kernels) at BITS=8.
+elements survive the floor, k^2 key compares per row, 9 launches at BITS=8 (2 fills, the floor,
+4 passes, compaction, ranking), 7 without the floor.
 Why steps 1, 2's atomics and 4 exist (H200, an earlier version without them, which did pass
 the same exactness checks): ``tl.histogram`` builds each bin from one warp ballot per digit bit,
 so every element costs about BITS * 2^BITS / 32 instructions; with it on every tile the passes
@@ -72,7 +75,17 @@ class TopKConfig(NamedTuple):
     num_warps: int = 4
     programs: int | None = None  # programs to aim for per launch; None: 4 per SM
     sparse: int = 128  # a tile with at most this many live elements uses atomics, not tl.histogram
-    floor: bool = True  # step 1 (skipped anyway when next_pow2(k) > L)
+    # step 1, where a launch has more than floor_min_elements scores (b * L) and next_pow2(k) <= L:
+    # below that it costs more than it saves (H200, k = 512: without it 20.0 against 23.6 us at
+    # b = 1, L = 1024, 26.4 against 30.2 at b = 1, L = 262144, 52.6 against 54.7 at b = 64,
+    # L = 32768; with it 68.4 against 75.6 at b = 16, L = 262144; bench_topk.py --floor-sweep)
+    floor: bool = True
+    floor_min_elements: int = 1 << 21
+    # step 1's own launch: elements per tile, and at most this many programs per row, each of
+    # which atomic_maxes all G group maxima of its row (on the H200 256 programs a row at
+    # b = 1, L = 262144 serialised on those G addresses: 15 us for a 1 MB read)
+    floor_tile: int = 4096
+    floor_segments: int = 32
     segment: int = 8192  # "torch2" segment length
 
 
@@ -147,7 +160,7 @@ _DYNAMIC = ["sb", "L", "seg_len", "b", "k", "nseg", "shift", "pmask", "last_shif
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _floor_kernel(bits_ptr, sb, L, seg_len, gmax_ptr, G: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0)
-    start = tl.program_id(1) * seg_len  # a multiple of TILE, so tile column c is group c
+    start = tl.program_id(1) * seg_len  # a multiple of TILE (itself of G), so tile column c is group c
     end = tl.minimum(start + seg_len, L)
     base = bits_ptr + row.to(tl.int64) * sb
     acc = tl.full((G,), _I32_MIN, tl.int32)
@@ -256,8 +269,8 @@ def _radix(bits: torch.Tensor, kk: int, config: TopKConfig) -> torch.Tensor:
     nbins = 1 << nbits
     npass = triton.cdiv(32, nbits)
     G = triton.next_power_of_2(kk)
-    use_floor = config.floor and G <= L
-    tile = max(block, G)  # segment starts are multiples of the floor kernel's tile
+    use_floor = config.floor and G <= L and b * L > config.floor_min_elements
+    tile = max(block, G)
     target = config.programs or 4 * _num_sms(dev)
     nseg = max(1, min(triton.cdiv(L, tile), triton.cdiv(target, b)))
     seg_len = triton.cdiv(triton.cdiv(L, nseg), tile) * tile
@@ -269,8 +282,10 @@ def _radix(bits: torch.Tensor, kk: int, config: TopKConfig) -> torch.Tensor:
     hist, seg_hist, count = work[:n_hist], work[n_hist:n_hist + n_seg], work[n_hist + n_seg:]
     if use_floor:
         gmax = torch.full((b, G), INT32_MIN, dtype=torch.int32, device=dev)
-        _floor_kernel[grid](bits, bits.stride(0), L, seg_len, gmax, G=G, TILE=tile,
-                            num_warps=config.num_warps)
+        ftile = max(config.floor_tile, G)      # a multiple of G: tile column c is group c
+        fseg = triton.cdiv(triton.cdiv(L, min(triton.cdiv(L, ftile), config.floor_segments)), ftile) * ftile
+        _floor_kernel[(b, triton.cdiv(L, fseg))](bits, bits.stride(0), L, fseg, gmax, G=G, TILE=ftile,
+                                                 num_warps=config.num_warps)
     else:
         gmax = work  # unused
     shifts = [max(32 - (p + 1) * nbits, 0) for p in range(npass)]

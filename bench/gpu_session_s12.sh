@@ -82,3 +82,17 @@ if [ "$WHICH" = final ]; then
     --time-budget 140 --out "$OUT/dense.json"
   grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
 fi
+#   bash bench/gpu_session_s12.sh $OUT bf16where  the bf16 benchmark model's graph kernels by name at 4K x 1, 1M x 1 and
+#                                                 128K x 17 (--timeline 3)
+if [ "$WHICH" = bf16where ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 200 where python3 bench/bench_long_context.py --modes compressed --batches 1,17 --contexts 4096,131072,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --timeline 3 --no-progress \
+    --time-budget 190 --out "$OUT/where.json"
+  grep -E "decode compressed|^  step timeline|^    busy|^      [ 0-9.]+ us  x" "$OUT/where.log" | cut -c1-200 | head -n 150
+fi
+#   bash bench/gpu_session_s12.sh $OUT mhc   the mHC kernels' launch shapes at 1..64 tokens (bench/probe_mhc.py)
+if [ "$WHICH" = mhc ]; then
+  part 150 mhc python3 bench/probe_mhc.py --out "$OUT/probe_mhc.json"
+  cat "$OUT/mhc.log" | head -n 80
+fi

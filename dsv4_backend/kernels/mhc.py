@@ -200,15 +200,17 @@ def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, 
         raise ValueError(f"{what}: chunk must be a power of two >= 16, got {chunk}")
 
 
-def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, iters, pre_only):
+def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, iters, pre_only,
+                         block_t=None, num_warps=None):
     T, hc, _ = X.shape
     N, K = fn.shape
     S = triton.cdiv(K, chunk)
     part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)  # per (t, s): N dots, then ssq
-    block_t = min(4, triton.next_power_of_2(T))
+    block_t = block_t or min(4, triton.next_power_of_2(T))
+    num_warps = num_warps or (8 if block_t * triton.next_power_of_2(N) * chunk >= 16384 else 4)
     _mix_partial_kernel[(triton.cdiv(T, block_t), S)](
         X, fn, part, T, K, S, N=N, NP=triton.next_power_of_2(N), CHUNK=chunk, BLOCK_T=block_t,
-        num_warps=8 if block_t * triton.next_power_of_2(N) * chunk >= 16384 else 4)
+        num_warps=num_warps)
     _mix_from_partials_kernel[(T,)](
         part, scale.contiguous(), base.contiguous(), pre, post, C, T, S, K, float(hc_eps), float(rms_eps),
         N=N, HC=hc, HCP=triton.next_power_of_2(hc), ITERS=iters, SP=triton.next_power_of_2(S),
@@ -216,7 +218,8 @@ def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chun
 
 
 def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                         sinkhorn_iters: int, hc_eps: float, rms_eps: float, chunk: int = 128) -> MixWeights:
+                         sinkhorn_iters: int, hc_eps: float, rms_eps: float, chunk: int = 128,
+                         block_t: int | None = None, num_warps: int | None = None) -> MixWeights:
     """``mhc_mix`` of ``model.hc_mix_logits(X, fn)`` in two launches, without the fp32 copy of X:
     split-K partial dots and sums of squares of each ``chunk`` of ``X[t]`` (flattened to
     ``K = hc * D``), then a finalize that sums them, scales by ``rsqrt(ssq / K + rms_eps)`` and
@@ -224,7 +227,8 @@ def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     fn (128 at Flash's K = 16384: one per SM at T = 1).
 
     X: contiguous [T, hc, D] (float32 / bfloat16 / float16); fn: contiguous float32
-    [hc * (2 + hc), hc * D]; scale: [3]; base: [hc * (2 + hc)]."""
+    [hc * (2 + hc), hc * D]; scale: [3]; base: [hc * (2 + hc)]. ``block_t`` (tokens a partial
+    program) and ``num_warps`` override the split-K launch (bench/probe_mhc.py)."""
     n_mix = hc * (2 + hc)
     if X.dim() != 3 or X.shape[1] != hc:
         raise ValueError(f"mhc_mix_from_streams: streams must be [T, {hc}, D], got {tuple(X.shape)}")
@@ -240,7 +244,8 @@ def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     post = torch.empty(T, hc, dtype=torch.float32, device=X.device)
     C = torch.empty(T, hc, hc, dtype=torch.float32, device=X.device)
     if T:
-        _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, sinkhorn_iters, False)
+        _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, sinkhorn_iters, False,
+                             block_t, num_warps)
     return MixWeights(pre, post, C)
 
 
@@ -315,7 +320,7 @@ EXPAND_SMALL_T = 16   # tokens up to which the expand spreads a row over more, s
 
 
 def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
-               block_d: int | None = None) -> torch.Tensor:
+               block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """New streams ``post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` in fp32, stored in X's dtype.
 
     X: [T, hc, D]; f: [T, D]; post: fp32 [T, hc]; C: fp32 [T, hc, hc] -> [T, hc, D].
@@ -337,7 +342,7 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
         _expand_kernel[(T, triton.cdiv(D, block_d))](
             X, f.contiguous(), post.contiguous(), C.contiguous(), out, D,
             HC=hc, HCP=triton.next_power_of_2(hc), BLOCK_D=block_d,
-            ROUND_BF16=X.dtype == torch.bfloat16 and not native(), NATIVE=native())
+            ROUND_BF16=X.dtype == torch.bfloat16 and not native(), NATIVE=native(), num_warps=num_warps or 4)
     return out
 
 

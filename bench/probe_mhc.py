@@ -1,0 +1,116 @@
+"""Launch shapes of the mHC kernels at decode batch sizes (Flash: four bf16 streams of 4,096).
+
+The 43-layer bf16 benchmark model at 128K x 17 spent 1.58 ms a step in ``_mix_partial_kernel``
+(87 launches, 18 us each) and 1.36 ms in ``_expand_kernel`` (86, 16 us each), against 3 and 2 us
+at one token (docs/PERF.md, session 12): both read and write well under a megabyte. This times,
+at T = 1, 4, 17, 32 and 64 tokens:
+
+- ``mhc_expand`` at each ``block_d`` x ``num_warps``, each output checked bit for bit against the
+  default launch's (every element is the same fp32 expression; a launch whose reduction over the
+  four streams runs in another order shows as DIFFERS);
+- ``mhc_mix_from_streams`` (split-K partial dots with ``fn`` [24, 16384] fp32, then the Sinkhorn
+  finalize) at each tokens-per-program x ``num_warps`` (the same chunks, so the same partials up to
+  the order of a chunk's 128-term sum), with its largest difference from the default's outputs.
+
+Each figure is a CUDA graph of 20 calls on the same inputs, replayed, divided by 20: the inputs
+stay in L2, as they are in the step (the previous kernel just wrote them).
+
+    python3 bench/probe_mhc.py [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from dsv4_backend.kernels import mhc  # noqa: E402
+
+HC, D, CALLS = 4, 4096, 20
+
+
+def graph_us(fn) -> float:
+    """Microseconds per call of ``fn`` from a graph of CALLS calls (after one eager call)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / CALLS
+
+
+def probe_expand(T: int, results: list) -> None:
+    g = torch.Generator(device="cuda").manual_seed(T)
+    X = torch.randn(T, HC, D, device="cuda", generator=g).to(torch.bfloat16)
+    f = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    post = torch.rand(T, HC, device="cuda", generator=g)
+    C = torch.rand(T, HC, HC, device="cuda", generator=g)
+    ref = mhc.mhc_expand(X, f, post, C)
+    rows = []
+    for bd, nw in itertools.product((64, 128, 256, 512, 1024), (1, 2, 4, 8)):
+        fn = lambda: mhc.mhc_expand(X, f, post, C, block_d=bd, num_warps=nw)  # noqa: E731
+        same = bool(torch.equal(fn(), ref))
+        rows.append(dict(kernel="mhc_expand", tokens=T, block_d=bd, num_warps=nw, us=graph_us(fn), same=same))
+    default = graph_us(lambda: mhc.mhc_expand(X, f, post, C))
+    results.extend(rows)
+    rows.sort(key=lambda r: r["us"])
+    print(f"mhc_expand T={T}: default {default:.2f} us; fastest:", flush=True)
+    for r in rows[:5]:
+        print(f"    {r['us']:6.2f} us  block_d {r['block_d']:4d} warps {r['num_warps']}  "
+              f"{'same' if r['same'] else 'DIFFERS'}", flush=True)
+
+
+def probe_mix(T: int, results: list) -> None:
+    g = torch.Generator(device="cuda").manual_seed(100 + T)
+    n = HC * (2 + HC)
+    X = torch.randn(T, HC, D, device="cuda", generator=g).to(torch.bfloat16)
+    fn_w = torch.randn(n, HC * D, device="cuda", generator=g) * 0.01
+    scale = torch.rand(3, device="cuda", generator=g)
+    base = torch.randn(n, device="cuda", generator=g) * 0.1
+    args = (X, fn_w, scale, base, HC, 20, 1e-6, 1e-6)
+    ref = mhc.mhc_mix_from_streams(*args)
+    rows = []
+    for bt, nw in itertools.product((1, 2, 4, 8, 16), (2, 4, 8)):
+        if bt > max(T, 1) * 2:
+            continue
+        fn = lambda: mhc.mhc_mix_from_streams(*args, block_t=bt, num_warps=nw)  # noqa: E731
+        out = fn()
+        diff = max(float((a - b).abs().max()) for a, b in zip(out, ref))
+        rows.append(dict(kernel="mhc_mix_from_streams", tokens=T, block_t=bt, num_warps=nw, us=graph_us(fn),
+                         max_diff=diff))
+    default = graph_us(lambda: mhc.mhc_mix_from_streams(*args))
+    results.extend(rows)
+    rows.sort(key=lambda r: r["us"])
+    print(f"mhc_mix_from_streams T={T}: default {default:.2f} us; fastest:", flush=True)
+    for r in rows[:5]:
+        print(f"    {r['us']:6.2f} us  tokens a program {r['block_t']:2d} warps {r['num_warps']}  "
+              f"max diff {r['max_diff']:.1e}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,4,17,32,64")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    results: list = []
+    for T in (int(v) for v in args.tokens.split(",")):
+        probe_expand(T, results)
+        probe_mix(T, results)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

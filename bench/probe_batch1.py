@@ -12,8 +12,7 @@ order 1).
 MoE gate scores: one token against 256 experts x 4,096 (bf16), at each experts-per-program
 count, beside ``scores_block_e``'s pick.
 
-mHC expand: one token's four bf16 streams of 4,096 (``mhc_expand``) at each ``block_d``, the
-output checked equal to the default's (the same fp32 sums per element, so bit for bit).
+The mHC kernels' launch shapes have their own probe, bench/probe_mhc.py.
 
 Compressor projections: one token through a layer's stacked bf16 compressor weights (CSA: C4
 and indexer compressors, 2,560 x 4,096; HCA: 1,024 x 4,096) as the model runs them, one cuBLAS
@@ -109,22 +108,6 @@ def probe_gate(results: list) -> None:
               f"; ids {'same' if same else 'DIFFER'}", flush=True)
 
 
-def probe_expand(results: list) -> None:
-    from dsv4_backend.kernels.mhc import mhc_expand
-    torch.manual_seed(1)
-    X = torch.randn(1, 4, 4096, device="cuda").to(torch.bfloat16)
-    f = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
-    post = torch.rand(1, 4, device="cuda")
-    C = torch.rand(1, 4, 4, device="cuda")
-    ref = mhc_expand(X, f, post, C, block_d=256)
-    for bd in (64, 128, 256, 512, 1024):
-        same = bool(torch.equal(mhc_expand(X, f, post, C, block_d=bd), ref))
-        us = cold_replay_us(lambda: mhc_expand(X, f, post, C, block_d=bd))
-        results.append(dict(kernel="mhc_expand", tokens=1, block_d=bd, us=us, same=same))
-        print(f"mhc_expand T=1 block_d {bd}: {us:.2f} us{'  <- default' if bd == 64 else ''}; "
-              f"{'same' if same else 'DIFFERS'}", flush=True)
-
-
 def probe_compressor(results: list) -> None:
     from dsv4_backend.layers.fp32_products import fp32_linear
     from _floor import copy_gbps
@@ -156,7 +139,6 @@ def main() -> None:
     args = ap.parse_args()
     results: list = []
     probe_gate(results)
-    probe_expand(results)
     probe_compressor(results)
     for b in (int(v) for v in args.batches.split(",") if v):
         probe_decode(b, results)

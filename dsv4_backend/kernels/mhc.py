@@ -207,7 +207,8 @@ def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chun
     S = triton.cdiv(K, chunk)
     part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)  # per (t, s): N dots, then ssq
     block_t = block_t or min(4, triton.next_power_of_2(T))
-    num_warps = num_warps or (8 if block_t * triton.next_power_of_2(N) * chunk >= 16384 else 4)
+    if num_warps is None:   # 2 warps past 4 tokens: 15.1 against 20.7 us at T = 17 on the H200 (probe_mhc.py)
+        num_warps = 2 if T > 4 else (8 if block_t * triton.next_power_of_2(N) * chunk >= 16384 else 4)
     _mix_partial_kernel[(triton.cdiv(T, block_t), S)](
         X, fn, part, T, K, S, N=N, NP=triton.next_power_of_2(N), CHUNK=chunk, BLOCK_T=block_t,
         num_warps=num_warps)
@@ -316,21 +317,21 @@ def _expand_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
         tl.store(out_ptr + t * HC * D + k * D + d, y.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-EXPAND_SMALL_T = 16   # tokens up to which the expand spreads a row over more, smaller programs
-
-
 def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
                block_d: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """New streams ``post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` in fp32, stored in X's dtype.
 
     X: [T, hc, D]; f: [T, D]; post: fp32 [T, hc]; C: fp32 [T, hc, hc] -> [T, hc, D].
-    ``block_d``: D values a program (None: 64 up to ``EXPAND_SMALL_T`` tokens, else 256; at one
-    token of Flash 64 took 5.98 us against 10.14 for 256 on the H200, bench/probe_batch1.py).
+    ``block_d``: D values a program (None: up to 1,024) and ``num_warps`` (None: 4). On the H200
+    (bench/probe_mhc.py, Flash's four streams of 4,096, 20 calls in a graph) 1,024 values on 4
+    warps took 1.74 / 1.87 / 2.32 us at 1 / 17 / 64 tokens, where the former default (256 on 4
+    warps past 16 tokens, 64 below) took 2.28 / 15.86 / 40.35 us. The sum over the streams then
+    runs in another order than at 256: other last bits, the same fp32 bound.
     """
     _check_streams(X, "mhc_expand")
     T, hc, D = X.shape
     if block_d is None:
-        block_d = 64 if T <= EXPAND_SMALL_T else 256
+        block_d = min(1024, triton.next_power_of_2(D))
     if f.shape != (T, D) or post.shape != (T, hc) or C.shape != (T, hc, hc):
         raise ValueError(f"mhc_expand: shapes X {tuple(X.shape)}, f {tuple(f.shape)}, "
                          f"post {tuple(post.shape)}, C {tuple(C.shape)} do not agree")

@@ -484,26 +484,41 @@ class MoE(nn.Module):
         Expert.forward's: projections in x's dtype, SwiGLU and the routing weight in fp32."""
         T, k = ids.shape
         E, inter, limit = len(self.experts), self._w2.shape[2], self.experts[0].limit
-        if self.expert_range is not None:      # other ranks' experts (-1): sorted last, past every group
-            ids = torch.where(ids < 0, E, ids)
-        sorted_ids, order = ids.reshape(-1).sort(stable=True)
-        # group ends by binary search (CUDA bincount reads its max on the host: a sync)
-        experts = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
-        ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+        order, ends, kept = self._sort_pairs(ids, E)
         token = order // k
         gu = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=ends)  # [T*k, 2*inter]
         hi = hi_dtype(x.dtype)
         g, u = gu[:, :inter].to(hi), gu[:, inter:].to(hi)
         h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * w.reshape(-1)[order].to(hi)[:, None]
         y = torch._grouped_mm(h.to(x.dtype), self._w2.transpose(-2, -1), offs=ends)  # [T*k, D]
-        if self.expert_range is not None:      # rows past the last group are not written
-            y = torch.where((sorted_ids < E)[:, None], y, 0)
+        if kept is not None:                   # rows past the last group are not written
+            y = torch.where(kept[:, None], y, 0)
         # back to (token, choice) order and a sum over the k choices: a fixed summation order,
         # where index_add_ on CUDA accumulates with atomics in whatever order they land (the
         # same step would then give different bits from run to run)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
         return out.add_(y[unsort].view(T, k, -1).sum(dim=1))
+
+
+    def _sort_pairs(self, ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The (token, choice) pairs in a stable order by expert, other ranks' experts (-1) last:
+        (order [T k], each expert's end in that order int32 [E], and with an expert range the
+        rows of this rank's experts, else None). Up to ``ROUTE_FUSED_MAX_PAIRS`` pairs in one
+        launch (``kernels/fp4_moe.route_fused``, the FP4 path's), else a stable sort and a binary
+        search (CUDA bincount reads its max on the host: a sync). At 102 pairs the sort alone took
+        27 us on the H200 (docs/PERF.md, session 12). Both give the same order."""
+        from .kernels import fp4_moe
+        key = torch.where(ids < 0, E, ids).reshape(-1) if self.expert_range is not None else ids.reshape(-1)
+        if 0 < key.numel() <= fp4_moe.ROUTE_FUSED_MAX_PAIRS:
+            r = fp4_moe.route_fused(key, E, 64)
+            order, ends = r.order, r.offsets[1:].to(torch.int32)     # offsets: exclusive starts, E + 1
+            kept = None if self.expert_range is None else torch.arange(key.numel(), device=key.device) < r.offsets[E]
+            return order, ends, kept
+        sorted_ids, order = key.sort(stable=True)
+        experts = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
+        ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+        return order, ends, None if self.expert_range is None else sorted_ids < E
 
 
 # torch._grouped_mm on CUDA, bfloat16, routed experts stacked (see MoE.stack_experts);

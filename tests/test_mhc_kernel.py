@@ -361,6 +361,12 @@ def test_grouped_moe_matches_expert_loop(monkeypatch, T):
     monkeypatch.setattr(model_mod.MoE, "_grouped_applies", lambda self, x: calls.append(1) or True)
     grouped = moe(x, ids)
     assert calls and grouped.dtype == torch.bfloat16
+    # T = 3: its 9 pairs ordered by the one-launch route (kernels/fp4_moe.route_fused); the sort
+    # it replaces gives the same order, so the same bits (T = 200, 600 pairs, takes the sort)
+    from dsv4_backend.kernels import fp4_moe
+    with monkeypatch.context() as m:
+        m.setattr(fp4_moe, "ROUTE_FUSED_MAX_PAIRS", 0)
+        assert torch.equal(moe(x, ids), grouped)
     # float64 reference of the same maths (projections rounded to bf16 as both paths do)
     xd, out = x.double(), moe.shared_experts(x).double()
     wts = moe.gate(x, ids)[1].double()
@@ -374,6 +380,16 @@ def test_grouped_moe_matches_expert_loop(monkeypatch, T):
     scale = out.abs().max().item()
     assert (grouped.double() - loop.double()).abs().max().item() <= 2 ** -6 * scale
     assert (grouped.double() - out).abs().max().item() <= 2 ** -6 * scale
+    # an expert range (as a rank of expert parallelism holds): the pairs of ids 0, 1 are another
+    # rank's (-1), sorted past every group and left out; both routes, the same bits
+    moe.expert_range = (2, 2 + cfg.n_routed_experts)
+    ranged = moe(x, ids)
+    with monkeypatch.context() as m:
+        m.setattr(fp4_moe, "ROUTE_FUSED_MAX_PAIRS", 0)
+        assert torch.equal(moe(x, ids), ranged)
+    monkeypatch.setattr(model_mod.MoE, "_grouped_applies", lambda self, x: False)
+    assert (ranged.double() - moe(x, ids).double()).abs().max().item() <= 2 ** -6 * scale
+    assert not torch.equal(ranged, grouped)
 
 
 def test_stacked_experts_keep_names_and_values():

@@ -507,10 +507,12 @@ class MoE(nn.Module):
         rows of this rank's experts, else None). Up to ``ROUTE_FUSED_MAX_PAIRS`` pairs in one
         launch (``kernels/fp4_moe.route_fused``, the FP4 path's), else a stable sort and a binary
         search (CUDA bincount reads its max on the host: a sync). At 102 pairs the sort alone took
-        27 us on the H200 (docs/PERF.md, session 12). Both give the same order."""
+        27 us on the H200 (docs/PERF.md, session 12). Both give the same order. (The launch needs
+        CUDA tensors or the interpreter: the CPU tests force this path on CPU tensors.)"""
         from .kernels import fp4_moe
+        from .kernels._common import interpreting
         key = torch.where(ids < 0, E, ids).reshape(-1) if self.expert_range is not None else ids.reshape(-1)
-        if 0 < key.numel() <= fp4_moe.ROUTE_FUSED_MAX_PAIRS:
+        if 0 < key.numel() <= fp4_moe.ROUTE_FUSED_MAX_PAIRS and (key.is_cuda or interpreting()):
             r = fp4_moe.route_fused(key, E, 64)
             order, ends = r.order, r.offsets[1:].to(torch.int32)     # offsets: exclusive starts, E + 1
             kept = None if self.expert_range is None else torch.arange(key.numel(), device=key.device) < r.offsets[E]

@@ -361,8 +361,9 @@ def test_grouped_moe_matches_expert_loop(monkeypatch, T):
     monkeypatch.setattr(model_mod.MoE, "_grouped_applies", lambda self, x: calls.append(1) or True)
     grouped = moe(x, ids)
     assert calls and grouped.dtype == torch.bfloat16
-    # T = 3: its 9 pairs ordered by the one-launch route (kernels/fp4_moe.route_fused); the sort
-    # it replaces gives the same order, so the same bits (T = 200, 600 pairs, takes the sort)
+    # T = 3: its 9 pairs ordered by the one-launch route (kernels/fp4_moe.route_fused; under the
+    # interpreter: on a CUDA machine these CPU tensors take the sort); the sort it replaces gives
+    # the same order, so the same bits (T = 200, 600 pairs, takes the sort)
     from dsv4_backend.kernels import fp4_moe
     with monkeypatch.context() as m:
         m.setattr(fp4_moe, "ROUTE_FUSED_MAX_PAIRS", 0)

@@ -398,13 +398,10 @@ class TorchDSV4Backend(AttentionBackend):
 
     # ---- metadata ------------------------------------------------------------------------
 
-    def init_forward_metadata(self, batch: ForwardBatch, events: bool = True,
-                              compressed: bool = True) -> ForwardMetadata:
+    def init_forward_metadata(self, batch: ForwardBatch, events: bool = True) -> ForwardMetadata:
         """The step's metadata. ``events=False`` leaves out the compression events, ring writes
         and online segments (``CompressedMeta`` then has only ``rows`` and ``num_visible``): a
-        step whose layers compress nothing (the eager MTP pass).
-        ``compressed=False`` leaves out the compressed layers' part altogether (no
-        ``meta.compressed``): a step of window-only layers, the MTP layer's."""
+        step whose layers compress nothing (the eager MTP pass)."""
         # Everything whose size is the step's (tokens, events, ring writes) is laid out on the host
         # from the batch's ints and moved in one copy; everything read from the tables (full and
         # SWA slots, compressed rows) is gathered on the tables' device, so no context-length row
@@ -414,7 +411,7 @@ class TorchDSV4Backend(AttentionBackend):
         step = _StepHost.build(batch, self.window, self.dense)
         host = {"req": step.per_req, "token_req": step.token_req, "positions": step.positions}
         keep = batch.rollback_lens or step.lists.seq_lens
-        for m in self.ratios if events and compressed else ():
+        for m in self.ratios if events else ():
             online = m == 128 and self.online_compress
             host.update(_segments_host(m, step) if online else _events_host(m, step, self.c128_ring, keep))
             if online:
@@ -442,7 +439,7 @@ class TorchDSV4Backend(AttentionBackend):
             swa_slots=kv_slots[token_req, tok_col], window=window,
             window_slots=window_slots, kv_start=start, kv_slots=kv_slots, dense=self.dense, host=lists,
         )
-        for m in self.ratios if compressed else ():
+        for m in self.ratios:
             if events:
                 meta.compressed[m] = self._compressed_meta(m, d, meta)
             else:

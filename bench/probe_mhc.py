@@ -51,6 +51,15 @@ def graph_us(fn) -> float:
     return do_bench(graph.replay, warmup=5, rep=30, return_mode="median") * 1e3 / CALLS
 
 
+def report(what: str, default_us: float, rows: list, results: list, describe) -> None:
+    """Keep ``rows`` in ``results`` and print the default's time and the five fastest launches."""
+    results.extend(rows)
+    rows.sort(key=lambda r: r["us"])
+    print(f"{what}: default {default_us:.2f} us; fastest:", flush=True)
+    for r in rows[:5]:
+        print(f"    {r['us']:6.2f} us  {describe(r)}", flush=True)
+
+
 def probe_expand(T: int, results: list) -> None:
     g = torch.Generator(device="cuda").manual_seed(T)
     X = torch.randn(T, HC, D, device="cuda", generator=g).to(torch.bfloat16)
@@ -63,13 +72,8 @@ def probe_expand(T: int, results: list) -> None:
         fn = lambda: mhc.mhc_expand(X, f, post, C, block_d=bd, num_warps=nw)  # noqa: E731
         same = bool(torch.equal(fn(), ref))
         rows.append(dict(kernel="mhc_expand", tokens=T, block_d=bd, num_warps=nw, us=graph_us(fn), same=same))
-    default = graph_us(lambda: mhc.mhc_expand(X, f, post, C))
-    results.extend(rows)
-    rows.sort(key=lambda r: r["us"])
-    print(f"mhc_expand T={T}: default {default:.2f} us; fastest:", flush=True)
-    for r in rows[:5]:
-        print(f"    {r['us']:6.2f} us  block_d {r['block_d']:4d} warps {r['num_warps']}  "
-              f"{'same' if r['same'] else 'DIFFERS'}", flush=True)
+    report(f"mhc_expand T={T}", graph_us(lambda: mhc.mhc_expand(X, f, post, C)), rows, results,
+           lambda r: f"block_d {r['block_d']:4d} warps {r['num_warps']}  {'same' if r['same'] else 'DIFFERS'}")
 
 
 def probe_mix(T: int, results: list) -> None:
@@ -90,13 +94,8 @@ def probe_mix(T: int, results: list) -> None:
         diff = max(float((a - b).abs().max()) for a, b in zip(out, ref))
         rows.append(dict(kernel="mhc_mix_from_streams", tokens=T, block_t=bt, num_warps=nw, us=graph_us(fn),
                          max_diff=diff))
-    default = graph_us(lambda: mhc.mhc_mix_from_streams(*args))
-    results.extend(rows)
-    rows.sort(key=lambda r: r["us"])
-    print(f"mhc_mix_from_streams T={T}: default {default:.2f} us; fastest:", flush=True)
-    for r in rows[:5]:
-        print(f"    {r['us']:6.2f} us  tokens a program {r['block_t']:2d} warps {r['num_warps']}  "
-              f"max diff {r['max_diff']:.1e}", flush=True)
+    report(f"mhc_mix_from_streams T={T}", graph_us(lambda: mhc.mhc_mix_from_streams(*args)), rows, results,
+           lambda r: f"tokens a program {r['block_t']:2d} warps {r['num_warps']}  max diff {r['max_diff']:.1e}")
 
 
 def main() -> None:

@@ -463,8 +463,9 @@ def fmt_tokens(n: int) -> str:
 
 def graph_timing_text(g: dict) -> str:
     """A decode row's ``DecodeGraphs.stats()`` in words: the replay's GPU time, the GPU time before
-    it (metadata and fills, and waits for the host), between replays (sampling), host preparation."""
-    return (f"graph replay {g['replay_gpu_ms']:.2f} ms GPU, before it (metadata, fills) "
+    it (the static tables' upload and fill, and waits for the host), between replays (sampling),
+    host preparation."""
+    return (f"graph replay {g['replay_gpu_ms']:.2f} ms GPU, before it (table fill) "
             f"{g.get('fill_gpu_ms', 0):.2f} ms, between replays {g.get('between_replays_ms', 0):.2f} ms, "
             f"host prep {g['host_prep_ms']:.2f} ms")
 

@@ -9,6 +9,21 @@ OUT=${1:?output directory}
 WHICH=${2:-fill}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
+# the bf16 benchmark model (43 Flash-shaped layers, FlashMLA: its wheel is carried in .whl/flashmla/)
+flashmla() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl \
+  || echo "flashmla install failed"; }
+bf16_batch1() {    # LIMIT BUDGET: batch 1 at 4K and 1M (issue 14's 2x)
+  part "$1" step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget "$2" --out "$OUT/step.json"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+}
+bf16_128k_x17() {  # LIMIT BUDGET: 128K x 17, compressed and dense (issue 14's 4x)
+  part "$1" dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
+    --time-budget "$2" --out "$OUT/dense.json"
+  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
+}
 if [ "$WHICH" = fill ]; then
   part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_static_tables.py tests/test_host_syncs.py \
     tests/test_dense_linear.py tests/test_quant_model.py
@@ -25,15 +40,9 @@ fi
 #   bash bench/gpu_session_s12.sh $OUT bf16   the bf16 benchmark model (FlashMLA wheel in .whl/flashmla/): batch 1 at
 #                                             4K and 1M (issue 14's 2x), then 128K x 17 compressed and dense (4x)
 if [ "$WHICH" = bf16 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
-  part 230 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
-    --time-budget 210 --out "$OUT/step.json"
-  grep -E "decode compressed|engine built|attention kernel" "$OUT/step.log" | cut -c1-400
-  part 250 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
-    --time-budget 230 --out "$OUT/dense.json"
-  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
+  flashmla
+  bf16_batch1 230 210
+  bf16_128k_x17 250 230
 fi
 #   bash bench/gpu_session_s12.sh $OUT where  what the batch-1 step spends at 4K and 1M: the graph's kernels by name
 #                                             (28-layer quantised model, --timeline), the compressors' projections
@@ -57,26 +66,17 @@ if [ "$WHICH" = topk ]; then
     --prefill-max-seconds 2 --prefill-context 8192 --timeline 4 --time-budget 180 --out "$OUT/q28.json"
   grep -A 3 "^decode" "$OUT/q28.log"
   grep -A 30 "^batch 1 at" "$OUT/q28.log" | grep "at\|floor\|radix\|compact\|indexer\|wall" | head -n 20
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
-  part 120 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
-    --time-budget 110 --out "$OUT/step.json"
-  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+  flashmla
+  bf16_batch1 120 110
 fi
 #   bash bench/gpu_session_s12.sh $OUT final  after the mHC launch change (and the top-k floor threshold): CUDA tests,
 #                                             the bf16 model at batch 1 and 128K x 17 (both modes), the 28-layer table
 if [ "$WHICH" = final ]; then
   part 80 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_topk.py
   tail -n 3 "$OUT/tests.log"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
-  part 100 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
-    --time-budget 90 --out "$OUT/step.json"
-  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-330
-  part 120 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
-    --time-budget 110 --out "$OUT/dense.json"
-  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-330
+  flashmla
+  bf16_batch1 100 90
+  bf16_128k_x17 120 110
   part 120 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1,32 --skip-kernels --steps 8 \
     --prefill-max-seconds 2 --prefill-context 8192 --time-budget 95 --out "$OUT/q28.json"
   grep -A 10 "^decode" "$OUT/q28.log"; grep -A 1 "^per layer" "$OUT/q28.log"; grep "43-layer" "$OUT/q28.log"
@@ -86,7 +86,7 @@ fi
 #   bash bench/gpu_session_s12.sh $OUT bf16where  the bf16 benchmark model's graph kernels by name at 4K x 1, 1M x 1 and
 #                                                 128K x 17 (--timeline 3)
 if [ "$WHICH" = bf16where ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  flashmla
   part 200 where python3 bench/bench_long_context.py --modes compressed --batches 1,17 --contexts 4096,131072,1048576 \
     --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --timeline 3 --no-progress \
     --time-budget 190 --out "$OUT/where.json"

@@ -504,23 +504,13 @@ class MoE(nn.Module):
     def _sort_pairs(self, ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """The (token, choice) pairs in a stable order by expert, other ranks' experts (-1) last:
         (order [T k], each expert's end in that order int32 [E], and with an expert range the
-        rows of this rank's experts, else None). Up to ``ROUTE_FUSED_MAX_PAIRS`` pairs in one
-        launch (``kernels/fp4_moe.route_fused``, the FP4 path's), else a stable sort and a binary
-        search (CUDA bincount reads its max on the host: a sync). At 102 pairs the sort alone took
-        27 us on the H200 (docs/PERF.md, session 12). Both give the same order. (The launch needs
-        CUDA tensors or the interpreter: the CPU tests force this path on CPU tensors.)"""
-        from .kernels import fp4_moe
-        from .kernels._common import interpreting
-        key = torch.where(ids < 0, E, ids).reshape(-1) if self.expert_range is not None else ids.reshape(-1)
-        if 0 < key.numel() <= fp4_moe.ROUTE_FUSED_MAX_PAIRS and (key.is_cuda or interpreting()):
-            r = fp4_moe.route_fused(key, E, 64)
-            order, ends = r.order, r.offsets[1:].to(torch.int32)     # offsets: exclusive starts, E + 1
-            kept = None if self.expert_range is None else torch.arange(key.numel(), device=key.device) < r.offsets[E]
-            return order, ends, kept
-        sorted_ids, order = key.sort(stable=True)
-        experts = torch.arange(E, device=ids.device, dtype=sorted_ids.dtype)
-        ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-        return order, ends, None if self.expert_range is None else sorted_ids < E
+        rows of this rank's experts, else None), by the FP4 path's routing
+        (``kernels/fp4_moe.route_pairs``: one launch up to 512 pairs, where a stable sort of 102
+        pair ids alone took 27 us on the H200, docs/PERF.md session 12; a sort beyond)."""
+        from .kernels.fp4_moe import route_pairs
+        r = route_pairs(ids.reshape(-1), E, 64)          # offsets: each expert's first row, then the end
+        kept = None if self.expert_range is None else torch.arange(ids.numel(), device=ids.device) < r.offsets[E]
+        return r.order, r.offsets[1:].to(torch.int32), kept
 
 
 # torch._grouped_mm on CUDA, bfloat16, routed experts stacked (see MoE.stack_experts);

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsv4_backend.kernels.fp4_moe import ROUTE_FUSED_MAX_PAIRS, route, route_fused
+from dsv4_backend.kernels.fp4_moe import route_pairs
 from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm_partials
 
@@ -247,7 +247,7 @@ def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pa
     per, splits = mma_splits(K, config.split_k)
     part = torch.empty(splits, P, N, dtype=torch.float32, device=act_q.device)
     if config.routed:
-        r = (route_fused if P <= ROUTE_FUSED_MAX_PAIRS else route)(ids, E, 8 * config.groups)
+        r = route_pairs(ids, E, 8 * config.groups)
         blocks, tables = r.block_expert.numel(), (r.order, r.block_expert, r.block_row0, r.offsets)
     else:
         blocks, tables = P, (ids,) * 4  # unread

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import (
-    check_device, dot_dtype, e2m1_times_2m14, e4m3_decode, exp2_int, native, round_bf16,
+    check_device, dot_dtype, e2m1_times_2m14, e4m3_decode, exp2_int, interpreting, native, round_bf16,
 )
 from dsv4_backend.kernels.fp4_moe_decode import GemvConfig, combine_splits, fp4_moe_decode, pick_gemv_configs
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, quant_block_e4m3
@@ -165,6 +165,15 @@ def route_fused(ids: torch.Tensor, num_experts: int, block_m: int) -> Routing:
         flat, order, offsets, block_expert, block_row0, P, E, G, BLOCK_M=block_m,
         PP=max(triton.next_power_of_2(P), 16), EP=triton.next_power_of_2(E + 2), CH=CH, num_warps=8)
     return Routing(order, offsets, block_expert, block_row0)
+
+
+def route_pairs(ids: torch.Tensor, num_experts: int, block_m: int, fused: bool = True) -> Routing:
+    """``route_fused`` where it applies (``fused``, 1 .. ROUTE_FUSED_MAX_PAIRS pairs, tensors the
+    kernel can read: CUDA, or the CPU under the interpreter), else ``route``: the same tensors."""
+    P = ids.numel()
+    if fused and 0 < P <= ROUTE_FUSED_MAX_PAIRS and (ids.is_cuda or interpreting()):
+        return route_fused(ids, num_experts, block_m)
+    return route(ids, num_experts, block_m)
 
 
 # ---- in-register conversions --------------------------------------------------------------
@@ -462,8 +471,7 @@ def fp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torc
                               cfg.gemv_gate_up or auto_up, cfg.gemv_down or auto_down)
     if 128 % cfg.block_k or cfg.block_k % 32:
         raise ValueError(f"fp4_moe: block_k={cfg.block_k} must be a multiple of 32 dividing 128")
-    fused = cfg.fused_route and T * k <= ROUTE_FUSED_MAX_PAIRS
-    routing = (route_fused if fused else route)(ids, E, cfg.block_m)
+    routing = route_pairs(ids, E, cfg.block_m, cfg.fused_route)
     xq, xs = act_quant_fp8(x)
     hq, hs = moe_gate_up(xq, xs, weights.contiguous(), w13, w13_scale, routing, k, limit, cfg)
     y = moe_down(hq, hs, w2, w2_scale, routing, cfg)

@@ -174,9 +174,8 @@ def static_fill(requests: torch.Tensor, ids: torch.Tensor, prev_ids: Optional[to
     c4_args = (*c4, out["c4_pages"], out["c4_visible"], out["c4_pages"].shape[1]) if c4 else (dummy,) * 7 + (0,)
     if c128 is not None:
         c128_args = (*c128, out["c128_rows"], out["c128_rows"].shape[1])
-    elif online is not None:
-        count, dest, first = online
-        c128_args = (dest, first, dummy, dummy, dummy, out["c128_rows"], out["c128_rows"].shape[1])
+    elif online is not None:      # (token_count, dest_rows, first_pos): the count goes in its own argument
+        c128_args = (*online[1:], dummy, dummy, dummy, out["c128_rows"], out["c128_rows"].shape[1])
     else:
         c128_args = (dummy,) * 6 + (0,)
     hs = out.get("hs_owners")

@@ -77,6 +77,7 @@ def probe_expand(T: int, results: list) -> None:
 
 
 def probe_mix(T: int, results: list) -> None:
+    """The broadcast-product partials at each tokens-a-program x warps (the same chunks)."""
     g = torch.Generator(device="cuda").manual_seed(100 + T)
     n = HC * (2 + HC)
     X = torch.randn(T, HC, D, device="cuda", generator=g).to(torch.bfloat16)
@@ -89,7 +90,7 @@ def probe_mix(T: int, results: list) -> None:
     for bt, nw in itertools.product((1, 2, 4, 8, 16), (2, 4, 8)):
         if bt > max(T, 1) * 2:
             continue
-        fn = lambda: mhc.mhc_mix_from_streams(*args, block_t=bt, num_warps=nw)  # noqa: E731
+        fn = lambda: mhc.mhc_mix_from_streams(*args, block_t=bt, num_warps=nw, dot=False)  # noqa: E731
         out = fn()
         diff = max(float((a - b).abs().max()) for a, b in zip(out, ref))
         rows.append(dict(kernel="mhc_mix_from_streams", tokens=T, block_t=bt, num_warps=nw, us=graph_us(fn),
@@ -98,15 +99,62 @@ def probe_mix(T: int, results: list) -> None:
            lambda r: f"tokens a program {r['block_t']:2d} warps {r['num_warps']}  max diff {r['max_diff']:.1e}")
 
 
+def probe_sublayer(T: int, results: list) -> None:
+    """A sub-layer's entry as the model runs it: ``mhc_mix_from_streams`` then ``mhc_collapse_norm``
+    (three launches), at the default launch (``mhc.mix_launch``), the finalize on 1 / 4 warps, and the
+    tl.dot partials at each tokens-a-program x warps x chunk; the split-K partials alone beside them.
+    (Session 13 also timed a finalize fused with the collapse-norm: no faster, so not kept.)"""
+    g = torch.Generator(device="cuda").manual_seed(200 + T)
+    n = HC * (2 + HC)
+    X = torch.randn(T, HC, D, device="cuda", generator=g).to(torch.bfloat16)
+    fn_w = torch.randn(n, HC * D, device="cuda", generator=g) * 0.01
+    scale = torch.rand(3, device="cuda", generator=g)
+    base = torch.randn(n, device="cuda", generator=g) * 0.1
+    w = torch.rand(D, device="cuda", generator=g).to(torch.bfloat16)
+    args = (X, fn_w, scale, base, HC, 20, 1e-6, 1e-6)
+
+    def entry(**kw):
+        mix = mhc.mhc_mix_from_streams(*args, **kw)
+        return mix, mhc.mhc_collapse_norm(X, mix.pre, w, 1e-6, torch.bfloat16)
+
+    ref_mix, ref_y = entry(dot=False, chunk=128, finalize_warps=4)   # the launch before session 13
+
+    def diff(out) -> float:
+        mix, y = out
+        return max([float((a - b).abs().max()) for a, b in zip(mix, ref_mix)] + [float((y - ref_y).float().abs().max())])
+
+    rows = []
+    variants = [dict(), dict(dot=False, chunk=128, finalize_warps=4), dict(dot=False, chunk=128, finalize_warps=1)]
+    variants += [dict(dot=True, block_t=bt, num_warps=nw, chunk=ch, finalize_warps=1)
+                 for bt, nw, ch in itertools.product((16, 32, 64), (2, 4), (64, 128)) if bt <= max(16, 2 * T)]
+    for kw in variants:
+        fn = lambda: entry(**kw)  # noqa: E731
+        d = diff(fn())
+        rows.append(dict(kernel="sublayer", tokens=T, **kw, us=graph_us(fn), max_diff=d))
+    for kw in [dict(dot=False), dict(dot=True)]:
+        launch = mhc.mix_launch(T, n, **kw)
+        fn = lambda: mhc._launch_partials(X, fn_w, launch)  # noqa: E731
+        rows.append(dict(kernel="partials", tokens=T, launch=launch._asdict(), us=graph_us(fn)))
+        print(f"  partials T={T} {launch}: {rows[-1]['us']:.2f} us", flush=True)
+    report(f"sub-layer entry T={T} (default {mhc.mix_launch(T, n)})", rows[0]["us"],
+           [r for r in rows if r["kernel"] == "sublayer"], results,
+           lambda r: f"{dict((k, r[k]) for k in ('dot', 'block_t', 'num_warps', 'chunk', 'finalize_warps') if k in r)}"
+                     f"  max diff {r['max_diff']:.1e}")
+    results.extend(r for r in rows if r["kernel"] == "partials")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,4,17,32,64")
+    ap.add_argument("--parts", default="expand,mix,sublayer", help="which probes to run (comma-separated)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     results: list = []
+    parts = set(args.parts.split(","))
     for T in (int(v) for v in args.tokens.split(",")):
-        probe_expand(T, results)
-        probe_mix(T, results)
+        for name, probe in (("expand", probe_expand), ("mix", probe_mix), ("sublayer", probe_sublayer)):
+            if name in parts:
+                probe(T, results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -220,13 +220,17 @@ def test_online_c128_matches_ring_pooling():
 
 # ---- 3. indexer ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["table_tma", "table_tma_chunked", "table_tma_grouped", "table_pointers", "rows"])
+@pytest.mark.parametrize("mode", ["table_tma", "table_tma_chunked", "table_tma_grouped", "table_pointers", "rows",
+                                  "table_tma_f16", "rows_f16"])
 def test_indexer_topk(mode):
     """Page-table lists through the bulk-copy kernel (one program per request, or one per page)
-    and through the pointer kernel; explicit row lists through the pointer kernel."""
-    use_table = mode != "rows"
+    and through the pointer kernel; explicit row lists through the pointer kernel; both with
+    the fp16 products (q over its power-of-two scale), which give the bf16 products' scores."""
+    use_table = not mode.startswith("rows")
+    f16 = mode.endswith("_f16")
     cfg = IndexerConfig(tma=mode.startswith("table_tma"), chunk=64 if mode.endswith("chunked") else None,
-                        group=None if mode.endswith("grouped") else 1)  # None: 4 for these bf16 products
+                        group=None if mode.endswith("grouped") else 1,  # None: 4 for these bf16 products
+                        products="f16" if f16 else "bf16")
     g = _gen(30 + use_table)
     b, h, k, p = 4, 8, 16, 64
     q = indexer_fake_quant(torch.randn(b, h, 128, generator=g))
@@ -247,11 +251,16 @@ def test_indexer_topk(mode):
     if use_table:
         got = indexer_topk(q, w, pool, k, page_table=table.to(DEV), num_visible=nvis.to(DEV), config=cfg)
     else:
-        got = indexer_topk(q, w, pool, k, row_ids=row_ids)
+        got = indexer_topk(q, w, pool, k, row_ids=row_ids, config=cfg)
     ref_scores = R.indexer_scores_ref(q, w, pool, row_ids)
     # q and the e4m3 rows are exact in bf16, so the GPU's bf16 products are exact too
     keys = read_indexer_rows(pool.cpu(), row_ids.clamp_min(0).long().cpu())
     assert_within(got.scores, ref_scores, indexer_score_bound(q, w, keys), "scores")
+    if f16:   # q / 2^k and w 2^k with 2^k a power of two: every product and sum scales exactly
+        bf16 = cfg._replace(products="bf16")
+        same = (indexer_topk(q, w, pool, k, page_table=table.to(DEV), num_visible=nvis.to(DEV), config=bf16)
+                if use_table else indexer_topk(q, w, pool, k, row_ids=row_ids, config=bf16))
+        assert torch.equal(got.scores, same.scores) and torch.equal(got.rows, same.rows)
     # select on the kernel's own scores: the selection rule is what is under test here
     ref_top = R.topk_ref(got.scores, row_ids, k)
     assert torch.equal(got.rows.cpu(), ref_top.rows.cpu())

@@ -144,10 +144,10 @@ def mix_shift_bound(cfg: DSV4Config, m: torch.Tensor, dm: torch.Tensor, scale, b
     return s[0] / 4 * dm[:, :hc], s[1] / 2 * dm[:, hc:2 * hc], 2 * (J.abs() * dm[:, None, None, :]).sum(-1)
 
 
-def check_mix_from_streams(cfg: DSV4Config, X, fn, scale, base, chunk: int):
+def check_mix_from_streams(cfg: DSV4Config, X, fn, scale, base, chunk: int, **launch):
     """mhc_mix_from_streams against hc_sinkhorn(hc_mix_logits) in float64 and in the torch fp32 path."""
     got = mhc_mix_from_streams(X, fn, scale, base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                               cfg.rms_norm_eps, chunk=chunk)
+                               cfg.rms_norm_eps, chunk=chunk, **launch)
     Xc, fc, sc, bc = X.cpu(), fn.cpu(), scale.cpu(), base.cpu()
     m64 = hc_mix_logits(cfg, Xc.double(), fc.double())
     ref = hc_sinkhorn(cfg, m64, sc.double(), bc.double())
@@ -175,6 +175,32 @@ def test_mix_from_streams_matches_float64(T, hc, D, chunk, dtype):
     X, fn, scale, base = stream_inputs(T, hc, D, dtype, seed=T * 100 + D)
     got = check_mix_from_streams(cfg, X, fn, scale, base, chunk)
     assert (got.C.sum(-2) - 1).abs().max().item() < 1e-5
+
+
+@interpreter_only
+@pytest.mark.parametrize("T, hc, D, chunk, block_t", [
+    (1, 4, 64, 64, 16),      # one token in a 16-row dot tile
+    (17, 4, 100, 32, 16),    # a second, partial token block; a 4-wide last chunk
+    (5, 3, 40, 32, 32),      # hc = 3 (padded), N = 15
+])
+def test_mix_from_streams_dot_partials(T, hc, D, chunk, block_t):
+    """The tl.dot partials sum each chunk's exact fp32 products in another order: the same bound."""
+    cfg = CFG.replace(hc_mult=hc)
+    X, fn, scale, base = stream_inputs(T, hc, D, torch.bfloat16, seed=T * 7 + D)
+    check_mix_from_streams(cfg, X, fn, scale, base, chunk, dot=True, block_t=block_t)
+
+
+def test_mix_launch_rule():
+    """Below MIX_DOT_MIN_TOKENS the broadcast product in 128-value chunks, from it tl.dot in 64s;
+    the finalize on one warp; a tl.dot launch needs 16 tokens a program."""
+    small, big = mhc_mod.mix_launch(4, 24), mhc_mod.mix_launch(mhc_mod.MIX_DOT_MIN_TOKENS, 24)
+    assert (small.dot, small.chunk, small.block_t, small.finalize_warps) == (False, 128, 4, 1)
+    assert (big.dot, big.chunk, big.block_t) == (True, 64, 16)
+    assert mhc_mod.mix_launch(64, 24).block_t == 32
+    hc, D = 4, 16
+    X, fn, scale, base = stream_inputs(2, hc, D, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="block_t >= 16"):
+        mhc_mix_from_streams(X, fn, scale, base, hc, 20, 1e-6, 1e-6, dot=True, block_t=4)
 
 
 @interpreter_only
@@ -270,7 +296,8 @@ def test_model_dispatch_uses_kernels(monkeypatch, dtype, max_tokens):
     assert len(calls) == 3 and len(streams) == (1 if max_tokens else 0)
     if max_tokens:     # both sides' logits bounds (module docstring), and TOL each for the mix
         m64 = hc_mix_logits(CFG, X.double(), fn.double())
-        dm = logit_bound(X, fn, CFG.rms_norm_eps, 128) + logit_bound(X, fn, CFG.rms_norm_eps, None)
+        chunk = mhc_mod.mix_launch(T, hc * (2 + hc)).chunk   # 50 tokens: the tl.dot partials
+        dm = logit_bound(X, fn, CFG.rms_norm_eps, chunk) + logit_bound(X, fn, CFG.rms_norm_eps, None)
         dmix = [2 * TOL + b for b in mix_shift_bound(CFG, m64, dm, scale, base)]
     else:              # the same logits: TOL
         dmix = [torch.full(a.shape, TOL, dtype=torch.float64) for a in mix]
@@ -478,17 +505,19 @@ def test_cuda_grouped_moe_matches_expert_loop(monkeypatch, T):
 
 
 @cuda
-@pytest.mark.parametrize("T", [1, 3, 64, 256])
+@pytest.mark.parametrize("T", [1, 3, 17, 64, 256])
 def test_cuda_mix_from_streams_at_flash_shape(T):
-    """Flash's streams (hc = 4, D = 4096: K = 16384 in 128 chunks) through the two launches, against
-    float64, the CPU's torch fp32 path and the GPU's matmul path (hc_mix_logits, then mhc_mix)."""
+    """Flash's streams (hc = 4, D = 4096: K = 16384) through the two launches at the default
+    launch (tl.dot partials from 16 tokens), against float64, the CPU's torch fp32 path and the
+    GPU's matmul path (hc_mix_logits, then mhc_mix)."""
     dev = torch.device("cuda")
     hc, D = CFG.hc_mult, 4096
     X, fn, scale, base = (t.to(dev) for t in stream_inputs(T, hc, D, torch.bfloat16, seed=T))
-    got = check_mix_from_streams(CFG, X, fn, scale, base, chunk=128)
+    chunk = mhc_mod.mix_launch(T, hc * (2 + hc)).chunk
+    got = check_mix_from_streams(CFG, X, fn, scale, base, chunk=chunk)
     matmul = mhc_mix(hc_mix_logits(CFG, X, fn), scale, base, hc, CFG.hc_sinkhorn_iters, CFG.hc_eps)
     m64 = hc_mix_logits(CFG, X.double().cpu(), fn.double().cpu())
-    dm = logit_bound(X, fn, CFG.rms_norm_eps, 128) + logit_bound(X, fn, CFG.rms_norm_eps, None)
+    dm = logit_bound(X, fn, CFG.rms_norm_eps, chunk) + logit_bound(X, fn, CFG.rms_norm_eps, None)
     for name, a, b, d in zip(("pre", "post", "C"), got, matmul, mix_shift_bound(CFG, m64, dm, scale, base)):
         assert_within(a, b, 2 * TOL + d, f"{name}: streams vs matmul path")
 

@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4_backend.kernels._common import (
-    IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, native, page_geometry,
+    IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, exp2_int, native, page_geometry, pow2_scale_exp,
 )
 
 
@@ -41,6 +41,11 @@ class IndexerConfig(NamedTuple):
     # kept more copies in flight, 51% -> 59% of copy bandwidth on the H200; 1 for FP8, where 4
     # measured slower)
     group: int | None = None
+    # tensor-core input type of the exact (non-FP8) products: "bf16", or "f16": each head's q is
+    # divided by a power of two 2^k (its FP8 rule's scale: q / 2^k are then e4m3 values) and 2^k
+    # moves into the head weight, so both operands are exact in fp16 and e4m3 -> fp16 is one
+    # conversion per two codes, where e4m3 -> bf16 takes several instructions
+    products: str = "f16"
 
 
 class IndexerTopK(NamedTuple):
@@ -50,9 +55,10 @@ class IndexerTopK(NamedTuple):
 
 @triton.jit
 def _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                  Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                  Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_POW2: tl.constexpr = False):
     """Request ``b``'s heads: q [BLOCK_H, 128] (e4m3 bits seen as FP8, or DOT_DTYPE) and the
-    fp32 head weights [BLOCK_H] (times q's per-head scale for FP8); padded heads are zero."""
+    fp32 head weights [BLOCK_H] (times q's per-head scale for FP8); padded heads are zero.
+    Q_POW2: q / 2^k and w 2^k per head, 2^k = q's FP8 scale (exact: powers of two)."""
     hh = tl.arange(0, BLOCK_H)
     hmask = hh < H
     d = tl.arange(0, 128)
@@ -63,6 +69,11 @@ def _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H: tl.constexpr, BL
         w = w * tl.load(qs_ptr + b * H + hh, mask=hmask, other=0.0)
     else:
         q = tl.load(q_ptr + b * q_sb + hh[:, None] * q_sh + d[None, :], mask=hmask[:, None], other=0.0)
+        if Q_POW2:
+            q = q.to(tl.float32)
+            k = pow2_scale_exp(tl.max(tl.abs(q), axis=1))
+            q = q * exp2_int(-k)[:, None]
+            w = w * exp2_int(k)
         q = q.to(DOT_DTYPE)
     return q, w
 
@@ -74,10 +85,10 @@ def _indexer_scores_kernel(
         score_ptr, score_sb, chunk,
         H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TABLE: tl.constexpr, Q_FP8: tl.constexpr, NATIVE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, Q_POW2: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * chunk
-    q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE)
+    q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE, Q_POW2)
     d = tl.arange(0, 128)
     if USE_TABLE:
         n_valid = tl.load(nvis_ptr + b)
@@ -123,14 +134,15 @@ def _indexer_paged_kernel(
         codes, scales, table_ptr, table_sb, nvis_ptr, L,
         score_ptr, score_sb, pages_per_prog,
         H: tl.constexpr, BLOCK_H: tl.constexpr, P: tl.constexpr, PAGE_ROWS_2D: tl.constexpr,
-        Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP: tl.constexpr):
+        Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP: tl.constexpr,
+        Q_POW2: tl.constexpr):
     """One program per (request, run of ``pages_per_prog`` table entries). A page is two
     tensor-memory-accelerator copies straight into shared memory, pipelined NUM_STAGES deep:
     its [P, 128] codes (``codes``: the pool seen as [pages * PAGE_ROWS_2D, 128] e4m3) and the P
     fp32 scales that follow them (``scales``: the pool seen as fp32 [pages, 33 P])."""
     b = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * pages_per_prog
-    q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE)
+    q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE, Q_POW2)
     n_valid = tl.minimum(tl.load(nvis_ptr + b), L)
     g_end = tl.minimum(g0 + pages_per_prog, tl.cdiv(L, P))
     g_vis = tl.minimum(g_end, tl.cdiv(n_valid, P))  # pages holding at least one visible row
@@ -198,6 +210,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
     q_fp8: run the products on FP8 tensor cores (GPU only; q re-encoded per head, exact
     inputs; Hopper keeps ~14 mantissa bits of each 128-deep sum, so a score may differ by up
     to ~2^-16 of the magnitudes summed, sum_h |w_h| (|q_h| . |K|) x scale).
+    Otherwise the products are exact on the tensor cores and summed in fp32, in fp16
+    (``config.products="f16"``, the default: q over its power-of-two FP8 scale, exact in fp16 for
+    the FP8-rounded q the model passes) or in bf16; both give the same scores.
     """
     b, H, dim = q.shape
     if dim != 128:
@@ -229,7 +244,10 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
         qv, qs = _fp8_heads(q)
     else:
         qv, qs = q.to(dot_dtype()).contiguous(), weights
-    dt = tl.float32 if dot_dtype() == torch.float32 else tl.bfloat16
+    if config.products not in ("bf16", "f16"):
+        raise ValueError(f"IndexerConfig.products must be 'bf16' or 'f16', got {config.products!r}")
+    q_pow2 = config.products == "f16" and not q_fp8
+    dt = tl.float32 if dot_dtype() == torch.float32 else tl.float16 if q_pow2 else tl.bfloat16
     block_n = config.block_n
     chunk = config.chunk
     if chunk is None:
@@ -246,14 +264,14 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
             scores, scores.stride(0), chunk // P,
             H=H, BLOCK_H=H_block, P=P, PAGE_ROWS_2D=page_stride // 128, Q_FP8=q_fp8,
             DOT_DTYPE=dt, NUM_STAGES=config.num_stages,
-            GROUP=config.group or (1 if q_fp8 else 4), num_warps=config.num_warps)
+            GROUP=config.group or (1 if q_fp8 else 4), Q_POW2=q_pow2, num_warps=config.num_warps)
         return scores
     _indexer_scores_kernel[(b, triton.cdiv(L, chunk))](
         qv, qv.stride(0), qv.stride(1), weights, weights.stride(0), qs,
         pool, P, page_stride, ids, ids.stride(0), nvis, L,
         scores, scores.stride(0), chunk,
         H=H, BLOCK_H=H_block, BLOCK_N=block_n,
-        USE_TABLE=use_table, Q_FP8=q_fp8, NATIVE=native(), DOT_DTYPE=dt,
+        USE_TABLE=use_table, Q_FP8=q_fp8, NATIVE=native(), DOT_DTYPE=dt, Q_POW2=q_pow2,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return scores
 

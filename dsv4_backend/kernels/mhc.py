@@ -10,10 +10,10 @@ replaces the ~90 small torch ops of a Sinkhorn mix (and the handful of a collaps
   of two and masked.
 - ``mhc_mix_from_streams``: the same from the streams ``X [T, hc, D]`` and ``fn`` in two launches
   (the model's path at decode sizes): a split-K kernel writes each chunk's partial dots with
-  fn's rows and partial sum of squares, in fp32 from X's own dtype, and a finalize sums the
-  partials per token, applies the rsqrt and does what ``mhc_mix`` does. Split-K because at a few
-  tokens the work is streaming fn (1.5 MB at Flash): K / chunk programs share it, where one per
-  token would leave most SMs idle. ``mhc_head_pre``: the hc_head's pre gate by the same launches.
+  fn's rows and partial sum of squares, in fp32 from X's own dtype (a broadcast product below
+  16 tokens, an fp32 ``tl.dot`` from 16), and a finalize sums the partials per token, applies the
+  rsqrt and does what ``mhc_mix`` does. Split-K because at a few tokens the work is streaming fn
+  (1.5 MB at Flash): K / chunk programs share it, where one per token would leave most SMs idle. ``mhc_head_pre``: the hc_head's pre gate by the same launches.
 - ``mhc_collapse``: ``y[t] = sum_j pre[t, j] X[t, j]`` (fp32 out).
 - ``mhc_expand``: ``X'[t, k] = post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` (X's dtype out).
 - ``mhc_collapse_norm``: ``RMSNorm(sum_j pre[t, j] X[t, j]) * weight``, a sub-layer's input
@@ -143,8 +143,10 @@ def _check_streams(X: torch.Tensor, what: str) -> None:
 
 @triton.jit
 def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK_T: tl.constexpr):
-    # program (i, s): chunk s of K for tokens [i BLOCK_T, (i + 1) BLOCK_T); fn's tile is read once for them
+                        CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
+    # program (i, s): chunk s of K for tokens [i BLOCK_T, (i + 1) BLOCK_T); fn's tile is read once for them.
+    # DOT: the chunk's dots as one fp32 tl.dot (IEEE products and sums, BLOCK_T >= 16), else as a
+    # broadcast product summed by tl.sum; either sums the chunk's products in some order.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     t64 = t.to(tl.int64)
@@ -156,19 +158,21 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: t
     x = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)                                   # [BT, CHUNK]
     w = tl.load(fn_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [NP, CHUNK]
+    if DOT:
+        dots = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        dots = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     out = part_ptr + (t64 * S + s) * (N + 1)                                 # [BT]
-    tl.store(out[:, None] + n[None, :], tl.sum(x[:, None, :] * w[None, :, :], axis=2),
-             mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out[:, None] + n[None, :], dots, mask=t_ok[:, None] & n_ok[None, :])
     tl.store(out + N, tl.sum(x * x, axis=1), mask=t_ok)
 
 
 @triton.jit
-def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
-                              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
-                              SP: tl.constexpr, PRE_ONLY: tl.constexpr):
-    # one program per token: its S partials are loaded as one [SP, ...] tile and summed by tl.sum,
-    # a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
-    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]
+def _finalize_token(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
+                    N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
+                    SP: tl.constexpr, PRE_ONLY: tl.constexpr):
+    # token t64 ([1]): its S partials are loaded as one [SP, ...] tile and summed by tl.sum, a
+    # fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
     t_ok = t64 < T
     s = tl.arange(0, SP)
     s_ok = s < S
@@ -188,6 +192,15 @@ def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
         _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
 
 
+@triton.jit
+def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
+                              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
+                              SP: tl.constexpr, PRE_ONLY: tl.constexpr):
+    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
+    _finalize_token(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
+                    N, HC, HCP, ITERS, SP, PRE_ONLY)
+
+
 def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, what: str) -> None:
     _check_streams(X, what)
     if X.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -200,40 +213,84 @@ def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, 
         raise ValueError(f"{what}: chunk must be a power of two >= 16, got {chunk}")
 
 
-def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, iters, pre_only,
-                         block_t=None, num_warps=None):
+class MixLaunch(NamedTuple):
+    chunk: int         # K values a partial program sums
+    block_t: int       # tokens a partial program
+    num_warps: int     # the partial program's warps
+    dot: bool          # the chunk's dots as one fp32 tl.dot (block_t >= 16) or a broadcast product
+    finalize_warps: int
+
+
+# From this many tokens the partials are tl.dot products of 16 (32 past 32 tokens) tokens x 64
+# values. On the H200 (bench/probe_mhc.py --parts sublayer, Flash's streams, graph replays) the
+# split-K partials at 17 / 32 / 64 tokens took 8.6 / 8.6 / 14.2 us against 9.9 / 13.9 / 24.8 us for
+# the broadcast product; below 16 tokens the broadcast product is as fast. The finalize on one warp
+# was 0.85-0.95 us faster than on four at every token count (its Sinkhorn reductions stay in a warp).
+MIX_DOT_MIN_TOKENS = 16
+
+
+def mix_launch(T: int, N: int, chunk: int | None = None, block_t: int | None = None,
+               num_warps: int | None = None, dot: bool | None = None,
+               finalize_warps: int | None = None) -> MixLaunch:
+    """The launch of ``mhc_mix_from_streams`` for T tokens of N mix logits; None: the default."""
+    if dot is None:
+        dot = T >= MIX_DOT_MIN_TOKENS
+    if chunk is None:
+        chunk = 64 if dot else 128
+    if block_t is None:
+        block_t = (16 if T <= 32 else 32) if dot else min(4, triton.next_power_of_2(T))
+    if dot and block_t < 16:
+        raise ValueError(f"mhc mix: the tl.dot partials need block_t >= 16, got {block_t}")
+    if num_warps is None:   # the broadcast product: 2 warps past 4 tokens (15.1 against 20.7 us at T = 17)
+        if dot:
+            num_warps = 2 if block_t <= 16 else 4
+        else:
+            num_warps = 2 if T > 4 else (8 if block_t * triton.next_power_of_2(N) * chunk >= 16384 else 4)
+    return MixLaunch(chunk, block_t, num_warps, dot, finalize_warps or 1)
+
+
+def _launch_partials(X, fn, launch: MixLaunch) -> torch.Tensor:
+    """The split-K partials [T, S, N + 1] (per (t, s): N dots, then the sum of squares)."""
+    T = X.shape[0]
+    N, K = fn.shape
+    S = triton.cdiv(K, launch.chunk)
+    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
+    _mix_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
+        X, fn, part, T, K, S, N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk, BLOCK_T=launch.block_t,
+        DOT=launch.dot, num_warps=launch.num_warps)
+    return part
+
+
+def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, iters, pre_only, launch: MixLaunch):
     T, hc, _ = X.shape
     N, K = fn.shape
-    S = triton.cdiv(K, chunk)
-    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)  # per (t, s): N dots, then ssq
-    block_t = block_t or min(4, triton.next_power_of_2(T))
-    if num_warps is None:   # 2 warps past 4 tokens: 15.1 against 20.7 us at T = 17 on the H200 (probe_mhc.py)
-        num_warps = 2 if T > 4 else (8 if block_t * triton.next_power_of_2(N) * chunk >= 16384 else 4)
-    _mix_partial_kernel[(triton.cdiv(T, block_t), S)](
-        X, fn, part, T, K, S, N=N, NP=triton.next_power_of_2(N), CHUNK=chunk, BLOCK_T=block_t,
-        num_warps=num_warps)
+    S = triton.cdiv(K, launch.chunk)
+    part = _launch_partials(X, fn, launch)
     _mix_from_partials_kernel[(T,)](
         part, scale.contiguous(), base.contiguous(), pre, post, C, T, S, K, float(hc_eps), float(rms_eps),
         N=N, HC=hc, HCP=triton.next_power_of_2(hc), ITERS=iters, SP=triton.next_power_of_2(S),
-        PRE_ONLY=pre_only)
+        PRE_ONLY=pre_only, num_warps=launch.finalize_warps)
 
 
 def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                         sinkhorn_iters: int, hc_eps: float, rms_eps: float, chunk: int = 128,
-                         block_t: int | None = None, num_warps: int | None = None) -> MixWeights:
+                         sinkhorn_iters: int, hc_eps: float, rms_eps: float, chunk: int | None = None,
+                         block_t: int | None = None, num_warps: int | None = None, dot: bool | None = None,
+                         finalize_warps: int | None = None) -> MixWeights:
     """``mhc_mix`` of ``model.hc_mix_logits(X, fn)`` in two launches, without the fp32 copy of X:
     split-K partial dots and sums of squares of each ``chunk`` of ``X[t]`` (flattened to
-    ``K = hc * D``), then a finalize that sums them, scales by ``rsqrt(ssq / K + rms_eps)`` and
-    runs the gates and the Sinkhorn. ``K / chunk`` programs per block of up to 4 tokens stream
-    fn (128 at Flash's K = 16384: one per SM at T = 1).
+    ``K = hc * D``), then a finalize, one program per token, that sums them, scales by
+    ``rsqrt(ssq / K + rms_eps)`` and runs the gates and the Sinkhorn. ``K / chunk`` programs per
+    block of tokens stream fn (128 at Flash's K = 16384 below 16 tokens: one per SM at T = 1).
 
     X: contiguous [T, hc, D] (float32 / bfloat16 / float16); fn: contiguous float32
-    [hc * (2 + hc), hc * D]; scale: [3]; base: [hc * (2 + hc)]. ``block_t`` (tokens a partial
-    program) and ``num_warps`` override the split-K launch (bench/probe_mhc.py)."""
+    [hc * (2 + hc), hc * D]; scale: [3]; base: [hc * (2 + hc)]. ``chunk``, ``block_t`` (tokens a
+    partial program), ``num_warps``, ``dot`` (tl.dot partials) and ``finalize_warps`` override
+    the launch ``mix_launch`` picks (bench/probe_mhc.py)."""
     n_mix = hc * (2 + hc)
     if X.dim() != 3 or X.shape[1] != hc:
         raise ValueError(f"mhc_mix_from_streams: streams must be [T, {hc}, D], got {tuple(X.shape)}")
-    _check_stream_logits(X, fn, n_mix, chunk, "mhc_mix_from_streams")
+    launch = mix_launch(X.shape[0], n_mix, chunk, block_t, num_warps, dot, finalize_warps)
+    _check_stream_logits(X, fn, n_mix, launch.chunk, "mhc_mix_from_streams")
     if scale.numel() != 3 or base.numel() != n_mix:
         raise ValueError(f"mhc_mix_from_streams: scale must have 3 and base {n_mix} elements, "
                          f"got {scale.numel()} and {base.numel()}")
@@ -245,8 +302,7 @@ def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     post = torch.empty(T, hc, dtype=torch.float32, device=X.device)
     C = torch.empty(T, hc, hc, dtype=torch.float32, device=X.device)
     if T:
-        _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, chunk, sinkhorn_iters, False,
-                             block_t, num_warps)
+        _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, sinkhorn_iters, False, launch)
     return MixWeights(pre, post, C)
 
 
@@ -254,8 +310,8 @@ def mhc_head_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
                  rms_eps: float, chunk: int = 128) -> torch.Tensor:
     """The hc_head's ``pre = sigmoid(m scale + base) + hc_eps`` with ``m`` the RMS-scaled
     ``X @ fn.T`` (``model.hc_head_collapse``), by the same two launches as
-    ``mhc_mix_from_streams``. X: contiguous [T, hc, D]; fn: contiguous float32 [hc, hc * D];
-    scale: [1]; base: [hc] -> fp32 [T, hc]."""
+    ``mhc_mix_from_streams`` (the broadcast-product partials: hc dots are too few for tl.dot).
+    X: contiguous [T, hc, D]; fn: contiguous float32 [hc, hc * D]; scale: [1]; base: [hc] -> fp32 [T, hc]."""
     hc = X.shape[1] if X.dim() == 3 else 0
     _check_stream_logits(X, fn, hc, chunk, "mhc_head_pre")
     if scale.numel() != 1 or base.numel() != hc:
@@ -264,7 +320,8 @@ def mhc_head_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: t
     check_device(X, fn, scale, base)
     pre = torch.empty(X.shape[0], hc, dtype=torch.float32, device=X.device)
     if X.shape[0]:
-        _launch_from_streams(X, fn, scale, base, pre, pre, pre, hc_eps, rms_eps, chunk, 1, True)
+        _launch_from_streams(X, fn, scale, base, pre, pre, pre, hc_eps, rms_eps, 1, True,
+                             mix_launch(X.shape[0], hc, chunk, dot=False))
     return pre
 
 
@@ -384,3 +441,4 @@ def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, 
                                     ROUND_BF16=out_dtype == torch.bfloat16 and not native(), NATIVE=native(),
                                     num_warps=8 if block >= 2048 else 4)
     return out
+

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# H200 calls of session 13 (carry the pytest wheels of .whl for the test parts):
+#   bash bench/gpu_session_s13.sh $OUT probe   the fused mHC sub-layer entry (kernels/mhc.py mhc_mix_collapse_norm) and the
+#                                              tl.dot partials: their CUDA tests, then bench/probe_mhc.py --parts sublayer
+set -uo pipefail
+OUT=${1:?output directory}
+WHICH=${2:-probe}
+mkdir -p "$OUT"
+source bench/_gpu_session.sh
+if [ "$WHICH" = probe ]; then
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py
+  tail -n 6 "$OUT/tests.log"
+  part 300 mhc python3 bench/probe_mhc.py --parts sublayer --out "$OUT/probe_mhc.json"
+  cat "$OUT/mhc.log" | cut -c1-300
+fi
+#   bash bench/gpu_session_s13.sh $OUT indexer the mix launch rule (tl.dot partials from 16 tokens, a one-warp finalize) and
+#                                              the indexer's fp16 products: CUDA tests, probe_mhc, probe_indexer, then the
+#                                              bf16 benchmark model at batch 1 (4K, 1M) with the fp16 products on and off
+if [ "$WHICH" = indexer ]; then
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_kernels.py -k "mix or head or indexer or dispatch or expand"
+  tail -n 4 "$OUT/tests.log"
+  part 120 mhc python3 bench/probe_mhc.py --parts sublayer --tokens 1,17,64 --out "$OUT/probe_mhc.json"
+  grep -A 4 "sub-layer\|partials" "$OUT/mhc.log" | cut -c1-240
+  part 200 idx python3 bench/probe_indexer.py --out "$OUT/probe_indexer.json"
+  grep -v "^  b " "$OUT/idx.log" | cut -c1-240; grep "^  b .*{}\|products': 'f16'}" "$OUT/idx.log" | cut -c1-200
+fi
+if [ "$WHICH" = indexer ]; then
+  flashmla() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl \
+    || echo "flashmla install failed"; }
+  flashmla
+  part 210 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget 190 --out "$OUT/step.json"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+fi

@@ -327,8 +327,12 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         # x: [N, D]; weight: [N] routing weight applied before w2
+        g, u = shared_input(x, self.w1, self.w3)
+        if weight is None and x.is_cuda and _glue_kernels_apply(x) and g.dim() == 2 and g.dtype == torch.bfloat16:
+            from .kernels.moe_grouped import swiglu_rows
+            return self.w2(swiglu_rows(g, u, self.limit)[0])
         hi = hi_dtype(x.dtype)
-        g, u = (y.to(hi) for y in shared_input(x, self.w1, self.w3))
+        g, u = g.to(hi), u.to(hi)
         h = F.silu(g.clamp(max=self.limit)) * u.clamp(-self.limit, self.limit)
         if weight is not None:
             h = h * weight.to(h.dtype)[:, None]
@@ -487,6 +491,11 @@ class MoE(nn.Module):
         order, ends, kept = self._sort_pairs(ids, E)
         token = order // k
         gu = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=ends)  # [T*k, 2*inter]
+        if _glue_kernels_apply(x):   # SwiGLU + weight, then the sum over the choices: a launch each
+            from .kernels.moe_grouped import combine_pairs, swiglu_rows
+            h, inv = swiglu_rows(gu[:, :inter], gu[:, inter:], limit, w.reshape(-1), order, valid_rows=ends[-1:])
+            y = torch._grouped_mm(h, self._w2.transpose(-2, -1), offs=ends)  # [T*k, D]
+            return combine_pairs(y, inv, ids, out, E)
         hi = hi_dtype(x.dtype)
         g, u = gu[:, :inter].to(hi), gu[:, inter:].to(hi)
         h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * w.reshape(-1)[order].to(hi)[:, None]
@@ -516,6 +525,15 @@ class MoE(nn.Module):
 # torch._grouped_mm on CUDA, bfloat16, routed experts stacked (see MoE.stack_experts);
 # DSV4_GROUPED_MOE=0 keeps the per-expert loop (for A/B timing).
 USE_GROUPED_MOE = os.environ.get("DSV4_GROUPED_MOE", "1") != "0"
+# The grouped path's SwiGLU and its sum over the choices as one Triton launch each
+# (kernels/moe_grouped.py), and the bf16 experts' SwiGLU (Expert.forward: the shared expert) as
+# one; DSV4_MOE_GLUE_KERNELS=0 keeps the torch ops (for A/B timing).
+USE_MOE_GLUE_KERNELS = os.environ.get("DSV4_MOE_GLUE_KERNELS", "1") != "0"
+
+
+def _glue_kernels_apply(x: torch.Tensor) -> bool:
+    return (USE_MOE_GLUE_KERNELS and x.dtype == torch.bfloat16
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"))
 # The bf16 decode kernels (routed + shared experts in four launches) for steps of at most this
 # many routed (token, expert) pairs: each pair's program re-reads its expert's rows only from
 # cache, but a token's pairs do not share a weight tile, so past a few tokens the grouped GEMMs

@@ -371,8 +371,8 @@ def make_moe(cfg: DSV4Config, seed: int, dtype: torch.dtype, stacked: bool) -> m
 @pytest.mark.parametrize("T", [3, 200])
 def test_grouped_moe_matches_expert_loop(monkeypatch, T):
     """The grouped path (forced on; torch._grouped_mm's CPU version stands in for the CUDA
-    kernel) gives the per-expert loop's output, with experts that get no token (T = 3) and
-    many tokens per expert (T = 200)."""
+    kernel, its SwiGLU and combine kernels under the interpreter) gives the per-expert loop's
+    output, with experts that get no token (T = 3) and many tokens per expert (T = 200)."""
     cfg = CFG.replace(n_routed_experts=16, num_experts_per_tok=3)
     moe = make_moe(cfg, seed=T, dtype=torch.bfloat16, stacked=True)
     g = torch.Generator().manual_seed(T + 1)
@@ -408,6 +408,10 @@ def test_grouped_moe_matches_expert_loop(monkeypatch, T):
     scale = out.abs().max().item()
     assert (grouped.double() - loop.double()).abs().max().item() <= 2 ** -6 * scale
     assert (grouped.double() - out).abs().max().item() <= 2 ** -6 * scale
+    # the SwiGLU and the sum over the choices by torch ops (kernels/moe_grouped.py off): the same maths
+    with monkeypatch.context() as m:
+        m.setattr(model_mod, "USE_MOE_GLUE_KERNELS", False)
+        assert (moe(x, ids).double() - out).abs().max().item() <= 2 ** -6 * scale
     # an expert range (as a rank of expert parallelism holds): the pairs of ids 0, 1 are another
     # rank's (-1), sorted past every group and left out; both routes, the same bits
     moe.expert_range = (2, 2 + cfg.n_routed_experts)

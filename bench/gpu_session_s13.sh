@@ -33,3 +33,23 @@ if [ "$WHICH" = indexer ]; then
     --time-budget 190 --out "$OUT/step.json"
   grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
 fi
+#   bash bench/gpu_session_s13.sh $OUT final   CUDA tests of this session's kernels, the graph check, the bf16 benchmark
+#                                              model at batch 1 and 128K x 17 (both modes, the compressed one with its
+#                                              kernel timeline), the 28-layer quantised model at 4K / 1M x 1 / 32
+if [ "$WHICH" = final ]; then
+  part 200 tests python3 -m pytest -q -p no:cacheprovider tests/test_moe_grouped.py tests/test_mhc_kernel.py \
+    tests/test_kernels.py tests/test_static_tables.py
+  tail -n 4 "$OUT/tests.log"
+  part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"
+  tail -n 3 "$OUT/graph.log"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 190 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget 170 --out "$OUT/step.json"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+  part 230 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --timeline 3 --no-progress \
+    --time-budget 210 --out "$OUT/dense.json"
+  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
+  grep -A 26 "graph kernels by name" "$OUT/dense.log" | cut -c1-120
+fi

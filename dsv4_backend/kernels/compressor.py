@@ -114,20 +114,21 @@ def _pool_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stri
     e = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = e >= 0
-    if SKIP:  # a masked event (destination < 0) is never written: its loads are masked off
+    if SKIP:  # a masked event (destination < 0) is never written: its program does no work
         live = tl.load(dest_ptr + e) >= 0
-    m = tl.full([BLOCK_D], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_D], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    if NUM_STAGES == 0:
-        for k0 in tl.static_range(0, K, KC):
-            m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
-                                    src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
-    else:
-        for k0 in tl.range(0, K, KC, num_stages=NUM_STAGES):
-            m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
-                                    src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
-    tl.store(out_ptr + e * out_stride + ch, acc / tl.where(live, s, 1.0), mask=(ch < D) & live)
+    if live:   # (a decode graph lists every request; most steps complete no C128 block)
+        m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        if NUM_STAGES == 0:
+            for k0 in tl.static_range(0, K, KC):
+                m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
+                                        src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
+        else:
+            for k0 in tl.range(0, K, KC, num_stages=NUM_STAGES):
+                m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
+                                        src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
+        tl.store(out_ptr + e * out_stride + ch, acc / s, mask=ch < D)
 
 
 def _check_pool_args(state, sources, ape, ratio, d) -> int:
@@ -182,6 +183,23 @@ def _fused_c4_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_
                      D: tl.constexpr, NT: tl.constexpr, EVENTS: tl.constexpr,
                      ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr, WRITE_OUT: tl.constexpr,
                      NATIVE: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * EVENTS
+    last_dest = tl.load(dest_ptr + first)            # the largest destination of my events
+    for ee in tl.static_range(1, EVENTS):
+        last_dest = tl.maximum(last_dest, tl.load(dest_ptr + first + ee, mask=first + ee < E, other=-1))
+    if last_dest >= 0:   # else no event of mine completes a block (most decode steps): no work
+        _fused_c4_events(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stride, w_ptr, cos_ptr,
+                         sin_ptr, cs_stride, dest_ptr, E, pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride,
+                         eps, first, D, NT, EVENTS, ROUND_BF16, INDEXER, WRITE_OUT, NATIVE)
+
+
+@triton.jit
+def _fused_c4_events(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stride,
+                     w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, E,
+                     pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride, eps, first,
+                     D: tl.constexpr, NT: tl.constexpr, EVENTS: tl.constexpr,
+                     ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr, WRITE_OUT: tl.constexpr,
+                     NATIVE: tl.constexpr):
     # channels in the layout the finish helpers take: nope tiles flattened [NT * 64] (the tail tile
     # masked off), rope even / odd [32]; candidates on axis 0
     j = tl.arange(0, 8)
@@ -199,7 +217,6 @@ def _fused_c4_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_
     ape_o = tl.load(ape_row + col_o).to(tl.float32)
     wn, we, wo = load_norm_weight(w_ptr, D, NT)
     h_nope, h_even, h_odd = load_hadamard(had_ptr, INDEXER)
-    first = tl.program_id(0).to(tl.int64) * EVENTS
     for ee in tl.static_range(EVENTS):
         e = first + ee
         dest = tl.load(dest_ptr + e, mask=e < E, other=-1).to(tl.int64)

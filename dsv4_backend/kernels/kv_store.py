@@ -217,6 +217,22 @@ def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr
                    D: tl.constexpr, NT: tl.constexpr, ROWS: tl.constexpr,
                    ROUND_IN: tl.constexpr, ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr,
                    WRITE_OUT: tl.constexpr, NATIVE: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    last_dest = tl.load(dest_ptr + first)            # the largest destination of my rows
+    for rr in tl.static_range(1, ROWS):
+        last_dest = tl.maximum(last_dest, tl.load(dest_ptr + first + rr, mask=first + rr < N, other=-1))
+    if last_dest >= 0:   # else no row of mine is written (a decode graph's masked events): no work
+        _finish_rows(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, N, pool_ptr, P, page_stride,
+                     had_ptr, out_ptr, out_stride, eps, first, D, NT, ROWS, ROUND_IN, ROUND_BF16, INDEXER,
+                     WRITE_OUT, NATIVE)
+
+
+@triton.jit
+def _finish_rows(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, N,
+                 pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride, eps, first,
+                 D: tl.constexpr, NT: tl.constexpr, ROWS: tl.constexpr,
+                 ROUND_IN: tl.constexpr, ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr,
+                 WRITE_OUT: tl.constexpr, NATIVE: tl.constexpr):
     t = tl.arange(0, NT)  # nope tiles of 64 dims, padded to a power of two
     c = tl.arange(0, 64)
     i = tl.arange(0, 32)
@@ -224,7 +240,6 @@ def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr
     nmask = t[:, None] < (D - 64) // 64
     wn, we, wo = load_norm_weight(w_ptr, D, NT)
     h_nope, h_even, h_odd = load_hadamard(had_ptr, INDEXER)
-    first = tl.program_id(0).to(tl.int64) * ROWS
     if INDEXER:  # a row at a time: the Hadamard product is [64 or 32, 128] per row already
         for rr in tl.static_range(ROWS):
             n = first + rr
@@ -240,7 +255,7 @@ def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr
                                h_nope, h_even, h_odd, out_ptr + n * out_stride, eps,
                                ROUND_IN, ROUND_BF16, WRITE_OUT, NATIVE)
     else:  # one group of ROWS rows per program, as one [ROWS, 8, 64] tile
-        n, dest, live, x, xe, xo = _load_attention_rows(x_ptr, x_stride, dest_ptr, N, tl.program_id(0), ROWS)
+        n, dest, live, x, xe, xo = _load_attention_rows(x_ptr, x_stride, dest_ptr, N, first // ROWS, ROWS)
         cos = tl.load(cos_ptr + n[:, None] * cs_stride + i[None, :], mask=live[:, None], other=0.0)
         sin = tl.load(sin_ptr + n[:, None] * cs_stride + i[None, :], mask=live[:, None], other=0.0)
         finish_attention_rows(x, xe, xo, wn, we, wo, cos, sin, dest, live, pool_ptr, P, page_stride,

@@ -37,7 +37,7 @@ fi
 #                                              model at batch 1 and 128K x 17 (both modes, the compressed one with its
 #                                              kernel timeline), the 28-layer quantised model at 4K / 1M x 1 / 32
 if [ "$WHICH" = final ]; then
-  part 200 tests python3 -m pytest -q -p no:cacheprovider tests/test_moe_grouped.py tests/test_mhc_kernel.py \
+  part 200 tests python3 -m pytest -q -p no:cacheprovider tests/test_moe_grouped.py tests/test_mhc_kernel.py tests/test_kernels_bw.py \
     tests/test_kernels.py tests/test_static_tables.py
   tail -n 4 "$OUT/tests.log"
   part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"
@@ -53,3 +53,4 @@ if [ "$WHICH" = final ]; then
   grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
   grep -A 26 "graph kernels by name" "$OUT/dense.log" | cut -c1-120
 fi
+#   (final also runs tests/test_kernels_bw.py: the compressor kernels' no-work programs for masked events)

@@ -89,9 +89,10 @@ def indexer_kernels():
         types = {"q_ptr": "*u8" if fp8 else "*bf16", "w_ptr": "*fp32", "qs_ptr": "*fp32", "table_ptr": "*i32",
                  "nvis_ptr": "*i32", "score_ptr": "*fp32", "codes": "tensordesc<fp8e4nv[64, 128]>",
                  "scales": "tensordesc<fp32[1, 64]>"}
-        consts = dict(H=64, BLOCK_H=64, P=64, PAGE_ROWS_2D=66, Q_FP8=fp8, DOT_DTYPE=tl.bfloat16,
-                      NUM_STAGES=cfg.num_stages, GROUP=cfg.group or (1 if fp8 else 4))
-        yield (f"indexer pages {'fp8' if fp8 else 'bf16'}",
+        f16 = cfg.products == "f16" and not fp8
+        consts = dict(H=64, BLOCK_H=64, P=64, PAGE_ROWS_2D=66, Q_FP8=fp8, DOT_DTYPE=tl.float16 if f16 else tl.bfloat16,
+                      NUM_STAGES=cfg.num_stages, GROUP=cfg.group or (1 if fp8 else 4), Q_POW2=f16)
+        yield (f"indexer pages {'fp8' if fp8 else cfg.products}",
                _compile(I._indexer_paged_kernel, consts, types, cfg.num_warps, cfg.num_stages))
 
 

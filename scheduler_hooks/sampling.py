@@ -211,6 +211,16 @@ class PendingSample:
         return self._result
 
 
+def _greedy_and_flags(work: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """int64 [2, B]: ``argmax(work, -1)`` and 1 where a row of ``logits`` is not all finite; on
+    CUDA two launches (``kernels/greedy.py``), elsewhere the torch ops."""
+    if work.is_cuda and work.dim() == 2 and work.stride(1) == 1 and logits.stride(1) == 1 and work.shape[1]:
+        from dsv4_backend.kernels.greedy import greedy_and_flags
+        return greedy_and_flags(work, logits)
+    token_ids = torch.argmax(work, dim=-1)
+    return torch.stack([token_ids, (~torch.isfinite(logits).all(dim=-1)).to(token_ids.dtype)])
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the host: itself on the CPU, else a page-locked copy queued without a sync."""
     if t.device.type == "cpu":
@@ -240,7 +250,8 @@ def sample_async(logits: torch.Tensor, inputs: list[SampleInput]) -> PendingSamp
                 errors[i] = f"sampling failed: {type(e).__name__}: {e}"
     # greedy rows take the batch argmax, drawn rows draw_tokens; the ids and the per-row
     # finiteness flag come back in one device read (a read is a device sync on the GPU)
-    token_ids = torch.argmax(work, dim=-1)
+    packed = _greedy_and_flags(work, logits)    # [2, B]: the argmax, then the non-finite flag
+    token_ids = packed[0]
     drawn = [i for i, inp in enumerate(inputs) if not inp.params.greedy and errors[i] is None]
     if drawn:
         try:
@@ -252,8 +263,6 @@ def sample_async(logits: torch.Tensor, inputs: list[SampleInput]) -> PendingSamp
                     token_ids[i] = draw_tokens(work[i:i + 1], [inputs[i]])[0]
                 except Exception as e:
                     errors[i] = f"sampling failed: {type(e).__name__}: {e}"
-    non_finite = (~torch.isfinite(logits).all(dim=-1)).to(token_ids.dtype)
-    packed = torch.stack([token_ids, non_finite])
     # logprobs of the rows that ask, from the device ids (rows found non-finite are dropped on reading)
     want = [i for i, inp in enumerate(inputs) if inp.return_logprob and errors[i] is None]
     logprobs: tuple = ()

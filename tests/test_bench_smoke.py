@@ -252,7 +252,7 @@ def test_sass_report_compiles_the_decode_kernel_for_hopper(tmp_path):
     lines = {ln.split()[0]: dict(f.split("=") for f in ln.split()[1:]) for ln in out.stdout.splitlines()}
     decode = lines["decode_64-64-8-1-word-True"]
     assert 0 < int(decode["regs"]) <= 255 and int(decode["HGMMA"]) > 0
-    indexer = lines["indexer_pages_bf16"]
+    indexer = lines["indexer_pages_f16"]    # the exact products' default: fp16 (IndexerConfig.products)
     assert int(indexer["UTMALDG"]) > 0 and int(indexer["HGMMA"]) > 0 and indexer["spill"] == "0B"
     assert "HGMMA" in (tmp_path / "decode_64-64-8-1-word-True.sass").read_text()
 

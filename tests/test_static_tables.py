@@ -156,6 +156,15 @@ def test_decode_tables(placeholders):
     _compare(_runner(), placeholders=placeholders)
 
 
+def test_lists_shared_by_several_programs(monkeypatch):
+    """A row's C4 page and C128 row lists split over 4 programs (8-entry chunks, interleaved), as
+    the 8,192-row lists of a 1M request are split over 16."""
+    from dsv4_backend.kernels import static_tables
+    monkeypatch.setattr(static_tables, "_CHUNK", 8)
+    monkeypatch.setattr(static_tables, "_ROWS_A_PART", 8)
+    _compare(_runner())
+
+
 def test_verify_tables_several_rows_per_request():
     _compare(_runner(speculative=True), q=4, bs=6)
 

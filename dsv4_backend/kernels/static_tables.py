@@ -7,8 +7,9 @@ ring write, and the compressed rows it may attend (C4 indexer pages, C128 rows).
 ordinary metadata with torch ops they cost about 120 small kernels and copies a step, which the
 GPU runs one after another before each replay (docs/PERF.md, "Session 11": 0.67 ms of a 7.24 ms
 step at batch 1). Every entry is a function of the request's slot and position and of the two
-slot tables, so this kernel computes them all in one launch, one program per static row, from
-one upload of the step's per-request ints.
+slot tables, so this kernel computes them all in one launch from one upload of the step's
+per-request ints: a row's own entries in one program, its C4 page and C128 row lists (thousands of
+entries at 1M) shared by up to 16 programs of the row.
 
 Row ``t`` of a step of B requests x q rows (T = B * q real rows) reads request ``g // q`` at
 position ``prefix + g % q``, g = t for real rows and g = 0 for the padded rows, which repeat
@@ -45,6 +46,11 @@ from ._common import check_device
 
 # the C4 and C128 tables are filled in chunks of this many entries per loop step
 _CHUNK = 256
+# A row's C4 page and C128 row lists (4,096 and 8,192 entries at 1M) are shared by up to this many
+# programs, each at least _ROWS_A_PART entries: one program walking a 1M request's lists took 34 us
+# before a batch-1 replay on the H200 (docs/PERF.md, session 12).
+_MAX_PARTS = 16
+_ROWS_A_PART = 512
 
 
 @triton.jit
@@ -66,6 +72,8 @@ def _static_fill_kernel(
     SWA_PAGE_: tl.constexpr, CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)          # this program's share of the C4 page and C128 row lists
+    parts = tl.num_programs(1)
     real = t < T
     g = tl.where(real, t, 0)
     r = g // Q
@@ -73,6 +81,34 @@ def _static_fill_kernel(
     pos = tl.load(req_ptr + B + r) + g % Q
     row = r2t_ptr + slot * r2t_stride
 
+    if part == 0:      # the row's own entries; every program of the row writes a share of its lists
+        _row_entries(req_ptr, ids_ptr, prev_ptr, n_prev, f2s_ptr, B, Q, ids_out, pos_out, req_out, swa_out, win_out,
+                     win_width, hs_out, c4_dest, c4_first, c4_src, c4_tok, c4_slot, c4_vis, R4, c128_dest,
+                     c128_first, c128_src, c128_tok, c128_slot, R128, on_count, count_tokens, t, real, g, r, slot,
+                     pos, row, W, BLOCK_W, DENSE, PLACEHOLDERS, HS, C4, C128, ONLINE, SWA_PAGE_, CHUNK)
+    if C4:
+        nb4 = (tl.load(req_ptr + B + r) + Q) // 4     # complete C4 blocks of the request
+        for j0 in range(part * CHUNK, n_pages, parts * CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            okp = j * 64 < nb4
+            full = tl.load(row + j * 256, mask=okp, other=0)
+            tl.store(c4_pages + t * n_pages + j, tl.where(okp, full // 256, 0).to(tl.int32), mask=j < n_pages)
+    if C128:
+        vis = (pos + 1) // 128
+        for b0 in range(part * CHUNK, n_c128, parts * CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            okb = b < vis
+            full = tl.load(row + b * 128, mask=okb, other=0)
+            tl.store(c128_rows + t * n_c128 + b, tl.where(okb, full // 128, -1).to(tl.int32), mask=b < n_c128)
+
+
+@triton.jit
+def _row_entries(req_ptr, ids_ptr, prev_ptr, n_prev, f2s_ptr, B, Q, ids_out, pos_out, req_out, swa_out, win_out,
+                 win_width, hs_out, c4_dest, c4_first, c4_src, c4_tok, c4_slot, c4_vis, R4, c128_dest,
+                 c128_first, c128_src, c128_tok, c128_slot, R128, on_count, count_tokens, t, real, g, r, slot,
+                 pos, row, W: tl.constexpr, BLOCK_W: tl.constexpr, DENSE: tl.constexpr,
+                 PLACEHOLDERS: tl.constexpr, HS: tl.constexpr, C4: tl.constexpr, C128: tl.constexpr,
+                 ONLINE: tl.constexpr, SWA_PAGE_: tl.constexpr, CHUNK: tl.constexpr):
     tok = tl.load(ids_ptr + g)
     if PLACEHOLDERS:   # -(i + 1) stands for row i of the previous step's sampled ids
         k = tl.minimum(tl.maximum(-tok - 1, 0), n_prev - 1)
@@ -112,12 +148,6 @@ def _static_fill_kernel(
         src = tl.where(okc & (sc >= 0), (sc // SWA_PAGE_) * R4 + cand % R4, -1)
         tl.store(c4_src + t * 8 + k8, src.to(tl.int32))
         tl.store(c4_slot + t, (own // SWA_PAGE_) * R4 + pos % R4)
-        nb4 = (tl.load(req_ptr + B + r) + Q) // 4     # complete C4 blocks of the request
-        for j0 in range(0, n_pages, CHUNK):
-            j = j0 + tl.arange(0, CHUNK)
-            okp = j * 64 < nb4
-            full = tl.load(row + j * 256, mask=okp, other=0)
-            tl.store(c4_pages + t * n_pages + j, tl.where(okp, full // 256, 0).to(tl.int32), mask=j < n_pages)
         tl.store(c4_vis + t, ((pos + 1) // 4).to(tl.int32))
 
     if C128:
@@ -133,12 +163,6 @@ def _static_fill_kernel(
             k = tl.arange(0, 128)
             tl.store(c128_src + t * 128 + k, (slot * R128 + (block * 128 + k) % R128).to(tl.int32))
             tl.store(c128_slot + t, slot * R128 + pos % R128)
-        vis = (pos + 1) // 128
-        for b0 in range(0, n_c128, CHUNK):
-            b = b0 + tl.arange(0, CHUNK)
-            okb = b < vis
-            full = tl.load(row + b * 128, mask=okb, other=0)
-            tl.store(c128_rows + t * n_c128 + b, tl.where(okb, full // 128, -1).to(tl.int32), mask=b < n_c128)
 
 
 def static_fill(requests: torch.Tensor, ids: torch.Tensor, prev_ids: Optional[torch.Tensor],
@@ -179,7 +203,9 @@ def static_fill(requests: torch.Tensor, ids: torch.Tensor, prev_ids: Optional[to
     else:
         c128_args = (dummy,) * 6 + (0,)
     hs = out.get("hs_owners")
-    _static_fill_kernel[(rows,)](
+    longest = max(out["c4_pages"].shape[1] if c4 else 0, out["c128_rows"].shape[1] if c128_args[-1] else 0)
+    parts = max(1, min(_MAX_PARTS, triton.cdiv(longest, _ROWS_A_PART)))
+    _static_fill_kernel[(rows, parts)](
         requests, ids, dummy if prev_ids is None else prev_ids, 0 if prev_ids is None else prev_ids.numel(),
         req_to_token, req_to_token.stride(0), full_to_swa, B, B * q, q,
         out["input_ids"], out["positions"], out["req_slots"], out["swa_slots"], win, win.shape[1],

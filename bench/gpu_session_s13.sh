@@ -54,3 +54,23 @@ if [ "$WHICH" = final ]; then
   grep -A 26 "graph kernels by name" "$OUT/dense.log" | cut -c1-120
 fi
 #   (final also runs tests/test_kernels_bw.py: the compressor kernels' no-work programs for masked events)
+#   bash bench/gpu_session_s13.sh $OUT step    after the greedy kernel, the compressors' no-work programs and the shared table
+#                                              fill: CUDA tests, the graph check, the bf16 model at batch 1 (1M with its
+#                                              kernel timeline), then the 28-layer quantised model at 4K / 1M x 1 / 32
+if [ "$WHICH" = step ]; then
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_greedy.py tests/test_sampling.py tests/test_kernels_bw.py \
+    tests/test_static_tables.py tests/test_moe_grouped.py
+  tail -n 4 "$OUT/tests.log"
+  part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"
+  tail -n 1 "$OUT/graph.log"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 200 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --timeline 3 --no-progress \
+    --time-budget 180 --out "$OUT/step.json"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+  grep -B 2 -A 30 "1M x 1 .*ms/step" "$OUT/step.log" | grep -v "^  *[0-9.]* us  after" | cut -c1-130
+  part 220 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1,32 --skip-kernels --steps 8 \
+    --prefill-max-seconds 5 --prefill-context 8192 --time-budget 200 --out "$OUT/q28.json"
+  grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
+  grep -A 1 "^per layer" "$OUT/q28.log"; grep "layer decode step\|43-layer" "$OUT/q28.log"
+fi

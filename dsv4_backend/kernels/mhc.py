@@ -13,7 +13,8 @@ replaces the ~90 small torch ops of a Sinkhorn mix (and the handful of a collaps
   fn's rows and partial sum of squares, in fp32 from X's own dtype (a broadcast product below
   16 tokens, an fp32 ``tl.dot`` from 16), and a finalize sums the partials per token, applies the
   rsqrt and does what ``mhc_mix`` does. Split-K because at a few tokens the work is streaming fn
-  (1.5 MB at Flash): K / chunk programs share it, where one per token would leave most SMs idle. ``mhc_head_pre``: the hc_head's pre gate by the same launches.
+  (1.5 MB at Flash): K / chunk programs share it, where one per token would leave most SMs idle.
+  ``mhc_head_pre``: the hc_head's pre gate by the same launches.
 - ``mhc_collapse``: ``y[t] = sum_j pre[t, j] X[t, j]`` (fp32 out).
 - ``mhc_expand``: ``X'[t, k] = post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` (X's dtype out).
 - ``mhc_collapse_norm``: ``RMSNorm(sum_j pre[t, j] X[t, j]) * weight``, a sub-layer's input
@@ -168,11 +169,12 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: t
 
 
 @triton.jit
-def _finalize_token(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-                    N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
-                    SP: tl.constexpr, PRE_ONLY: tl.constexpr):
-    # token t64 ([1]): its S partials are loaded as one [SP, ...] tile and summed by tl.sum, a
-    # fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
+def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
+                              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
+                              SP: tl.constexpr, PRE_ONLY: tl.constexpr):
+    # one program per token: its S partials are loaded as one [SP, ...] tile and summed by tl.sum,
+    # a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
+    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]
     t_ok = t64 < T
     s = tl.arange(0, SP)
     s_ok = s < S
@@ -190,15 +192,6 @@ def _finalize_token(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64
         ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
         x = tl.sum(tl.load(srow[:, None, None] + col[None, :, :], mask=ok3, other=0.0), axis=0, keep_dims=True) * r
         _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
-
-
-@triton.jit
-def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
-                              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
-                              SP: tl.constexpr, PRE_ONLY: tl.constexpr):
-    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
-    _finalize_token(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-                    N, HC, HCP, ITERS, SP, PRE_ONLY)
 
 
 def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, what: str) -> None:
@@ -223,9 +216,10 @@ class MixLaunch(NamedTuple):
 
 # From this many tokens the partials are tl.dot products of 16 (32 past 32 tokens) tokens x 64
 # values. On the H200 (bench/probe_mhc.py --parts sublayer, Flash's streams, graph replays) the
-# split-K partials at 17 / 32 / 64 tokens took 8.6 / 8.6 / 14.2 us against 9.9 / 13.9 / 24.8 us for
-# the broadcast product; below 16 tokens the broadcast product is as fast. The finalize on one warp
-# was 0.85-0.95 us faster than on four at every token count (its Sinkhorn reductions stay in a warp).
+# split-K partials at 17 / 64 tokens took 7.3 / 12.7 us against 9.9 / 24.8 us for the broadcast
+# product; below 16 tokens the broadcast product is as fast (3.0 against 4.5 us at one token). The
+# finalize on one warp was 0.85-0.95 us faster than on four at every token count (its Sinkhorn's
+# reductions stay inside a warp).
 MIX_DOT_MIN_TOKENS = 16
 
 

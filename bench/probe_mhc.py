@@ -121,7 +121,8 @@ def probe_sublayer(T: int, results: list) -> None:
 
     def diff(out) -> float:
         mix, y = out
-        return max([float((a - b).abs().max()) for a, b in zip(mix, ref_mix)] + [float((y - ref_y).float().abs().max())])
+        diffs = [float((a - b).abs().max()) for a, b in zip(mix, ref_mix)]
+        return max(diffs + [float((y - ref_y).float().abs().max())])
 
     rows = []
     variants = [dict(), dict(dot=False, chunk=128, finalize_warps=4), dict(dot=False, chunk=128, finalize_warps=1)]

@@ -74,3 +74,20 @@ if [ "$WHICH" = step ]; then
   grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
   grep -A 1 "^per layer" "$OUT/q28.log"; grep "layer decode step\|43-layer" "$OUT/q28.log"
 fi
+#   bash bench/gpu_session_s13.sh $OUT gemv    the one-row bf16 GEMV (kernels/bf16_gemv.py): its CUDA tests, the probe against
+#                                              cuBLAS, the bf16 model at batch 1 (4K, 1M), the 28-layer model at batch 1
+if [ "$WHICH" = gemv ]; then
+  part 100 tests python3 -m pytest -q -p no:cacheprovider tests/test_bf16_gemv.py tests/test_dense_linear.py
+  tail -n 3 "$OUT/tests.log"
+  part 90 probe python3 bench/probe_gemv_bf16.py --out "$OUT/probe_gemv.json"
+  cat "$OUT/probe.log" | cut -c1-260
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 170 step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget 150 --out "$OUT/step.json"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+  part 150 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1 --skip-kernels --steps 8 \
+    --prefill-max-seconds 2 --prefill-context 8192 --time-budget 130 --out "$OUT/q28.json"
+  grep -A 6 "^decode" "$OUT/q28.log" | head -n 8
+  grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
+fi

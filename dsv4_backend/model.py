@@ -45,7 +45,7 @@ from memory.quant import indexer_fake_quant
 from .config import DSV4Config, RopeScaling
 from .layers.head import LogitsHead
 from .layers.linear import (
-    Fp4Expert, Fp4ExpertStack, Fp8Linear, dense_linear, row_stack_of, shared_input, stack_rows,
+    Fp4Expert, Fp4ExpertStack, Fp8Linear, dense_linear, gemv_applies, row_stack_of, shared_input, stack_rows,
 )
 from .weights import model_tensors
 
@@ -310,6 +310,9 @@ class Attention(nn.Module):
         # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
         G, R = self.o_groups, self.cfg.o_lora_rank
         og = o.reshape(o.shape[0], G, -1)                                   # [T, G, H/G * hd]
+        if gemv_applies(og[:, 0], self.wo_a.weight, o.dtype) and R % 16 == 0:   # one row: one GEMV launch
+            from .kernels.bf16_gemv import bf16_gemv
+            return self.wo_b(bf16_gemv(o.reshape(1, -1), self.wo_a.weight, groups=G))
         wa = self.wo_a.weight.to(o.dtype).view(G, R, og.shape[-1])           # [G, R, H/G * hd]
         z = torch.einsum("tgi,gri->tgr", og, wa)                            # [T, G, R]
         return self.wo_b(z.reshape(o.shape[0], G * R))

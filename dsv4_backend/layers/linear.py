@@ -143,7 +143,23 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dty
     out_dtype = out_dtype or x.dtype
     if out_dtype == torch.float32 and fp32_applies(x, w):
         return fp32_linear(x, w)
+    if gemv_applies(x, w, out_dtype):
+        from dsv4_backend.kernels.bf16_gemv import bf16_gemv
+        return bf16_gemv(x.reshape(1, -1), w).view(*x.shape[:-1], w.shape[0])
     return F.linear(x.to(out_dtype), w.to(out_dtype))
+
+
+# A bf16 projection of one row on CUDA, at least this many output features, runs as one Triton
+# GEMV (kernels/bf16_gemv.py) instead of cuBLAS; DSV4_BF16_GEMV=0 keeps cuBLAS (for A/B timing).
+USE_BF16_GEMV = os.environ.get("DSV4_BF16_GEMV", "1") != "0"
+GEMV_MIN_FEATURES = 1024
+
+
+def gemv_applies(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``x @ w^T`` takes the one-row bf16 GEMV: CUDA, bf16 x, w and output, one row of x,
+    w row-contiguous with at least GEMV_MIN_FEATURES rows."""
+    return (USE_BF16_GEMV and x.is_cuda and x.dtype == w.dtype == out_dtype == torch.bfloat16
+            and x.numel() == x.shape[-1] and w.dim() == 2 and w.stride(1) == 1 and w.shape[0] >= GEMV_MIN_FEATURES)
 
 
 def shared_input(x: torch.Tensor, *mods: nn.Module, out_dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:

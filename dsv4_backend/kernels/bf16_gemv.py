@@ -1,0 +1,88 @@
+"""bf16 projections of one row (batch-1 decode steps) as one streaming GEMV launch, plain or grouped.
+
+At one row a bf16 linear ``x @ W^T`` is a read of W: the bf16 benchmark model's attention
+projections (``wq_b`` 64 MB, ``wo_a`` 64 MB grouped, ``wo_b`` 64 MB a layer) took 18.5-22 us each
+in cuBLAS at batch 1 on the H200 (~80% of copy bandwidth), plus a split-K reduction launch for
+some of them (docs/PERF.md, session 13). Here one program owns ``BLOCK_N`` rows of W and streams
+them over all of K (``BLOCK_K`` columns a step, pipelined), accumulating the products with x
+element-wise in fp32 registers (the bf16 MoE decode GEMV's pattern, ~89% of copy bandwidth at batch
+1); the sum is rounded to bf16 once, as a bf16 GEMM with fp32 accumulation stores it.
+Only the order of the fp32 sum differs from cuBLAS (``tests/test_bf16_gemv.py`` bounds it).
+
+Grouped (``wo_a``): W ``[G * R, Kg]`` holds G groups of R rows; group g's rows multiply x's
+columns ``g Kg .. (g + 1) Kg`` (``einsum("tgi,gri->tgr")`` with x viewed ``[1, G, Kg]``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels._common import check_device, native, round_bf16
+
+
+class GemvConfig(NamedTuple):
+    block_n: int = 16   # W rows a program (gemv_config: 8 for narrow W)
+    block_k: int = 512  # K columns a step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemv_config(N: int, sms: int) -> GemvConfig:
+    """16 rows a program where that still gives two programs per SM, else 8."""
+    return GemvConfig(block_n=16 if N >= 32 * sms else 8)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, w_sr, y_ptr, N, K, GROUP_ROWS,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W times x's columns of their group; the
+    # products accumulate element-wise in fp32 and are summed once at the end
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    xg = x_ptr + (n0 // GROUP_ROWS).to(tl.int64) * K
+    rows = w_ptr + n.to(tl.int64)[:, None] * w_sr
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = (k0 + kk) < K
+        w = tl.load(rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(xg + k0 + kk, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = round_bf16(tl.sum(acc, axis=1), NATIVE)   # rounded here: the interpreter's cast truncates
+    tl.store(y_ptr + n, y.to(tl.bfloat16), mask=n_ok)
+
+
+def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ w^T`` for one row (``groups`` = 1), or the grouped product (x ``[1, groups * Kg]``, w
+    ``[groups * R, Kg]`` -> ``[1, groups * R]``: group g's rows times x's g-th Kg columns), bf16
+    in and out, fp32 sums. w: row-contiguous."""
+    if x.dim() != 2 or w.dim() != 2 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_gemv: x and w must be 2-D bf16, got {x.dtype} {tuple(x.shape)} and "
+                         f"{w.dtype} {tuple(w.shape)}")
+    M, K = x.shape
+    N, Kg = w.shape
+    if M != 1 or groups < 1 or K != groups * Kg or N % groups:
+        raise ValueError(f"bf16_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit one row and "
+                         f"{groups} group(s)")
+    if w.stride(1) != 1:
+        raise ValueError("bf16_gemv: w needs contiguous rows")
+    check_device(x, w)
+    if config is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        config = gemv_config(N, sms)
+    R = N // groups
+    if groups > 1 and R % config.block_n:
+        raise ValueError(f"bf16_gemv: block_n {config.block_n} must divide a group's {R} rows")
+    x = x.contiguous()
+    y = torch.empty(1, N, dtype=torch.bfloat16, device=x.device)
+    if N:
+        _gemv_kernel[(triton.cdiv(N, config.block_n),)](
+            x, w, w.stride(0), y, N, Kg, R if groups > 1 else max(N, 1),
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, NATIVE=native(),
+            num_warps=config.num_warps)
+    return y

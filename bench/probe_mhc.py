@@ -76,15 +76,20 @@ def probe_expand(T: int, results: list) -> None:
            lambda r: f"block_d {r['block_d']:4d} warps {r['num_warps']}  {'same' if r['same'] else 'DIFFERS'}")
 
 
-def probe_mix(T: int, results: list) -> None:
-    """The broadcast-product partials at each tokens-a-program x warps (the same chunks)."""
-    g = torch.Generator(device="cuda").manual_seed(100 + T)
+def mix_args(T: int, seed: int):
+    """(generator, the mix's arguments): T tokens of Flash's streams, fn, scale and base, 20 Sinkhorn rounds."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     n = HC * (2 + HC)
     X = torch.randn(T, HC, D, device="cuda", generator=g).to(torch.bfloat16)
     fn_w = torch.randn(n, HC * D, device="cuda", generator=g) * 0.01
     scale = torch.rand(3, device="cuda", generator=g)
     base = torch.randn(n, device="cuda", generator=g) * 0.1
-    args = (X, fn_w, scale, base, HC, 20, 1e-6, 1e-6)
+    return g, (X, fn_w, scale, base, HC, 20, 1e-6, 1e-6)
+
+
+def probe_mix(T: int, results: list) -> None:
+    """The broadcast-product partials at each tokens-a-program x warps (the same chunks)."""
+    g, args = mix_args(T, 100 + T)
     ref = mhc.mhc_mix_from_streams(*args)
     rows = []
     for bt, nw in itertools.product((1, 2, 4, 8, 16), (2, 4, 8)):
@@ -104,14 +109,10 @@ def probe_sublayer(T: int, results: list) -> None:
     (three launches), at the default launch (``mhc.mix_launch``), the finalize on 1 / 4 warps, and the
     tl.dot partials at each tokens-a-program x warps x chunk; the split-K partials alone beside them.
     (Session 13 also timed a finalize fused with the collapse-norm: no faster, so not kept.)"""
-    g = torch.Generator(device="cuda").manual_seed(200 + T)
-    n = HC * (2 + HC)
-    X = torch.randn(T, HC, D, device="cuda", generator=g).to(torch.bfloat16)
-    fn_w = torch.randn(n, HC * D, device="cuda", generator=g) * 0.01
-    scale = torch.rand(3, device="cuda", generator=g)
-    base = torch.randn(n, device="cuda", generator=g) * 0.1
+    g, args = mix_args(T, 200 + T)
+    X, fn_w = args[:2]
+    n = fn_w.shape[0]
     w = torch.rand(D, device="cuda", generator=g).to(torch.bfloat16)
-    args = (X, fn_w, scale, base, HC, 20, 1e-6, 1e-6)
 
     def entry(**kw):
         mix = mhc.mhc_mix_from_streams(*args, **kw)

@@ -14,3 +14,20 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 date -u
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 part() { local t=$1 name=$2; shift 2; echo "=== $name (limit ${t}s)"; timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name rc=$?"; }
+# The bf16 benchmark model (43 Flash-shaped layers, FlashMLA: its wheel is carried in .whl/flashmla/).
+flashmla() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl \
+  || echo "flashmla install failed"; }
+bf16_batch1() {    # LIMIT BUDGET [ARGS]: batch 1 at 4K and 1M (issue 14's 2x)
+  local limit=$1 budget=$2; shift 2
+  part "$limit" step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
+    --time-budget "$budget" --out "$OUT/step.json" "$@"
+  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
+}
+bf16_128k_x17() {  # LIMIT BUDGET [ARGS]: 128K x 17, compressed and dense (issue 14's 4x)
+  local limit=$1 budget=$2; shift 2
+  part "$limit" dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
+    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
+    --time-budget "$budget" --out "$OUT/dense.json" "$@"
+  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
+}

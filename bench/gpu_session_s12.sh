@@ -9,21 +9,6 @@ OUT=${1:?output directory}
 WHICH=${2:-fill}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
-# the bf16 benchmark model (43 Flash-shaped layers, FlashMLA: its wheel is carried in .whl/flashmla/)
-flashmla() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl \
-  || echo "flashmla install failed"; }
-bf16_batch1() {    # LIMIT BUDGET: batch 1 at 4K and 1M (issue 14's 2x)
-  part "$1" step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
-    --time-budget "$2" --out "$OUT/step.json"
-  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
-}
-bf16_128k_x17() {  # LIMIT BUDGET: 128K x 17, compressed and dense (issue 14's 4x)
-  part "$1" dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --no-progress \
-    --time-budget "$2" --out "$OUT/dense.json"
-  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
-}
 if [ "$WHICH" = fill ]; then
   part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_static_tables.py tests/test_host_syncs.py \
     tests/test_dense_linear.py tests/test_quant_model.py

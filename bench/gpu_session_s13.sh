@@ -21,16 +21,7 @@ OUT=${1:?output directory}
 WHICH=${2:-probe}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
-flashmla() { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashmla/*.whl \
-  || echo "flashmla install failed"; }
 graph_check() { part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"; tail -n 1 "$OUT/graph.log"; }
-bf16_batch1() {    # LIMIT BUDGET [ARGS]: the bf16 benchmark model at batch 1, 4K and 1M (issue 14's 2x)
-  local limit=$1 budget=$2; shift 2
-  part "$limit" step python3 bench/bench_long_context.py --modes compressed --batches 1 --contexts 4096,1048576 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 8 --no-progress \
-    --time-budget "$budget" --out "$OUT/step.json" "$@"
-  grep -E "decode compressed|target <= 2x" "$OUT/step.log" | cut -c1-400
-}
 q28() {            # LIMIT BUDGET BATCHES PREFILL_SECONDS: the 28-layer quantised model at 4K and 1M
   part "$1" q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches "$3" --skip-kernels --steps 8 \
     --prefill-max-seconds "$4" --prefill-context 8192 --time-budget "$2" --out "$OUT/q28.json"
@@ -61,10 +52,7 @@ if [ "$WHICH" = final ]; then
   graph_check
   flashmla
   bf16_batch1 190 170
-  part 230 dense python3 bench/bench_long_context.py --modes compressed,dense --contexts 131072 --batches 17 \
-    --breakdown-contexts "" --prefill-contexts "" --prefill-long 0 --steps 5 --timeline 3 --no-progress \
-    --time-budget 210 --out "$OUT/dense.json"
-  grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
+  bf16_128k_x17 230 210 --timeline 3
   grep -A 26 "graph kernels by name" "$OUT/dense.log" | cut -c1-120
 fi
 if [ "$WHICH" = step ]; then

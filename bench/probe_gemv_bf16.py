@@ -23,23 +23,18 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent
+for p in (ROOT, ROOT.parent):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from bench_kernels import measure_ceilings  # noqa: E402
 
 from dsv4_backend.kernels.bf16_gemv import GemvConfig, bf16_gemv  # noqa: E402
 
 SHAPES = (("wq_b", 32768, 1024, 1), ("wq_b+indexer", 40960, 1024, 1), ("wo_a", 8192, 4096, 8),
           ("wo_b", 4096, 8192, 1), ("wq_a+wkv", 1536, 4096, 1))
 COPIES = 8
-
-
-def copy_gbps() -> float:
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * n / (t * 1e-3) / 1e9
 
 
 def graph_us(calls) -> float:
@@ -59,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    bw = copy_gbps()
+    bw = measure_ceilings().copy_gbps
     print(f"copy {bw:.0f} GB/s", flush=True)
     results = []
     for name, N, K, G in SHAPES:

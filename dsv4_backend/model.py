@@ -491,7 +491,7 @@ class MoE(nn.Module):
         Expert.forward's: projections in x's dtype, SwiGLU and the routing weight in fp32."""
         T, k = ids.shape
         E, inter, limit = len(self.experts), self._w2.shape[2], self.experts[0].limit
-        order, ends, kept = self._sort_pairs(ids, E)
+        order, ends = self._sort_pairs(ids, E)
         token = order // k
         gu = torch._grouped_mm(x[token], self._w13.transpose(-2, -1), offs=ends)  # [T*k, 2*inter]
         if _glue_kernels_apply(x):   # SwiGLU + weight, then the sum over the choices: a launch each
@@ -503,8 +503,8 @@ class MoE(nn.Module):
         g, u = gu[:, :inter].to(hi), gu[:, inter:].to(hi)
         h = F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * w.reshape(-1)[order].to(hi)[:, None]
         y = torch._grouped_mm(h.to(x.dtype), self._w2.transpose(-2, -1), offs=ends)  # [T*k, D]
-        if kept is not None:                   # rows past the last group are not written
-            y = torch.where(kept[:, None], y, 0)
+        if self.expert_range is not None:      # rows past the last group (ends[-1]) are not written
+            y = torch.where((torch.arange(T * k, device=y.device) < ends[-1])[:, None], y, 0)
         # back to (token, choice) order and a sum over the k choices: a fixed summation order,
         # where index_add_ on CUDA accumulates with atomics in whatever order they land (the
         # same step would then give different bits from run to run)
@@ -513,16 +513,15 @@ class MoE(nn.Module):
         return out.add_(y[unsort].view(T, k, -1).sum(dim=1))
 
 
-    def _sort_pairs(self, ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def _sort_pairs(self, ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (token, choice) pairs in a stable order by expert, other ranks' experts (-1) last:
-        (order [T k], each expert's end in that order int32 [E], and with an expert range the
-        rows of this rank's experts, else None), by the FP4 path's routing
-        (``kernels/fp4_moe.route_pairs``: one launch up to 512 pairs, where a stable sort of 102
-        pair ids alone took 27 us on the H200, docs/PERF.md session 12; a sort beyond)."""
+        (order [T k], each expert's end in that order int32 [E]; the last end counts this rank's
+        rows), by the FP4 path's routing (``kernels/fp4_moe.route_pairs``: one launch up to 512
+        pairs, where a stable sort of 102 pair ids alone took 27 us on the H200, docs/PERF.md
+        session 12; a sort beyond)."""
         from .kernels.fp4_moe import route_pairs
         r = route_pairs(ids.reshape(-1), E, 64)          # offsets: each expert's first row, then the end
-        kept = None if self.expert_range is None else torch.arange(ids.numel(), device=ids.device) < r.offsets[E]
-        return r.order, r.offsets[1:].to(torch.int32), kept
+        return r.order, r.offsets[1:].to(torch.int32)
 
 
 # torch._grouped_mm on CUDA, bfloat16, routed experts stacked (see MoE.stack_experts);

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import check_device, native, round_bf16
+from dsv4_backend.kernels.kv_store import sm_count
 
 
 class GemvConfig(NamedTuple):
@@ -73,8 +74,7 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvCon
         raise ValueError("bf16_gemv: w needs contiguous rows")
     check_device(x, w)
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        config = gemv_config(N, sms)
+        config = gemv_config(N, sm_count(x.device))
     R = N // groups
     if groups > 1 and R % config.block_n:
         raise ValueError(f"bf16_gemv: block_n {config.block_n} must divide a group's {R} rows")

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from dsv4_backend.kernels._common import check_device, native, round_bf16
 from dsv4_backend.kernels.kv_store import (
-    FinishConfig, finish_attention_rows, finish_indexer_row, finish_rows, load_hadamard,
+    FinishConfig, any_written, finish_attention_rows, finish_indexer_row, finish_rows, load_hadamard,
     load_norm_weight, pool_args, sm_count,
 )
 
@@ -87,12 +87,12 @@ def _pool_step(m, s, acc, c, z):
 
 
 @triton.jit
-def _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr, src_stride,
+def _pool_chunk(m, s, acc, k0, e, ch, state_ptr, state_stride, src_ptr, src_stride,
                 ape_ptr, ape_stride, RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr,
                 KC: tl.constexpr):
     j = k0 + tl.arange(0, KC)
     src = tl.load(src_ptr + e * src_stride + j).to(tl.int64)
-    valid = (src >= 0) & live
+    valid = src >= 0
     if COFF == 2:
         col = (j >= RATIO).to(tl.int32)[:, None] * D + ch[None, :]
     else:
@@ -122,11 +122,11 @@ def _pool_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stri
         acc = tl.zeros([BLOCK_D], tl.float32)
         if NUM_STAGES == 0:
             for k0 in tl.static_range(0, K, KC):
-                m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
+                m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, state_ptr, state_stride, src_ptr,
                                         src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
         else:
             for k0 in tl.range(0, K, KC, num_stages=NUM_STAGES):
-                m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, live, state_ptr, state_stride, src_ptr,
+                m, s, acc = _pool_chunk(m, s, acc, k0, e, ch, state_ptr, state_stride, src_ptr,
                                         src_stride, ape_ptr, ape_stride, RATIO, D, COFF, KC)
         tl.store(out_ptr + e * out_stride + ch, acc / s, mask=ch < D)
 
@@ -184,10 +184,7 @@ def _fused_c4_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_
                      ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr, WRITE_OUT: tl.constexpr,
                      NATIVE: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * EVENTS
-    last_dest = tl.load(dest_ptr + first)            # the largest destination of my events
-    for ee in tl.static_range(1, EVENTS):
-        last_dest = tl.maximum(last_dest, tl.load(dest_ptr + first + ee, mask=first + ee < E, other=-1))
-    if last_dest >= 0:   # else no event of mine completes a block (most decode steps): no work
+    if any_written(dest_ptr, first, E, EVENTS):   # else no event of mine completes a block: no work
         _fused_c4_events(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stride, w_ptr, cos_ptr,
                          sin_ptr, cs_stride, dest_ptr, E, pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride,
                          eps, first, D, NT, EVENTS, ROUND_BF16, INDEXER, WRITE_OUT, NATIVE)

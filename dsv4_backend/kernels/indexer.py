@@ -58,7 +58,7 @@ class IndexerTopK(NamedTuple):
 
 @triton.jit
 def _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H: tl.constexpr, BLOCK_H: tl.constexpr,
-                  Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_POW2: tl.constexpr = False):
+                  Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_POW2: tl.constexpr):
     """Request ``b``'s heads: q [BLOCK_H, 128] (e4m3 bits seen as FP8, or DOT_DTYPE) and the
     fp32 head weights [BLOCK_H] (times q's per-head scale for FP8); padded heads are zero.
     Q_POW2: q / 2^k and w 2^k per head, 2^k = q's FP8 scale (exact: powers of two)."""

@@ -212,16 +212,23 @@ def load_norm_weight(w_ptr, D: tl.constexpr, NT: tl.constexpr):
 
 
 @triton.jit
+def any_written(dest_ptr, first, N, COUNT: tl.constexpr):
+    """Whether any of destinations ``first .. first + COUNT - 1`` (those below N; first < N) is >= 0:
+    a program of a decode graph's masked events (destination -1) skips its work."""
+    last = tl.load(dest_ptr + first)
+    for i in tl.static_range(1, COUNT):
+        last = tl.maximum(last, tl.load(dest_ptr + first + i, mask=first + i < N, other=-1))
+    return last >= 0
+
+
+@triton.jit
 def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, N,
                    pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride, eps,
                    D: tl.constexpr, NT: tl.constexpr, ROWS: tl.constexpr,
                    ROUND_IN: tl.constexpr, ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr,
                    WRITE_OUT: tl.constexpr, NATIVE: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * ROWS
-    last_dest = tl.load(dest_ptr + first)            # the largest destination of my rows
-    for rr in tl.static_range(1, ROWS):
-        last_dest = tl.maximum(last_dest, tl.load(dest_ptr + first + rr, mask=first + rr < N, other=-1))
-    if last_dest >= 0:   # else no row of mine is written (a decode graph's masked events): no work
+    if any_written(dest_ptr, first, N, ROWS):   # else (a decode graph's masked events) no work
         _finish_rows(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, N, pool_ptr, P, page_stride,
                      had_ptr, out_ptr, out_stride, eps, first, D, NT, ROWS, ROUND_IN, ROUND_BF16, INDEXER,
                      WRITE_OUT, NATIVE)

@@ -258,8 +258,8 @@ def _launch_partials(X, fn, launch: MixLaunch) -> torch.Tensor:
 def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, iters, pre_only, launch: MixLaunch):
     T, hc, _ = X.shape
     N, K = fn.shape
-    S = triton.cdiv(K, launch.chunk)
     part = _launch_partials(X, fn, launch)
+    S = part.shape[1]
     _mix_from_partials_kernel[(T,)](
         part, scale.contiguous(), base.contiguous(), pre, post, C, T, S, K, float(hc_eps), float(rms_eps),
         N=N, HC=hc, HCP=triton.next_power_of_2(hc), ITERS=iters, SP=triton.next_power_of_2(S),

@@ -78,16 +78,67 @@ def _static_fill_kernel(
     g = tl.where(real, t, 0)
     r = g // Q
     slot = tl.load(req_ptr + r)
-    pos = tl.load(req_ptr + B + r) + g % Q
+    prefix = tl.load(req_ptr + B + r)
+    pos = prefix + g % Q
     row = r2t_ptr + slot * r2t_stride
 
     if part == 0:      # the row's own entries; every program of the row writes a share of its lists
-        _row_entries(req_ptr, ids_ptr, prev_ptr, n_prev, f2s_ptr, B, Q, ids_out, pos_out, req_out, swa_out, win_out,
-                     win_width, hs_out, c4_dest, c4_first, c4_src, c4_tok, c4_slot, c4_vis, R4, c128_dest,
-                     c128_first, c128_src, c128_tok, c128_slot, R128, on_count, count_tokens, t, real, g, r, slot,
-                     pos, row, W, BLOCK_W, DENSE, PLACEHOLDERS, HS, C4, C128, ONLINE, SWA_PAGE_, CHUNK)
+        tok = tl.load(ids_ptr + g)
+        if PLACEHOLDERS:   # -(i + 1) stands for row i of the previous step's sampled ids
+            k = tl.minimum(tl.maximum(-tok - 1, 0), n_prev - 1)
+            tok = tl.where(tok >= 0, tok, tl.load(prev_ptr + k))
+        tl.store(ids_out + t, tok)
+        tl.store(pos_out + t, pos)
+        tl.store(req_out + t // Q, slot, mask=t % Q == 0)
+        own = tl.load(f2s_ptr + tl.load(row + pos))           # this row's SWA slot
+        tl.store(swa_out + t, tl.where(real, own, -1))
+        if HS:
+            tl.store(hs_out + t, tl.where(real, slot, -1))
+
+        if DENSE:          # every position <= pos, in win_width columns
+            for c0 in range(0, win_width, CHUNK):
+                c = c0 + tl.arange(0, CHUNK)
+                ok = c <= pos
+                s = _swa_of(row, f2s_ptr, c, ok)
+                tl.store(win_out + t * win_width + c, tl.where(ok, s, -1).to(tl.int32), mask=c < win_width)
+        else:
+            i = tl.arange(0, BLOCK_W)
+            p = pos - W + 1 + i
+            ok = (p >= 0) & (i < W)
+            s = _swa_of(row, f2s_ptr, p, ok)
+            tl.store(win_out + t * W + i, tl.where(ok, s, -1).to(tl.int32), mask=i < W)
+
+        if C4:
+            block = pos // 4
+            done = real & ((pos + 1) % 4 == 0)
+            dest = tl.load(row + block * 4, mask=done, other=0) // 4
+            tl.store(c4_dest + t, tl.where(done, dest, -1))
+            tl.store(c4_first + t, block * 4)
+            tl.store(c4_tok + t, g)
+            k8 = tl.arange(0, 8)
+            cand = pos - 7 + k8
+            okc = cand >= 0
+            sc = _swa_of(row, f2s_ptr, cand, okc)
+            src = tl.where(okc & (sc >= 0), (sc // SWA_PAGE_) * R4 + cand % R4, -1)
+            tl.store(c4_src + t * 8 + k8, src.to(tl.int32))
+            tl.store(c4_slot + t, (own // SWA_PAGE_) * R4 + pos % R4)
+            tl.store(c4_vis + t, ((pos + 1) // 4).to(tl.int32))
+
+        if C128:
+            block = pos // 128
+            done = real & ((pos + 1) % 128 == 0)
+            dest = tl.where(done, tl.load(row + block * 128, mask=done, other=0) // 128, -1)
+            tl.store(c128_dest + t, dest)
+            tl.store(c128_first + t, block * 128)
+            if ONLINE:     # one row per request (q = 1)
+                tl.store(on_count + t, tl.where(real, count_tokens, 0).to(tl.int32))
+            else:
+                tl.store(c128_tok + t, g)
+                k = tl.arange(0, 128)
+                tl.store(c128_src + t * 128 + k, (slot * R128 + (block * 128 + k) % R128).to(tl.int32))
+                tl.store(c128_slot + t, slot * R128 + pos % R128)
     if C4:
-        nb4 = (tl.load(req_ptr + B + r) + Q) // 4     # complete C4 blocks of the request
+        nb4 = (prefix + Q) // 4     # complete C4 blocks of the request
         for j0 in range(part * CHUNK, n_pages, parts * CHUNK):
             j = j0 + tl.arange(0, CHUNK)
             okp = j * 64 < nb4
@@ -100,69 +151,6 @@ def _static_fill_kernel(
             okb = b < vis
             full = tl.load(row + b * 128, mask=okb, other=0)
             tl.store(c128_rows + t * n_c128 + b, tl.where(okb, full // 128, -1).to(tl.int32), mask=b < n_c128)
-
-
-@triton.jit
-def _row_entries(req_ptr, ids_ptr, prev_ptr, n_prev, f2s_ptr, B, Q, ids_out, pos_out, req_out, swa_out, win_out,
-                 win_width, hs_out, c4_dest, c4_first, c4_src, c4_tok, c4_slot, c4_vis, R4, c128_dest,
-                 c128_first, c128_src, c128_tok, c128_slot, R128, on_count, count_tokens, t, real, g, r, slot,
-                 pos, row, W: tl.constexpr, BLOCK_W: tl.constexpr, DENSE: tl.constexpr,
-                 PLACEHOLDERS: tl.constexpr, HS: tl.constexpr, C4: tl.constexpr, C128: tl.constexpr,
-                 ONLINE: tl.constexpr, SWA_PAGE_: tl.constexpr, CHUNK: tl.constexpr):
-    tok = tl.load(ids_ptr + g)
-    if PLACEHOLDERS:   # -(i + 1) stands for row i of the previous step's sampled ids
-        k = tl.minimum(tl.maximum(-tok - 1, 0), n_prev - 1)
-        tok = tl.where(tok >= 0, tok, tl.load(prev_ptr + k))
-    tl.store(ids_out + t, tok)
-    tl.store(pos_out + t, pos)
-    tl.store(req_out + t // Q, slot, mask=t % Q == 0)
-    own = tl.load(f2s_ptr + tl.load(row + pos))           # this row's SWA slot
-    tl.store(swa_out + t, tl.where(real, own, -1))
-    if HS:
-        tl.store(hs_out + t, tl.where(real, slot, -1))
-
-    if DENSE:          # every position <= pos, in win_width columns
-        for c0 in range(0, win_width, CHUNK):
-            c = c0 + tl.arange(0, CHUNK)
-            ok = c <= pos
-            s = _swa_of(row, f2s_ptr, c, ok)
-            tl.store(win_out + t * win_width + c, tl.where(ok, s, -1).to(tl.int32), mask=c < win_width)
-    else:
-        i = tl.arange(0, BLOCK_W)
-        p = pos - W + 1 + i
-        ok = (p >= 0) & (i < W)
-        s = _swa_of(row, f2s_ptr, p, ok)
-        tl.store(win_out + t * W + i, tl.where(ok, s, -1).to(tl.int32), mask=i < W)
-
-    if C4:
-        block = pos // 4
-        done = real & ((pos + 1) % 4 == 0)
-        dest = tl.load(row + block * 4, mask=done, other=0) // 4
-        tl.store(c4_dest + t, tl.where(done, dest, -1))
-        tl.store(c4_first + t, block * 4)
-        tl.store(c4_tok + t, g)
-        k8 = tl.arange(0, 8)
-        cand = pos - 7 + k8
-        okc = cand >= 0
-        sc = _swa_of(row, f2s_ptr, cand, okc)
-        src = tl.where(okc & (sc >= 0), (sc // SWA_PAGE_) * R4 + cand % R4, -1)
-        tl.store(c4_src + t * 8 + k8, src.to(tl.int32))
-        tl.store(c4_slot + t, (own // SWA_PAGE_) * R4 + pos % R4)
-        tl.store(c4_vis + t, ((pos + 1) // 4).to(tl.int32))
-
-    if C128:
-        block = pos // 128
-        done = real & ((pos + 1) % 128 == 0)
-        dest = tl.where(done, tl.load(row + block * 128, mask=done, other=0) // 128, -1)
-        tl.store(c128_dest + t, dest)
-        tl.store(c128_first + t, block * 128)
-        if ONLINE:     # one row per request (q = 1)
-            tl.store(on_count + t, tl.where(real, count_tokens, 0).to(tl.int32))
-        else:
-            tl.store(c128_tok + t, g)
-            k = tl.arange(0, 128)
-            tl.store(c128_src + t * 128 + k, (slot * R128 + (block * 128 + k) % R128).to(tl.int32))
-            tl.store(c128_slot + t, slot * R128 + pos % R128)
 
 
 def static_fill(requests: torch.Tensor, ids: torch.Tensor, prev_ids: Optional[torch.Tensor],

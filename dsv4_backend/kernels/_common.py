@@ -123,6 +123,20 @@ def e4m3_encode(x, NATIVE: tl.constexpr):
         return (code | sign).to(tl.uint8)
 
 
+FP8_MAX = 448.0
+FP8_MAX_C = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def quant_block_e4m3(x, NATIVE: tl.constexpr):
+    """x fp32 [R, 128] (one 128-wide block per row) -> (e4m3 bits uint8 [R, 128], fp32 scale [R]),
+    the activation rounding of DeepSeek's FP8 linears (``fp8_gemm.act_quant_fp8``). x / s is x
+    times an exact power of two, so no rounding happens before the e4m3 cast."""
+    k = pow2_scale_exp(tl.max(tl.abs(x), axis=1))
+    v = tl.minimum(tl.maximum(x * exp2_int(-k)[:, None], -FP8_MAX_C), FP8_MAX_C)
+    return e4m3_encode(v, NATIVE), exp2_int(k)
+
+
 @triton.jit
 def e4m3_decode(bits, NATIVE: tl.constexpr):
     """e4m3 bits (uint8) -> fp32 (exact)."""

@@ -40,10 +40,12 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import (
-    check_device, dot_dtype, e2m1_times_2m14, e4m3_decode, exp2_int, interpreting, native, round_bf16,
+    check_device, dot_dtype, e2m1_times_2m14, e4m3_decode, exp2_int, interpreting, native, quant_block_e4m3,
+    round_bf16,
 )
 from dsv4_backend.kernels.fp4_moe_decode import GemvConfig, combine_splits, fp4_moe_decode, pick_gemv_configs
-from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, quant_block_e4m3
+from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
+
 
 class MoeConfig(NamedTuple):
     block_m: int = 16  # routed rows per program (one expert's)

@@ -34,8 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import e2m1_times_2m14, e4m3_decode, exp2_int, native, round_bf16
-from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, quant_block_e4m3
+from dsv4_backend.kernels._common import (
+    e2m1_times_2m14, e4m3_decode, exp2_int, native, quant_block_e4m3, round_bf16,
+)
+from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
 
 ID_CHUNK = 64  # ids scanned per step when a program looks for its expert's pairs
 

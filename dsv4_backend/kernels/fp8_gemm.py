@@ -10,7 +10,8 @@ Semantics (docs/kernels.md, QUANT_INTERFACE.md):
   each 128-deep block product is one tensor-core dot into a fresh fp32 accumulator, scaled and
   added to the fp32 running sum (the per-K-block promotion of DeepSeek's kernels).
 
-Launch shapes: M <= ``GEMV_MAX_M`` (the shape rule; ``Fp8GemvConfig``) a GEMV on the CUDA
+Launch shapes: M = 1, the one-row streaming GEMV of ``fp8_gemv.py`` (no K split; one launch).
+M <= ``GEMV_MAX_M`` (the shape rule; ``Fp8GemvConfig``) a GEMV on the CUDA
 cores: a program per 32 weight rows and K split, each thread's 16 e4m3 bytes decoded and
 multiplied in fp32, summed in the thread, the two block scales applied per 16 terms (no padding
 of one token to a 16-row MMA tile). Otherwise (``GemmConfig``) prefill tiles ``[block_m, block_n]`` in L2-friendly groups of
@@ -37,11 +38,10 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import (
-    check_device, e4m3_decode, e4m3_encode, exp2_int, native, pow2_scale_exp, round_bf16,
+    check_device, e4m3_decode, native, quant_block_e4m3, round_bf16,
 )
+from dsv4_backend.kernels.fp8_gemv import fp8_row_gemv, row_gemv_applies
 
-FP8_MAX = 448.0
-FP8_MAX_C = tl.constexpr(FP8_MAX)
 QBLOCK = 128  # activation and weight scale block along K (and along N for weights)
 NUM_SMS_DEFAULT = 132
 TORCH_BLOCKWISE_MIN_M = 128  # H200 run 1: cuBLAS blockwise 1.3-3x faster from M = 256 up, mixed at 64
@@ -83,16 +83,6 @@ def pick_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmC
 
 
 # ---- activation quantisation ----------------------------------------------------------------
-
-@triton.jit
-def quant_block_e4m3(x, NATIVE: tl.constexpr):
-    """x fp32 [R, 128] (one 128-wide block per row) -> (e4m3 bits uint8 [R, 128], fp32 scale [R]).
-    x / s is x times an exact power of two, so no rounding happens before the e4m3 cast."""
-    k = pow2_scale_exp(tl.max(tl.abs(x), axis=1))
-    v = tl.minimum(tl.maximum(x * exp2_int(-k)[:, None], -FP8_MAX_C), FP8_MAX_C)
-    return e4m3_encode(v, NATIVE), exp2_int(k)
-
-
 
 @triton.jit
 def _act_quant_kernel(x_ptr, x_sm, q_ptr, s_ptr, M, K, NB,
@@ -301,6 +291,8 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
         if out_dtype != torch.bfloat16:
             raise ValueError("fp8_block_gemm: the torch backend writes bf16 only")
         return torch_blockwise_gemm(xq, xs, w, w_scale)
+    if N > 0 and row_gemv_applies(M, config):
+        return fp8_row_gemv(xq, w, w_scale, mode="codes", x_scale=xs, out_dtype=out_dtype)
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0 or N == 0:
         return out
@@ -328,6 +320,8 @@ def fp8_block_gemm_partials(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
     _check_gemm_inputs(xq, xs, w, w_scale)
     M, K = xq.shape
     N = w.shape[0]
+    if N > 0 and row_gemv_applies(M, config):    # one row: no K split, the sums are final
+        return fp8_row_gemv(xq, w, w_scale, mode="codes", x_scale=xs, out_dtype=torch.float32)[None]
     cfg, kb_per_split, split = _launch_shape(M, N, K, config, xq.device)
     part = torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
     if M and N:

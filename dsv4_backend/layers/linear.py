@@ -187,13 +187,18 @@ def shared_input(x: torch.Tensor, *mods: nn.Module, out_dtype: Optional[torch.dt
     quant = _kernel("fp8_gemm", "act_quant_fp8") if _on_gpu(x) else None
     gemm = _kernel("fp8_gemm", "fp8_block_gemm") if quant is not None else None
     if gemm is not None:
-        xq, xs = quant(x2)
+        from dsv4_backend.kernels.fp8_gemv import fp8_row_gemv, row_gemv_applies   # (imported with gemm)
         st = row_stack_of(mods) if len(mods) > 1 else None
+        if row_gemv_applies(x2.shape[0]):   # one row: the GEMV rounds x itself (no act-quant launch)
+            mm = lambda w, s: fp8_row_gemv(x2, w, s, mode="quant")   # noqa: E731
+        else:
+            xq, xs = quant(x2)
+            mm = lambda w, s: gemm(xq, xs, w, s, x.dtype)   # noqa: E731
         if st is not None:      # one GEMM over the stacked rows; the outputs are its column views
-            y = gemm(xq, xs, st.weight, st.scale, x.dtype)
+            y = mm(st.weight, st.scale)
             ys = list(y.split([m.weight.shape[0] for m in mods], dim=-1))
         else:
-            ys = [gemm(xq, xs, m.weight, m.scale, x.dtype) for m in mods]
+            ys = [mm(m.weight, m.scale) for m in mods]
     else:
         c = compute_dtype(x.dtype)
         xa = act_fake_quant(x2)

@@ -1,0 +1,156 @@
+"""FP8 block-scaled projections of one row (batch-1 decode) as one streaming launch.
+
+At one token an FP8 linear is a read of its e4m3 weight: ``wq_b`` 32 MiB, ``wo_b`` 32 MiB, the
+shared expert's ``w1 + w3`` 32 MiB and ``w2`` 8 MiB a layer. ``fp8_gemm``'s split-K GEMV read them
+at 40-60% of copy bandwidth, behind a separate act-quant launch and, with K split, a split-sum
+launch (docs/PERF.md, session 10). Here one program owns ``block_n`` weight rows and streams them
+over all of K, ``blocks`` 128-wide blocks a step (pipelined, 16-byte loads), multiplying each
+decoded weight by its activation element-wise into an fp32 register tile that is summed once at
+the end, the pattern of the bf16 GEMV (``bf16_gemv.py``, ~85% of copy bandwidth). No split, so no
+second launch.
+
+The activation comes in three forms (``mode``):
+
+- ``"quant"`` (W8A8, the release's FP8 linears): x bf16 / fp32 ``[1, K]`` is rounded to e4m3 in
+  1 x 128 blocks inside the kernel, with ``act_quant_fp8``'s power-of-two scales and the same
+  code bits (``_common.quant_block_e4m3``): every program re-derives the few blocks it needs,
+  which costs far less than the launch it saves.
+- ``"codes"`` (W8A8, already rounded): e4m3 codes ``[1, K]`` and their fp32 scales ``[1, K / 128]``
+  (the MoE's shared expert reuses the routed experts' act-quant).
+- ``"bf16"`` (W8A16): x bf16 as is, for a weight the release computes in bf16 from its FP8 bytes
+  (``wo_a``: stored FP8, folded to bf16 by the release's converter). Each e4m3 weight times its
+  block's power of two is that bf16 weight exactly, so the products are the bf16 GEMV's.
+
+Numerics: an e4m3 weight times an e4m3 activation is exact in fp32 (4 x 4 significant bits), and
+both block scales are powers of two, so each term is ``(w x) * (s_w s_x)`` exactly (``w x * s``
+is representable unless it falls below fp32's normal range); the kernel folds the two scales into
+the activation before the product. Only the fp32 sums round, in another order than the
+per-block sums of ``fp8_block_gemm`` (bound in ``tests/test_fp8_gemv.py``).
+
+Grouped (``groups`` > 1, ``wo_a``): W ``[G R, Kg]``; group g's R rows multiply x's columns
+``g Kg .. (g + 1) Kg``. ``block_n`` divides 128 (a program's rows share one scale row) and R.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels._common import check_device, e4m3_decode, native, quant_block_e4m3, round_bf16
+from dsv4_backend.kernels.kv_store import sm_count
+
+QBLOCK = 128
+MODES = {"quant": 0, "codes": 1, "bf16": 2}
+# DSV4_FP8_ROW_GEMV=0 sends one-row FP8 linears back to act-quant + fp8_gemm's split GEMV (A/B timing)
+ENABLED = os.environ.get("DSV4_FP8_ROW_GEMV", "1") != "0"
+
+
+def row_gemv_applies(M: int, config=None) -> bool:
+    """Whether an FP8 product of M activation rows (no explicit launch config) runs here."""
+    return ENABLED and M == 1 and config is None
+
+
+class RowGemvConfig(NamedTuple):
+    block_n: int = 16      # weight rows a program (divides 128)
+    blocks: int = 4        # 128-wide K blocks a step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
+    """16 rows a program while that gives two programs per SM, else 8, else 4."""
+    for bn in (16, 8):
+        if triton.cdiv(N, bn) >= 2 * sms:
+            return RowGemvConfig(block_n=bn)
+    return RowGemvConfig(block_n=4)
+
+
+@triton.jit
+def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
+                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    group = n0 // GROUP_ROWS
+    xg = x_ptr + group.to(tl.int64) * K
+    xsg = xs_ptr + group * NB
+    j = tl.arange(0, BLOCKS)
+    c = tl.arange(0, 128)
+    col = j[:, None] * 128 + c[None, :]                                   # [BLOCKS, 128]
+    w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
+    ws_row = ws_ptr + (n0 // 128) * ws_sn
+    acc = tl.zeros([BLOCK_N, BLOCKS, 128], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCKS * 128, num_stages=NUM_STAGES):
+        kb = k0 // 128 + j
+        k_ok = (k0 + col) < K
+        w = tl.load(w_tile + k0, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0)
+        sw = tl.load(ws_row + kb, mask=kb < NB, other=0.0)
+        if MODE == 0:       # round x to e4m3 in its 128-blocks, as act_quant_fp8 does
+            x = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32)
+            codes, sx = quant_block_e4m3(x, NATIVE)
+            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None]
+        elif MODE == 1:
+            codes = tl.load(xg + k0 + col, mask=k_ok, other=0)
+            sx = tl.load(xsg + kb, mask=kb < NB, other=0.0)
+            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None]
+        else:
+            a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None]
+        acc += e4m3_decode(w, NATIVE) * a[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
+        y = round_bf16(y, NATIVE)
+    tl.store(y_ptr + n, y, mask=n_ok)
+
+
+def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mode: str = "quant",
+                 x_scale: torch.Tensor | None = None, groups: int = 1, out_dtype: torch.dtype | None = None,
+                 config: RowGemvConfig | None = None) -> torch.Tensor:
+    """``y [1, N]`` of one row x against e4m3 ``w [N, Kg]`` with fp32 power-of-two block scales
+    ``w_scale [ceil(N / 128), ceil(Kg / 128)]``; x ``[1, groups * Kg]``. ``mode`` as in the module
+    docstring (``x_scale`` fp32 ``[1, ceil(K / 128)]`` for "codes"). ``out_dtype``: bf16 or fp32
+    (default: x's dtype, bf16 for "codes")."""
+    if mode not in MODES:
+        raise ValueError(f"fp8_row_gemv: mode must be one of {sorted(MODES)}, got {mode!r}")
+    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn or not w.is_contiguous():
+        raise ValueError(f"fp8_row_gemv: w must be a contiguous float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
+    N, Kg = w.shape
+    nb = triton.cdiv(Kg, QBLOCK)
+    if tuple(w_scale.shape) != (triton.cdiv(N, QBLOCK), nb) or w_scale.dtype != torch.float32 \
+            or w_scale.stride(1) != 1:
+        raise ValueError(f"fp8_row_gemv: w_scale must be fp32 [{triton.cdiv(N, QBLOCK)}, {nb}] dense along K, "
+                         f"got {w_scale.dtype} {tuple(w_scale.shape)}")
+    if x.dim() != 2 or x.shape[0] != 1 or groups < 1 or x.shape[1] != groups * Kg or N % groups \
+            or (groups > 1 and Kg % QBLOCK):
+        raise ValueError(f"fp8_row_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit one row and "
+                         f"{groups} group(s) (grouped: 128-wide blocks within a group)")
+    want = {"quant": (torch.bfloat16, torch.float32), "codes": (torch.float8_e4m3fn,), "bf16": (torch.bfloat16,)}
+    if x.dtype not in want[mode]:
+        raise ValueError(f"fp8_row_gemv: mode {mode!r} takes x in {want[mode]}, got {x.dtype}")
+    if mode == "codes":
+        if x_scale is None or tuple(x_scale.shape) != (1, groups * nb) or x_scale.dtype != torch.float32:
+            raise ValueError(f"fp8_row_gemv: mode 'codes' needs x_scale fp32 [1, {groups * nb}]")
+    out_dtype = out_dtype or (torch.bfloat16 if mode == "codes" else x.dtype)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
+    check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
+    cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
+    R = N // groups
+    if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
+        raise ValueError(f"fp8_row_gemv: block_n {cfg.block_n} must divide 128 and a group's {R} rows")
+    x = x.contiguous()
+    y = torch.empty(1, N, dtype=out_dtype, device=x.device)
+    if N == 0:
+        return y
+    xs = x_scale.contiguous() if x_scale is not None else w_scale       # (unread unless "codes")
+    _row_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
+        N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
+        MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
+        OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps)
+    return y

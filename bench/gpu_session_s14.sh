@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# H200 calls of session 14 (carry .whl: the pytest wheels for the test parts, .whl/flashmla):
+#   bash bench/gpu_session_s14.sh $OUT rowgemv  the one-row FP8 GEMV (kernels/fp8_gemv.py): CUDA tests, the probe
+#                                               against the act-quant + split GEMV it replaces (and wo_a's W8A16 against
+#                                               the bf16 GEMV), the 28-layer quantised model at 4K / 1M x 1 / 32
+set -uo pipefail
+OUT=${1:?output directory}
+WHICH=${2:-rowgemv}
+mkdir -p "$OUT"
+source bench/_gpu_session.sh
+graph_check() { part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"; tail -n 1 "$OUT/graph.log"; }
+q28() {            # LIMIT BUDGET BATCHES PREFILL_SECONDS: the 28-layer quantised model at 4K and 1M
+  part "$1" q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches "$3" --skip-kernels --steps 8 \
+    --prefill-max-seconds "$4" --prefill-context 8192 --time-budget "$2" --out "$OUT/q28.json"
+  grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
+  grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
+}
+if [ "$WHICH" = rowgemv ]; then
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_fp8_gemm.py \
+    tests/test_stacked_linears.py tests/test_quant_model.py tests/test_fp4_mma.py
+  tail -n 4 "$OUT/tests.log"
+  part 200 probe python3 bench/probe_fp8_row_gemv.py --out "$OUT/probe_row.json"
+  grep -v "^  " "$OUT/probe.log" | cut -c1-300; grep "^      next" "$OUT/probe.log" | head -n 40 | cut -c1-100
+  q28 200 180 1,32 5
+fi

@@ -1,0 +1,131 @@
+"""The one-row FP8 GEMV (kernels/fp8_gemv.py) against the path it replaces, on Flash's decode shapes.
+
+At batch 1 each FP8 linear used to be act-quant + ``fp8_gemm``'s split CUDA-core GEMV + (with K
+split) a split-sum launch; ``fp8_row_gemv`` is one launch. Each shape as the engine stacks it is
+timed as a CUDA graph of 8 calls over 8 copies of the weight (every call reads its weight from
+HBM), us a call, against the weight + scale bytes over the copy bandwidth measured in the same
+run: the old path end to end, the new default, and a grid of rows-a-program x blocks-a-step x
+warps x stages. ``wo_a`` (grouped, W8A16) is timed against the bf16 GEMV on its folded bf16
+weight, the path it replaces. Every output is checked against the old path's within twice the
+fp32 bound of the sums plus a bf16 step.
+
+    python3 bench/probe_fp8_row_gemv.py [--quick] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parent
+for p in (ROOT, ROOT.parent):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from bench_kernels import measure_ceilings  # noqa: E402
+
+from dsv4_backend.kernels.bf16_gemv import bf16_gemv  # noqa: E402
+from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm, pick_gemv_config  # noqa: E402
+from dsv4_backend.kernels.fp8_gemv import RowGemvConfig, fp8_row_gemv  # noqa: E402
+from dsv4_backend.kernels.kv_store import sm_count  # noqa: E402
+
+# (name, N, K per group, groups): Flash's FP8 linears at one token, stacked as the engine runs them
+SHAPES = (("wq_a+wkv", 1536, 4096, 1), ("wq_b", 32768, 1024, 1), ("wq_b+indexer.wq_b", 40960, 1024, 1),
+          ("wo_b", 4096, 8192, 1), ("shared w1+w3", 4096, 4096, 1), ("shared w2", 4096, 2048, 1),
+          ("wo_a (W8A16)", 8192, 4096, 8))
+COPIES = 8
+
+
+def graph_us(calls) -> float:
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    return do_bench(graph.replay, warmup=5, rep=50, return_mode="median") * 1e3 / len(calls)
+
+
+def grid(quick: bool):
+    if quick:
+        return [RowGemvConfig(bn, bl, nw, 3) for bn, bl, nw in itertools.product((8, 16), (2, 4), (4, 8))]
+    # at most 128 fp32 accumulators a thread (more only spills)
+    return [RowGemvConfig(bn, bl, nw, st) for bn, bl, nw, st in
+            itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4)) if bn * bl <= 32 * nw]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="an 8-config grid instead of ~100")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    bw = measure_ceilings().copy_gbps
+    sms = sm_count(torch.device("cuda"))
+    print(f"copy {bw:.0f} GB/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for name, N, K, G in SHAPES:
+        ws = [(torch.randn(N, K, device="cuda", generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for _ in range(COPIES)]
+        ss = [torch.pow(2.0, torch.randint(-12, -4, (-(-N // 128), -(-K // 128)), device="cuda",
+                                           generator=gen).float()) for _ in range(COPIES)]
+        x = (torch.randn(1, K * G, device="cuda", generator=gen) * 2).bfloat16()
+        floor = (N * K + ss[0].numel() * 4) / bw / 1e3
+        mode = "bf16" if G > 1 else "quant"
+        if G > 1:   # the path replaced: the bf16 GEMV over the folded weight (twice the bytes)
+            folded = [(w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).bfloat16()
+                      for w, s in zip(ws, ss)]
+            old_calls = [lambda f=f: bf16_gemv(x, f, groups=G) for f in folded]
+            ref = old_calls[0]().float()
+        else:
+            cfg = pick_gemv_config(N, K, sms, 1)
+            old_calls = [lambda w=w, s=s: fp8_block_gemm(*act_quant_fp8(x), w, s, torch.bfloat16, cfg, "triton")
+                         for w, s in zip(ws, ss)]
+            ref = old_calls[0]().float()
+        xq, xs = act_quant_fp8(x)
+        wd = ws[0].float() * ss[0].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        a = (x.float() if G > 1 else xq.float() * xs.repeat_interleave(128, 1)).view(1, G, K).abs()
+        mag = torch.einsum("tgi,gri->tgr", a, wd.abs().view(G, N // G, K)).reshape(1, N)
+        bound = 2 * K * 2.0 ** -24 * mag + 2.0 ** -7 * ref.abs() + 1e-30
+        del wd
+        rows = [dict(shape=name, kernel="old", us=graph_us(old_calls))]
+        for cfg in [None] + grid(args.quick):
+            try:
+                y = fp8_row_gemv(x, ws[0], ss[0], mode=mode, groups=G, config=cfg)
+                ratio = float(((y.float() - ref).abs() / bound).max())
+                us = graph_us([lambda w=w, s=s: fp8_row_gemv(x, w, s, mode=mode, groups=G, config=cfg)
+                               for w, s in zip(ws, ss)])
+            except Exception as e:  # noqa: BLE001 (a launch shape that does not compile is reported)
+                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            rows.append(dict(shape=name, kernel="row", config=None if cfg is None else list(cfg), us=us,
+                             ratio=ratio, ok=ratio <= 1))
+        for r in rows:
+            r.update(floor_us=floor, pct_copy=100 * floor / r["us"])
+        results.extend(rows)
+        row = [r for r in rows if r["kernel"] == "row"]
+        best = min(row, key=lambda r: r["us"])
+        default = next(r for r in row if r["config"] is None)
+        print(f"{name:18s} N {N:6d} K {K:5d} G {G}: floor {floor:6.2f} us | old {rows[0]['us']:6.2f} "
+              f"({rows[0]['pct_copy']:4.1f}%) | row default {default['us']:6.2f} ({default['pct_copy']:4.1f}%) "
+              f"| best {best['us']:6.2f} ({best['pct_copy']:4.1f}%) {best['config']} | worst ratio to bound "
+              f"{max(r['ratio'] for r in row):.3f}", flush=True)
+        for r in sorted(row, key=lambda r: r["us"])[1:5]:
+            print(f"      next: {r['config']} {r['us']:6.2f} us", flush=True)
+        del ws, ss
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(dict(copy_gbps=bw, rows=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,8 @@
 #   bash bench/gpu_session_s14.sh $OUT rowgemv  the one-row FP8 GEMV (kernels/fp8_gemv.py): CUDA tests, the probe
 #                                               against the act-quant + split GEMV it replaces (and wo_a's W8A16 against
 #                                               the bf16 GEMV), the 28-layer quantised model at 4K / 1M x 1 / 32
+#   bash bench/gpu_session_s14.sh $OUT w8a16    the same after the in-thread sums and wo_a kept FP8 (W8A16: the row GEMV
+#                                               at one token, a tensor-core kernel at 2-64 rows)
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-rowgemv}
@@ -15,11 +17,12 @@ q28() {            # LIMIT BUDGET BATCHES PREFILL_SECONDS: the 28-layer quantise
   grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
   grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
 }
-if [ "$WHICH" = rowgemv ]; then
-  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_fp8_gemm.py \
+if [ "$WHICH" = rowgemv ] || [ "$WHICH" = w8a16 ]; then
+  # (the first call also ran tests/test_fp8_gemm.py, which builds CPU tensors: interpreter-only)
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py \
     tests/test_stacked_linears.py tests/test_quant_model.py tests/test_fp4_mma.py
   tail -n 4 "$OUT/tests.log"
-  part 200 probe python3 bench/probe_fp8_row_gemv.py --out "$OUT/probe_row.json"
+  part 300 probe python3 bench/probe_fp8_row_gemv.py --out "$OUT/probe_row.json"
   grep -v "^  " "$OUT/probe.log" | cut -c1-300; grep "^      next" "$OUT/probe.log" | head -n 40 | cut -c1-100
   q28 200 180 1,32 5
 fi

@@ -32,13 +32,12 @@ from bench_kernels import measure_ceilings  # noqa: E402
 
 from dsv4_backend.kernels.bf16_gemv import bf16_gemv  # noqa: E402
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm, pick_gemv_config  # noqa: E402
-from dsv4_backend.kernels.fp8_gemv import RowGemvConfig, fp8_row_gemv  # noqa: E402
+from dsv4_backend.kernels.fp8_gemv import RowGemvConfig, W8A16Config, fp8_row_gemv, fp8_w8a16  # noqa: E402
 from dsv4_backend.kernels.kv_store import sm_count  # noqa: E402
 
 # (name, N, K per group, groups): Flash's FP8 linears at one token, stacked as the engine runs them
-SHAPES = (("wq_a+wkv", 1536, 4096, 1), ("wq_b", 32768, 1024, 1), ("wq_b+indexer.wq_b", 40960, 1024, 1),
-          ("wo_b", 4096, 8192, 1), ("shared w1+w3", 4096, 4096, 1), ("shared w2", 4096, 2048, 1),
-          ("wo_a (W8A16)", 8192, 4096, 8))
+SHAPES = (("wo_a (W8A16)", 8192, 4096, 8), ("wq_a+wkv", 1536, 4096, 1), ("wq_b", 32768, 1024, 1), ("wq_b+indexer.wq_b", 40960, 1024, 1),
+          ("wo_b", 4096, 8192, 1), ("shared w1+w3", 4096, 4096, 1), ("shared w2", 4096, 2048, 1))
 COPIES = 8
 
 
@@ -57,15 +56,15 @@ def graph_us(calls) -> float:
 
 def grid(quick: bool):
     if quick:
-        return [RowGemvConfig(bn, bl, nw, 3) for bn, bl, nw in itertools.product((8, 16), (2, 4), (4, 8))]
-    # at most 128 fp32 accumulators a thread (more only spills)
+        return [RowGemvConfig(bn, bl, nw, 4) for bn, bl, nw in itertools.product((16, 32), (2, 4), (2, 4))]
+    # 16 to 256 weight bytes a thread a step (one to sixteen 16-byte loads)
     return [RowGemvConfig(bn, bl, nw, st) for bn, bl, nw, st in
-            itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (2, 4, 8), (2, 3, 4)) if bn * bl <= 32 * nw]
+            itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (2, 4, 8), (3, 4)) if 16 <= bn * bl * 4 // nw <= 256]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="an 8-config grid instead of ~100")
+    ap.add_argument("--quick", action="store_true", help="an 8-config grid instead of ~50")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     bw = measure_ceilings().copy_gbps
@@ -123,8 +122,43 @@ def main() -> None:
             print(f"      next: {r['config']} {r['us']:6.2f} us", flush=True)
         del ws, ss
         torch.cuda.empty_cache()
+    results += w8a16_rows(bw, gen)
     if args.out:
         args.out.write_text(json.dumps(dict(copy_gbps=bw, rows=results), indent=1))
+
+
+def w8a16_rows(bw: float, gen: torch.Generator) -> list[dict]:
+    """wo_a at 2-64 rows: the W8A16 tensor-core kernel (default and a few tiles) against the
+    einsum over the folded bf16 weight that the quantised model ran before (its weight was bf16)."""
+    N, K, G = 8192, 4096, 8
+    ws = [(torch.randn(N, K, device="cuda", generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+          for _ in range(COPIES)]
+    ss = [torch.pow(2.0, torch.randint(-12, -4, (N // 128, K // 128), device="cuda", generator=gen).float())
+          for _ in range(COPIES)]
+    folded = [(w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).bfloat16() for w, s in zip(ws, ss)]
+    floor = (N * K + N * K // 16384 * 4) / bw / 1e3
+    out = []
+    for M in (2, 8, 32, 64):
+        x = torch.randn(M, G * K, device="cuda", generator=gen).bfloat16()
+        ein = [lambda f=f: torch.einsum("tgi,gri->tgr", x.view(M, G, K), f.view(G, N // G, K)) for f in folded]
+        ref = ein[0]().reshape(M, N).float()
+        line = [f"wo_a W8A16 M={M:2d}: floor {floor:5.2f} us | bf16 einsum {graph_us(ein):6.2f}"]
+        for cfg in (None, W8A16Config(32, 16, 4, 3), W8A16Config(64, 16, 4, 4), W8A16Config(32, 32, 4, 4),
+                    W8A16Config(64, 64, 4, 3), W8A16Config(16, 16, 2, 4)):
+            if cfg is not None and cfg.block_m < min(M, 16):
+                continue
+            try:
+                y = fp8_w8a16(x, ws[0], ss[0], groups=G, config=cfg).float()
+                rel = float(((y - ref).abs() / (ref.abs() + 1e-2)).max())
+                us = graph_us([lambda w=w, s=s: fp8_w8a16(x, w, s, groups=G, config=cfg) for w, s in zip(ws, ss)])
+            except Exception as e:  # noqa: BLE001
+                line.append(f"{cfg}: {type(e).__name__}")
+                continue
+            out.append(dict(shape="wo_a W8A16", M=M, config=None if cfg is None else list(cfg), us=us,
+                            floor_us=floor, max_rel_vs_einsum=rel))
+            line.append(f"{'default' if cfg is None else list(cfg)} {us:6.2f} ({100 * floor / us:4.1f}%, rel {rel:.1e})")
+        print(" | ".join(line), flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -444,7 +444,7 @@ class CheckpointReader:
 
     ``keep_quantized``: True keeps what ``weights.model_tensors(cfg, dtype, quantized=True)``
     lists (FP8 linears as e4m3 + fp32 block scale, routed experts as e2m1 bytes + e8m0 scale
-    bytes, ``wo_a`` dequantised to the compute dtype) and refuses a checkpoint that does not
+    bytes, ``wo_a`` as e4m3 + scale too, multiplied W8A16) and refuses a checkpoint that does not
     store them quantised; False dequantises everything to ``weights.param_dtype``; None
     (default) keeps an FP8 checkpoint (``quantization_config`` in config.json) quantised on
     CUDA and dequantises it elsewhere.

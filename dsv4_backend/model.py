@@ -26,7 +26,8 @@ SwiGLU, compressors and logits run in float32 (the release's precision notes).
 Quantised (``DSV4Model(..., quantized=True)``, what a release FP8 checkpoint loads into): the FP8
 linears are ``layers.linear.Fp8Linear`` (e4m3 + block scales, activations rounded to e4m3 per
 1 x 128 block) and each MoE's routed experts one ``Fp4ExpertStack`` (e2m1 bytes, W4A8); ``wo_a``
-is held in the compute dtype. Names stay the release's (``model_tensors(cfg, quantized=True)``).
+is an ``Fp8WeightOnlyLinear`` (its e4m3 bytes and scales kept, multiplied in the compute dtype as
+the release does). Names stay the release's (``model_tensors(cfg, quantized=True)``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from memory.quant import indexer_fake_quant
 from .config import DSV4Config, RopeScaling
 from .layers.head import LogitsHead
 from .layers.linear import (
-    Fp4Expert, Fp4ExpertStack, Fp8Linear, dense_linear, gemv_applies, row_stack_of, shared_input, stack_rows,
+    Fp4Expert, Fp4ExpertStack, Fp8Linear, Fp8WeightOnlyLinear, dense_linear, gemv_applies, row_stack_of, shared_input, stack_rows,
 )
 from .weights import model_tensors
 
@@ -76,6 +77,15 @@ def fp8_linear(in_features: int, out_features: int, quantized: bool) -> nn.Modul
 # On CUDA (float32 / bfloat16) RMSNorm and RMSNorm + RoPE run as one Triton kernel per call
 # (kernels/norm_rope.py); DSV4_NORM_ROPE_KERNEL=0 keeps the torch ops (for A/B timing).
 USE_NORM_ROPE_KERNEL = os.environ.get("DSV4_NORM_ROPE_KERNEL", "1") != "0"
+
+
+def _w8a16_kernel_applies(o: torch.Tensor, rows_per_group: int) -> bool:
+    """Whether ``wo_a``'s W8A16 product of o ``[T, H, hd]`` runs in ``kernels/fp8_gemv.py``
+    (decode sizes; prefill chunks fold the weight to bf16 for cuBLAS)."""
+    if not (o.is_cuda and o.dtype == torch.bfloat16 and rows_per_group % 32 == 0):
+        return False
+    from .kernels.fp8_gemv import w8a16_applies
+    return w8a16_applies(o.reshape(o.shape[0], -1))
 
 
 def _norm_rope_kernel_applies(x: torch.Tensor) -> bool:
@@ -256,7 +266,8 @@ class Attention(nn.Module):
         self.wq_b = fp8_linear(cfg.q_lora_rank, H * hd, quantized)
         self.wkv = fp8_linear(D, hd, quantized)
         self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.wo_a = Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        wo_a = Fp8WeightOnlyLinear if quantized else Linear
+        self.wo_a = wo_a(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = fp8_linear(cfg.o_groups * cfg.o_lora_rank, D, quantized)
         self.attn_sink = nn.Parameter(torch.empty(H), requires_grad=False)
         self.compressor = Compressor(D, hd, ratio, cfg.rms_norm_eps) if ratio else None
@@ -310,10 +321,17 @@ class Attention(nn.Module):
         # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
         G, R = self.o_groups, self.cfg.o_lora_rank
         og = o.reshape(o.shape[0], G, -1)                                   # [T, G, H/G * hd]
-        if gemv_applies(og[:, 0], self.wo_a.weight, o.dtype) and R % 16 == 0:   # one row: one GEMV launch
-            from .kernels.bf16_gemv import bf16_gemv
-            return self.wo_b(bf16_gemv(o.reshape(1, -1), self.wo_a.weight, groups=G))
-        wa = self.wo_a.weight.to(o.dtype).view(G, R, og.shape[-1])           # [G, R, H/G * hd]
+        if isinstance(self.wo_a, Fp8WeightOnlyLinear):      # the release's FP8 bytes, W8A16
+            if _w8a16_kernel_applies(o, R):
+                from .kernels.fp8_gemv import fp8_w8a16
+                return self.wo_b(fp8_w8a16(o.reshape(o.shape[0], -1), self.wo_a.weight, self.wo_a.scale, groups=G))
+            wa = self.wo_a.dequantised(o.dtype, o.is_cuda)
+        else:
+            wa = self.wo_a.weight
+            if gemv_applies(og[:, 0], wa, o.dtype) and R % 16 == 0:   # one row: one GEMV launch
+                from .kernels.bf16_gemv import bf16_gemv
+                return self.wo_b(bf16_gemv(o.reshape(1, -1), wa, groups=G))
+        wa = wa.to(o.dtype).view(G, R, og.shape[-1])                         # [G, R, H/G * hd]
         z = torch.einsum("tgi,gri->tgr", og, wa)                            # [T, G, R]
         return self.wo_b(z.reshape(o.shape[0], G * R))
 

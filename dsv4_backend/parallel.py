@@ -114,7 +114,7 @@ _RULES = [
     (r"^head\.weight$", 0, "world"),
     (r"\.attn\.wq_b\.(weight|scale)$", 0, "tp"),
     (r"\.attn\.attn_sink$", 0, "tp"),
-    (r"\.attn\.wo_a\.weight$", 0, "tp"),
+    (r"\.attn\.wo_a\.(weight|scale)$", 0, "tp"),
     (r"\.attn\.wo_b\.(weight|scale)$", 1, "tp"),
     (r"\.attn\.indexer\.wq_b\.(weight|scale)$", 0, "tp"),
     (r"\.ffn\.shared_experts\.w[13]\.(weight|scale)$", 0, "world"),

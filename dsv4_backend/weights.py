@@ -37,9 +37,6 @@ class WeightKind(enum.Enum):
 
 FP8_BLOCK = 128         # FP8 weight scale block (128 x 128)
 FP4_BLOCK = 32          # FP4 weight scale block along K
-# FP8 in the release but dequantised at load: its grouped matmul runs in the compute dtype
-# (the release's converter folds its scale in the same way).
-DEQUANTIZED_FP8 = ("attn.wo_a.weight",)
 
 # Parameters that stay fp32 whatever the compute dtype (float64 runs promote them to float64).
 FP32_PARAMS = ("attn_sink", "ape", "gate.bias", "hc_")
@@ -255,10 +252,12 @@ def fp4_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def keeps_quantized(spec: WeightSpec) -> bool:
-    """Whether a quantised model keeps this weight in its stored FP8 / FP4 form."""
+    """Whether a quantised model keeps this weight in its stored FP8 / FP4 form: all of them.
+    (``wo_a``, which the release multiplies in bf16 after folding its scales in, is kept as e4m3 +
+    scales too and multiplied as that fold: ``layers.linear.Fp8WeightOnlyLinear``.)"""
     if spec.kind is WeightKind.FP4:
         return True
-    return spec.kind is WeightKind.FP8 and not spec.name.endswith(DEQUANTIZED_FP8)
+    return spec.kind is WeightKind.FP8
 
 
 class ModelTensor(NamedTuple):
@@ -276,7 +275,7 @@ def model_tensors(cfg: DSV4Config, dtype: torch.dtype, include_mtp: bool = True,
     """Every tensor a model of compute dtype ``dtype`` holds, with the dtype it holds it in.
 
     ``quantized=False``: the specs, dtypes per :func:`param_dtype`. ``quantized=True``: FP8
-    kinds (but ``wo_a``) as ``float8_e4m3fn [out, in]`` + ``<module>.scale float32
+    kinds (``wo_a`` included: W8A16) as ``float8_e4m3fn [out, in]`` + ``<module>.scale float32
     [ceil(out/128), ceil(in/128)]``; routed experts as ``uint8 [out, in/2]`` e2m1 pairs +
     ``<module>.scale uint8 [out, in/32]`` e8m0 bytes; the rest as without quantisation.
     """

@@ -14,7 +14,7 @@ device and host bytes, and ``--context-len N`` adds how many requests of N token
 
 ``--model-path DIR`` reads the checkpoint's config.json and counts its weights as the server
 keeps them on the GPU (bf16, an FP8 release kept quantised: its real e4m3 / e2m1 bytes plus
-scales, ``wo_a`` in bf16, MTP not loaded), from the safetensors headers alone.
+scales, ``wo_a`` included, MTP not loaded), from the safetensors headers alone.
 
 ``--tp-size`` / ``--ep-size``: the plan is one rank's (every rank holds the same pools), with that
 rank's share of the weights (``dsv4_backend.parallel``'s split, unless ``--weights-gb`` gives it).

@@ -23,6 +23,7 @@ from dsv4_backend.checkpoint import (
     save_checkpoint,
 )
 from dsv4_backend.config import DSV4Config
+from dsv4_backend.layers.quant import dequant_fp8
 from dsv4_backend.weights import WeightKind, param_dtype, random_weights, weight_specs
 
 SEED = 3
@@ -401,8 +402,9 @@ def test_writer_rejects_unknown_format(cfg, weights, tmp_path):
 # ---- kept quantised (keep_quantized=True) ---------------------------------------------------
 
 def test_quantized_load_keeps_the_stored_bytes(cfg, weights, ckpt):
-    """e4m3 codes, scale exponents and packed nibbles are the bytes the writer stored; wo_a is
-    dequantised (its scale folded in); everything else loads as without quantisation."""
+    """e4m3 codes, scale exponents and packed nibbles are the bytes the writer stored (wo_a's
+    too: its fold, what the release multiplies, is exact from them); everything else loads as
+    without quantisation."""
     d = ckpt["fp8", True]
     stored = {}
     for f in sorted(d.glob("model-*.safetensors")):
@@ -413,7 +415,7 @@ def test_quantized_load_keeps_the_stored_bytes(cfg, weights, ckpt):
     kinds = {s.name: s.kind for s in weight_specs(cfg)}
     for name, kind in kinds.items():
         scale = name.removesuffix(".weight") + ".scale"
-        if kind is WeightKind.FP8 and not name.endswith("attn.wo_a.weight"):
+        if kind is WeightKind.FP8:
             w, s = got.weights[name], got.weights[scale]
             assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32, name
             assert torch.equal(w.view(torch.uint8), stored[name].view(torch.uint8)), name
@@ -428,7 +430,8 @@ def test_quantized_load_keeps_the_stored_bytes(cfg, weights, ckpt):
             assert scale not in got.weights
             assert got.weights[name].dtype == plain[name].dtype and torch.equal(got.weights[name], plain[name]), name
     wo_a = "layers.1.attn.wo_a.weight"
-    assert torch.equal(got.weights[wo_a].double(), ref_fp8_dequant(weights[wo_a]).to(torch.bfloat16).double())
+    folded = dequant_fp8(got.weights[wo_a], got.weights[wo_a.replace("weight", "scale")], torch.bfloat16)
+    assert torch.equal(folded.double(), ref_fp8_dequant(weights[wo_a]).to(torch.bfloat16).double())
     fp4 = "layers.2.ffn.experts.5.w2.weight"   # the nibbles decode to the writer's rounding
     b = got.weights[fp4]
     codes = torch.stack([b & 15, b >> 4], -1).flatten(-2).long()
@@ -443,7 +446,8 @@ def test_quantized_load_refuses_unquantized_storage(cfg, weights, ckpt, tmp_path
     msg = str(e.value)
     assert "dtype: layers.0.attn.wq_a.weight is stored as BF16; a quantised load keeps it as F8_E4M3" in msg
     assert "dtype: layers.3.ffn.experts.7.w2.weight is stored as BF16" in msg
-    assert "wo_a" not in msg and "embed" not in msg      # those are not kept quantised
+    assert "dtype: layers.0.attn.wo_a.weight is stored as BF16" in msg
+    assert "embed" not in msg and "compressor" not in msg      # those are not kept quantised
     # an FP4 scale must be the release's e8m0 bytes when kept (a float scale is decoded only)
     t = load_file(ckpt["fp8", False] / "model.safetensors")
     name = "layers.1.ffn.experts.2.w3.scale"

@@ -78,10 +78,10 @@ def test_quantised_experts_and_measured_count():
     f = decode_step_floor(TINY, 0, 1, torch.bfloat16, quantized=True, experts_per_layer=3)
     assert f.experts_how == "measured"
     assert f.parts["routed_experts"] == 4 * 3 * fp4
-    # FP8 wq_a: e4m3 [128, 256] + fp32 scales [1, 2]; wo_a dequantised to bf16 (DSV4.md section 4)
-    bf16_attn = 2 * (128 + 512) + 256 * 2048 * 2 + 8 * 4           # norms bf16, wo_a bf16, sink fp32
+    # FP8 wq_a: e4m3 [128, 256] + fp32 scales [1, 2]; wo_a [2048, 256] kept FP8 too (W8A16)
+    bf16_attn = 2 * (128 + 512) + 8 * 4           # norms bf16, sink fp32
     fp8_attn = sum(o * i + 4 * (-(-o // 128)) * (-(-i // 128))
-                   for o, i in ((128, D), (4096, 128), (512, D), (D, 256)))
+                   for o, i in ((128, D), (4096, 128), (512, D), (2048, 256), (D, 256)))
     assert f.parts["attention"] == 4 * (bf16_attn + fp8_attn)
 
 

@@ -15,7 +15,7 @@ import torch
 from bounds import BF16_HALF, assert_within, gamma
 from dsv4_backend.kernels import fp8_gemv
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm, fp8_block_gemm_partials
-from dsv4_backend.kernels.fp8_gemv import RowGemvConfig, fp8_row_gemv
+from dsv4_backend.kernels.fp8_gemv import RowGemvConfig, W8A16Config, fp8_row_gemv, fp8_w8a16
 from test_fp8_gemm import act_quant_sim, gemm_sim, random_weight
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,3 +111,61 @@ def test_bad_inputs_are_named():
         fp8_row_gemv(x.float(), w, ws, mode="bf16")
     with pytest.raises(ValueError, match="divide 128"):
         fp8_row_gemv(x, w, ws, config=RowGemvConfig(block_n=48))
+
+
+def folded(w, ws):
+    return w.double() * ws.double().repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+
+
+@pytest.mark.parametrize("M, N, Kg, G, cfg", [
+    (3, 48, 200, 1, None),                          # N and K tails, one row tile
+    (20, 128, 256, 2, W8A16Config(32, 16, 4, 2)),   # two row tiles, two groups of 64 rows
+])
+def test_w8a16_rows_against_float64(M, N, Kg, G, cfg):
+    g = torch.Generator().manual_seed(M + N)
+    w, ws = random_weight(N, Kg, g)
+    x = torch.randn(M, G * Kg, generator=g).bfloat16()
+    y = fp8_w8a16(x.to(DEV), w.to(DEV), ws.to(DEV), groups=G, config=cfg).cpu()
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    xg, wg = x.double().view(M, G, Kg), folded(w, ws).view(G, N // G, Kg)
+    y64 = torch.einsum("tgi,gri->tgr", xg, wg).reshape(M, N)
+    mag = torch.einsum("tgi,gri->tgr", xg.abs(), wg.abs()).reshape(M, N)
+    assert_within(y, y64, bound(y64, mag, Kg, torch.bfloat16), "W8A16 rows")
+
+
+def test_w8a16_one_row_is_the_row_gemv():
+    g = torch.Generator().manual_seed(2)
+    w, ws = random_weight(128, 256, g)
+    x = torch.randn(1, 512, generator=g).bfloat16().to(DEV)
+    w, ws = w.to(DEV), ws.to(DEV)
+    assert torch.equal(fp8_w8a16(x, w, ws, groups=2), fp8_row_gemv(x, w, ws, mode="bf16", groups=2))
+    with pytest.raises(ValueError, match="bf16"):
+        fp8_w8a16(torch.zeros(65, 512, dtype=torch.bfloat16, device=DEV), w, ws, groups=2)
+
+
+def test_quantised_wo_a_dispatch(monkeypatch):
+    """The quantised model's wo_a keeps its e4m3 bytes: at decode sizes the W8A16 kernel, else
+    the fold through the einsum; both within the bound of the float64 fold's product."""
+    from types import SimpleNamespace
+
+    from dsv4_backend import model as model_mod
+    from dsv4_backend.layers.linear import Fp8WeightOnlyLinear
+    g = torch.Generator().manual_seed(11)
+    G, R, Kg, T = 2, 64, 128, 3
+    wo_a = Fp8WeightOnlyLinear(Kg, G * R)
+    w, ws = random_weight(G * R, Kg, g)
+    wo_a.weight.copy_(w)
+    wo_a.scale.copy_(ws)
+    wo_a = wo_a.to(DEV)
+    attn = SimpleNamespace(o_groups=G, cfg=SimpleNamespace(o_lora_rank=R), wo_a=wo_a, wo_b=lambda z: z)
+    o = torch.randn(T, 4, G * Kg // 4, generator=g).bfloat16().to(DEV)
+    monkeypatch.setattr(model_mod, "_w8a16_kernel_applies", lambda o, r: True)
+    z_kernel = model_mod.Attention._project_out(attn, o)
+    assert torch.equal(z_kernel, fp8_w8a16(o.reshape(T, -1), wo_a.weight, wo_a.scale, groups=G))
+    monkeypatch.setattr(model_mod, "_w8a16_kernel_applies", lambda o, r: False)
+    z_fold = model_mod.Attention._project_out(attn, o)
+    xg, wg = o.reshape(T, G, Kg).double().cpu(), folded(w, ws).view(G, R, Kg)
+    y64 = torch.einsum("tgi,gri->tgr", xg, wg).reshape(T, -1)
+    mag = torch.einsum("tgi,gri->tgr", xg.abs(), wg.abs()).reshape(T, -1)
+    for z in (z_kernel, z_fold):
+        assert_within(z.cpu(), y64, bound(y64, mag, Kg, torch.bfloat16), "wo_a")

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4_backend.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
-from dsv4_backend.layers.linear import Fp8Linear
+from dsv4_backend.layers.linear import Fp8Linear, Fp8WeightOnlyLinear
 from dsv4_backend.model import DSV4Model
 from dsv4_backend.reference import reference_forward
 from dsv4_backend.weights import random_weights
@@ -51,7 +51,8 @@ def test_quantized_engine_model_equals_the_reference_with_activation_rounding(fp
     model = runner.model
     assert model.quantized and isinstance(model.layers[0].attn.wq_a, Fp8Linear)
     assert model.layers[0].ffn.experts[0].w1.weight.dtype == torch.uint8
-    assert model.layers[0].attn.wo_a.weight.dtype == torch.float64
+    wo_a = model.layers[0].attn.wo_a        # kept as stored, multiplied as its fold (W8A16)
+    assert isinstance(wo_a, Fp8WeightOnlyLinear) and wo_a.weight.dtype == torch.float8_e4m3fn
     d = Driver(runner, seqs)
     d.step([("a", 0, 100), ("b", 1, 30)])                      # chunked prefill, two requests
     d.step([("a", 0, 45), ("b", 1, 1)])                        # crosses a 128-token block
@@ -72,7 +73,7 @@ def test_default_model_is_unquantized_and_refuses_nothing_new():
 
 def _stored_device_bytes(d) -> int:
     """What the server keeps, from the files: e4m3 / e2m1 bytes as stored, FP8 scales decoded to
-    fp32 (4 bytes each), wo_a dequantised to bf16 without its scale, MTP not loaded."""
+    fp32 (4 bytes each), wo_a included, MTP not loaded."""
     total = 0
     for f in sorted(d.glob("model-*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
@@ -81,9 +82,7 @@ def _stored_device_bytes(d) -> int:
                 n, dt = math.prod(sl.get_shape()), sl.get_dtype()
                 if name.startswith("mtp."):
                     continue
-                if "attn.wo_a." in name:
-                    total += 2 * n if name.endswith(".weight") else 0
-                elif dt == "F8_E8M0" and "experts." in name and "shared" not in name:
+                if dt == "F8_E8M0" and "experts." in name and "shared" not in name:
                     total += n
                 elif dt == "F8_E8M0":
                     total += 4 * n

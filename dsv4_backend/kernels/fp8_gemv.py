@@ -40,7 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, e4m3_decode, native, quant_block_e4m3, round_bf16
+from dsv4_backend.kernels._common import (
+    FP8_MAX_C, check_device, e4m3_decode, e4m3_encode, exp2_int, native, pow2_scale_exp, round_bf16,
+)
 from dsv4_backend.kernels.kv_store import sm_count
 
 QBLOCK = 128
@@ -57,8 +59,8 @@ def row_gemv_applies(M: int, config=None) -> bool:
 class RowGemvConfig(NamedTuple):
     block_n: int = 16      # weight rows a program (divides 128)
     blocks: int = 4        # 128-wide K blocks a step
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int = 2
+    num_stages: int = 4
 
 
 def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
@@ -70,38 +72,47 @@ def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
 
 
 @triton.jit
+def _round_blocks_e4m3(x, NATIVE: tl.constexpr):
+    """x fp32 [B, 8, 16] (B 128-wide blocks) -> the e4m3 values times their power-of-two scales:
+    ``quant_block_e4m3``'s rounding (the same codes and scales) in the GEMV's tile shape."""
+    k = pow2_scale_exp(tl.max(tl.max(tl.abs(x), axis=2), axis=1))          # [B]
+    v = tl.minimum(tl.maximum(x * exp2_int(-k)[:, None, None], -FP8_MAX_C), FP8_MAX_C)
+    return e4m3_decode(e4m3_encode(v, NATIVE), NATIVE) * exp2_int(k)[:, None, None]
+
+
+@triton.jit
 def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
                      NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
-    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
+    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K. A
+    # 128-block is [8, 16] per row: each thread's 16 bytes (one load) are summed in the thread
+    # every step, so the fp32 accumulator is 1/16 of the tile and the tile can be large.
     n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     group = n0 // GROUP_ROWS
     xg = x_ptr + group.to(tl.int64) * K
     xsg = xs_ptr + group * NB
-    j = tl.arange(0, BLOCKS)
-    c = tl.arange(0, 128)
-    col = j[:, None] * 128 + c[None, :]                                   # [BLOCKS, 128]
-    w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
+    b = tl.arange(0, BLOCKS)
+    col = b[:, None, None] * 128 + (tl.arange(0, 8) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    w_tile = w_ptr + n.to(tl.int64)[:, None, None, None] * K + col[None, :, :, :]
     ws_row = ws_ptr + (n0 // 128) * ws_sn
-    acc = tl.zeros([BLOCK_N, BLOCKS, 128], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCKS, 8], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCKS * 128, num_stages=NUM_STAGES):
-        kb = k0 // 128 + j
+        kb = k0 // 128 + b
         k_ok = (k0 + col) < K
-        w = tl.load(w_tile + k0, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0)
+        w = tl.load(w_tile + k0, mask=n_ok[:, None, None, None] & k_ok[None, :, :, :], other=0)
         sw = tl.load(ws_row + kb, mask=kb < NB, other=0.0)
         if MODE == 0:       # round x to e4m3 in its 128-blocks, as act_quant_fp8 does
             x = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32)
-            codes, sx = quant_block_e4m3(x, NATIVE)
-            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None]
+            a = _round_blocks_e4m3(x, NATIVE) * sw[:, None, None]
         elif MODE == 1:
             codes = tl.load(xg + k0 + col, mask=k_ok, other=0)
             sx = tl.load(xsg + kb, mask=kb < NB, other=0.0)
-            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None]
+            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None, None]
         else:
-            a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None]
-        acc += e4m3_decode(w, NATIVE) * a[None, :, :]
+            a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None, None]
+        acc += tl.sum(e4m3_decode(w, NATIVE) * a[None, :, :, :], axis=3)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
         y = round_bf16(y, NATIVE)
@@ -153,4 +164,89 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
         MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
         OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps)
+    return y
+
+
+# ---- W8A16 at a few rows (wo_a at decode batch sizes) ------------------------------------------
+
+W8A16_MAX_M = 64   # more rows (prefill chunks): the folded bf16 weight through cuBLAS is faster
+
+
+class W8A16Config(NamedTuple):
+    block_n: int = 32      # weight rows a program (the MMA's M side)
+    block_m: int = 16      # activation rows a program (the MMA's N side, at least 16)
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def w8a16_applies(x: torch.Tensor) -> bool:
+    """Whether ``fp8_w8a16`` takes x ``[M, K]``: CUDA (or the interpreter), bf16, 1 <= M <= W8A16_MAX_M."""
+    return (ENABLED and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= W8A16_MAX_M
+            and (x.is_cuda or not native()))
+
+
+@triton.jit
+def _w8a16_dot_kernel(x_ptr, x_sm, w_ptr, ws_ptr, y_ptr, M, N, K, NB, ws_sn, GROUP_ROWS,
+                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      NATIVE: tl.constexpr):
+    # program (i, j): weight rows [i BLOCK_N, ...) (one group's) times activation rows [j BLOCK_M, ...);
+    # each 128-block of weights is decoded, scaled (exact in bf16) and fed to one MMA
+    n0 = tl.program_id(0) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = n < N
+    m_ok = m < M
+    kk = tl.arange(0, 128)
+    group = n0 // GROUP_ROWS
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * x_sm + group.to(tl.int64) * K + kk[None, :]
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K + kk[None, :]
+    ws_rows = ws_ptr + (n // 128) * ws_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kb in tl.range(0, NB, num_stages=NUM_STAGES):
+        k_ok = (kb * 128 + kk) < K
+        w = tl.load(w_rows + kb * 128, mask=n_ok[:, None] & k_ok[None, :], other=0)
+        sw = tl.load(ws_rows + kb, mask=n_ok, other=0.0)
+        wv = e4m3_decode(w, NATIVE) * sw[:, None]
+        x = tl.load(x_rows + kb * 128, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NATIVE:
+            acc = tl.dot(wv.to(tl.bfloat16), tl.trans(x), acc)
+        else:       # the interpreter's bf16 dot is wrong; the values are bf16-exact either way
+            acc = tl.dot(wv, tl.trans(x.to(tl.float32)), acc)
+    y = round_bf16(tl.trans(acc), NATIVE)
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * N + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int = 1,
+              config: W8A16Config | RowGemvConfig | None = None) -> torch.Tensor:
+    """``[M, N]`` bf16: x bf16 ``[M, groups * Kg]`` (1 <= M <= W8A16_MAX_M) against e4m3 ``w [N, Kg]``
+    with its block scales, the weights multiplied as their bf16 folds (W8A16), group g's rows
+    against x's g-th Kg columns. One row: ``fp8_row_gemv(mode="bf16")``; more: one tensor-core
+    launch (fp32 accumulation)."""
+    if x.dim() == 2 and x.shape[0] == 1 and not isinstance(config, W8A16Config):
+        return fp8_row_gemv(x, w, w_scale, mode="bf16", groups=groups, config=config)
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= W8A16_MAX_M:
+        raise ValueError(f"fp8_w8a16: x must be bf16 [1..{W8A16_MAX_M}, K], got {x.dtype} {tuple(x.shape)}")
+    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn or not w.is_contiguous():
+        raise ValueError(f"fp8_w8a16: w must be a contiguous float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
+    M = x.shape[0]
+    N, Kg = w.shape
+    nb = triton.cdiv(Kg, QBLOCK)
+    if tuple(w_scale.shape) != (triton.cdiv(N, QBLOCK), nb) or w_scale.dtype != torch.float32 \
+            or w_scale.stride(1) != 1:
+        raise ValueError(f"fp8_w8a16: w_scale must be fp32 [{triton.cdiv(N, QBLOCK)}, {nb}], "
+                         f"got {w_scale.dtype} {tuple(w_scale.shape)}")
+    cfg = config or W8A16Config()
+    R = N // max(groups, 1)
+    if groups < 1 or x.shape[1] != groups * Kg or N % groups or (groups > 1 and (Kg % QBLOCK or R % cfg.block_n)):
+        raise ValueError(f"fp8_w8a16: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit {groups} group(s) "
+                         f"of {cfg.block_n}-row tiles")
+    check_device(x, w, w_scale)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if N:
+        _w8a16_dot_kernel[(triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))](
+            x, x.stride(0), w.view(torch.uint8), w_scale, y, M, N, Kg, nb, w_scale.stride(0),
+            R if groups > 1 else max(N, 1), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+            NUM_STAGES=cfg.num_stages, NATIVE=native(), num_warps=cfg.num_warps)
     return y

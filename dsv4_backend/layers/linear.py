@@ -1,4 +1,5 @@
-"""Modules that keep release weights quantised: ``Fp8Linear`` and the FP4 routed-expert stack.
+"""Modules that keep release weights quantised: ``Fp8Linear`` (W8A8), ``Fp8WeightOnlyLinear``
+(``wo_a``, W8A16) and the FP4 routed-expert stack.
 
 Both hold the stored bytes under the release's names (``<module>.weight`` and ``<module>.scale``,
 as buffers, so ``load_state_dict`` and the loader fill them) and run the maths of
@@ -74,6 +75,29 @@ class Fp8Linear(nn.Module):
 
     def dequantised(self, dtype: torch.dtype, on_gpu_tensor: bool) -> torch.Tensor:
         """The weight in ``dtype`` for the torch path (kept between calls off the GPU)."""
+        deq = lambda: dequant_fp8(self.weight, self.scale, dtype)  # noqa: E731
+        return deq() if on_gpu_tensor else self._cache.get((self.weight, self.scale), dtype, deq)
+
+
+class Fp8WeightOnlyLinear(nn.Module):
+    """A weight the release stores as e4m3 + 128 x 128 block scales but multiplies in bf16
+    (``wo_a``: the release's converter folds the scales in and casts to bf16). Kept as stored,
+    half the bytes of the fold; ``dequantised`` is that fold, exact (three mantissa bits times a
+    power of two fit bf16), and ``kernels/fp8_gemv.py`` multiplies the same values from the bytes
+    (W8A16). The activation is not rounded to e4m3."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.empty(fp8_scale_shape((out_features, in_features)),
+                                                  dtype=torch.float32))
+        self._cache = _DequantCache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantised(x.dtype, x.is_cuda))
+
+    def dequantised(self, dtype: torch.dtype, on_gpu_tensor: bool) -> torch.Tensor:
+        """The folded weight in ``dtype`` (kept between calls off the GPU)."""
         deq = lambda: dequant_fp8(self.weight, self.scale, dtype)  # noqa: E731
         return deq() if on_gpu_tensor else self._cache.get((self.weight, self.scale), dtype, deq)
 

@@ -5,6 +5,8 @@
 #                                               the bf16 GEMV), the 28-layer quantised model at 4K / 1M x 1 / 32
 #   bash bench/gpu_session_s14.sh $OUT w8a16    the same after the in-thread sums and wo_a kept FP8 (W8A16: the row GEMV
 #                                               at one token, a tensor-core kernel at 2-64 rows)
+#   bash bench/gpu_session_s14.sh $OUT rules    the launch rules taken from the w8a16 call (the first call's row kernel
+#                                               back), the quick probe, the 28-layer model with its kernel timeline
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-rowgemv}
@@ -25,4 +27,16 @@ if [ "$WHICH" = rowgemv ] || [ "$WHICH" = w8a16 ]; then
   part 300 probe python3 bench/probe_fp8_row_gemv.py --out "$OUT/probe_row.json"
   grep -v "^  " "$OUT/probe.log" | cut -c1-300; grep "^      next" "$OUT/probe.log" | head -n 40 | cut -c1-100
   q28 200 180 1,32 5
+fi
+if [ "$WHICH" = rules ]; then   # the launch rules from the w8a16 call's probe (the 3-D row GEMV back)
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py \
+    tests/test_stacked_linears.py tests/test_quant_model.py tests/test_fp4_mma.py
+  tail -n 4 "$OUT/tests.log"
+  part 150 probe python3 bench/probe_fp8_row_gemv.py --quick --out "$OUT/probe_row.json"
+  grep -v "^  " "$OUT/probe.log" | cut -c1-300
+  part 200 q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches 1,32 --skip-kernels --steps 6 \
+    --prefill-max-seconds 5 --prefill-context 8192 --time-budget 180 --timeline 3 --out "$OUT/q28.json"
+  grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
+  grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
+  grep -B 2 -A 40 "graph kernels by name" "$OUT/q28.log" | head -n 100 | cut -c1-150
 fi

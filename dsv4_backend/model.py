@@ -82,7 +82,7 @@ USE_NORM_ROPE_KERNEL = os.environ.get("DSV4_NORM_ROPE_KERNEL", "1") != "0"
 def _w8a16_kernel_applies(o: torch.Tensor, rows_per_group: int) -> bool:
     """Whether ``wo_a``'s W8A16 product of o ``[T, H, hd]`` runs in ``kernels/fp8_gemv.py``
     (decode sizes; prefill chunks fold the weight to bf16 for cuBLAS)."""
-    if not (o.is_cuda and o.dtype == torch.bfloat16 and rows_per_group % 32 == 0):
+    if not (o.is_cuda and o.dtype == torch.bfloat16 and rows_per_group % 64 == 0):
         return False
     from .kernels.fp8_gemv import w8a16_applies
     return w8a16_applies(o.reshape(o.shape[0], -1))

@@ -7,7 +7,8 @@ launch (docs/PERF.md, session 10). Here one program owns ``block_n`` weight rows
 over all of K, ``blocks`` 128-wide blocks a step (pipelined, 16-byte loads), multiplying each
 decoded weight by its activation element-wise into an fp32 register tile that is summed once at
 the end, the pattern of the bf16 GEMV (``bf16_gemv.py``, ~85% of copy bandwidth). No split, so no
-second launch.
+second launch. (Summing each thread's 16 products in the thread every step, to shrink the
+accumulator and allow larger tiles, measured 1.2-1.9x slower on the H200: session 14.)
 
 The activation comes in three forms (``mode``):
 
@@ -29,6 +30,10 @@ per-block sums of ``fp8_block_gemm`` (bound in ``tests/test_fp8_gemv.py``).
 
 Grouped (``groups`` > 1, ``wo_a``): W ``[G R, Kg]``; group g's R rows multiply x's columns
 ``g Kg .. (g + 1) Kg``. ``block_n`` divides 128 (a program's rows share one scale row) and R.
+
+``fp8_w8a16``: ``wo_a`` at 1-64 rows, the row GEMV at one row, else one tensor-core launch that
+decodes each 128-block of weights, scales it (exact in bf16) and feeds it to a bf16 MMA with
+fp32 accumulation. Prefill chunks fold the weight to bf16 for cuBLAS (``model.Attention``).
 """
 
 from __future__ import annotations
@@ -40,9 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import (
-    FP8_MAX_C, check_device, e4m3_decode, e4m3_encode, exp2_int, native, pow2_scale_exp, round_bf16,
-)
+from dsv4_backend.kernels._common import check_device, e4m3_decode, native, quant_block_e4m3, round_bf16
 from dsv4_backend.kernels.kv_store import sm_count
 
 QBLOCK = 128
@@ -64,55 +67,50 @@ class RowGemvConfig(NamedTuple):
 
 
 def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
-    """16 rows a program while that gives two programs per SM, else 8, else 4."""
-    for bn in (16, 8):
-        if triton.cdiv(N, bn) >= 2 * sms:
-            return RowGemvConfig(block_n=bn)
-    return RowGemvConfig(block_n=4)
-
-
-@triton.jit
-def _round_blocks_e4m3(x, NATIVE: tl.constexpr):
-    """x fp32 [B, 8, 16] (B 128-wide blocks) -> the e4m3 values times their power-of-two scales:
-    ``quant_block_e4m3``'s rounding (the same codes and scales) in the GEMV's tile shape."""
-    k = pow2_scale_exp(tl.max(tl.max(tl.abs(x), axis=2), axis=1))          # [B]
-    v = tl.minimum(tl.maximum(x * exp2_int(-k)[:, None, None], -FP8_MAX_C), FP8_MAX_C)
-    return e4m3_decode(e4m3_encode(v, NATIVE), NATIVE) * exp2_int(k)[:, None, None]
+    """The H200 probe's best on Flash's decode shapes (``bench/probe_fp8_row_gemv.py``, docs/PERF.md
+    session 14): short rows (K <= 1024: ``wq_b``) 32 rows x one block a step; wide weights (at
+    least one 16-row program per SM: ``wo_b``, the shared expert, ``wo_a``) 16 rows x 4 blocks;
+    narrow ones (``wq_a + wkv``) 4 rows x 8 blocks on 4 warps."""
+    if K <= 1024:
+        return RowGemvConfig(32, 1, 2, 3)
+    if triton.cdiv(N, 16) >= sms:
+        return RowGemvConfig(16, 4, 2, 4)
+    return RowGemvConfig(4, 8, 4, 3)
 
 
 @triton.jit
 def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
                      NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
-    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K. A
-    # 128-block is [8, 16] per row: each thread's 16 bytes (one load) are summed in the thread
-    # every step, so the fp32 accumulator is 1/16 of the tile and the tile can be large.
+    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
     n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     group = n0 // GROUP_ROWS
     xg = x_ptr + group.to(tl.int64) * K
     xsg = xs_ptr + group * NB
-    b = tl.arange(0, BLOCKS)
-    col = b[:, None, None] * 128 + (tl.arange(0, 8) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
-    w_tile = w_ptr + n.to(tl.int64)[:, None, None, None] * K + col[None, :, :, :]
+    j = tl.arange(0, BLOCKS)
+    c = tl.arange(0, 128)
+    col = j[:, None] * 128 + c[None, :]                                   # [BLOCKS, 128]
+    w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
     ws_row = ws_ptr + (n0 // 128) * ws_sn
-    acc = tl.zeros([BLOCK_N, BLOCKS, 8], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCKS, 128], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCKS * 128, num_stages=NUM_STAGES):
-        kb = k0 // 128 + b
+        kb = k0 // 128 + j
         k_ok = (k0 + col) < K
-        w = tl.load(w_tile + k0, mask=n_ok[:, None, None, None] & k_ok[None, :, :, :], other=0)
+        w = tl.load(w_tile + k0, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0)
         sw = tl.load(ws_row + kb, mask=kb < NB, other=0.0)
         if MODE == 0:       # round x to e4m3 in its 128-blocks, as act_quant_fp8 does
             x = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32)
-            a = _round_blocks_e4m3(x, NATIVE) * sw[:, None, None]
+            codes, sx = quant_block_e4m3(x, NATIVE)
+            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None]
         elif MODE == 1:
             codes = tl.load(xg + k0 + col, mask=k_ok, other=0)
             sx = tl.load(xsg + kb, mask=kb < NB, other=0.0)
-            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None, None]
+            a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None]
         else:
-            a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None, None]
-        acc += tl.sum(e4m3_decode(w, NATIVE) * a[None, :, :, :], axis=3)
+            a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None]
+        acc += e4m3_decode(w, NATIVE) * a[None, :, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
         y = round_bf16(y, NATIVE)
@@ -179,6 +177,16 @@ class W8A16Config(NamedTuple):
     num_stages: int = 4
 
 
+def w8a16_config(M: int) -> W8A16Config:
+    """The H200 probe's best for wo_a (8 groups of 1,024 x 4,096) by rows: one 16-row MMA tile to
+    16 rows, then 32 x 32 and 64 x 64 tiles (docs/PERF.md, session 14)."""
+    if M <= 16:
+        return W8A16Config(32, 16, 4, 4)
+    if M <= 32:
+        return W8A16Config(32, 32, 4, 4)
+    return W8A16Config(64, 64, 4, 3)
+
+
 def w8a16_applies(x: torch.Tensor) -> bool:
     """Whether ``fp8_w8a16`` takes x ``[M, K]``: CUDA (or the interpreter), bf16, 1 <= M <= W8A16_MAX_M."""
     return (ENABLED and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= W8A16_MAX_M
@@ -235,7 +243,7 @@ def fp8_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: i
             or w_scale.stride(1) != 1:
         raise ValueError(f"fp8_w8a16: w_scale must be fp32 [{triton.cdiv(N, QBLOCK)}, {nb}], "
                          f"got {w_scale.dtype} {tuple(w_scale.shape)}")
-    cfg = config or W8A16Config()
+    cfg = config or w8a16_config(M)
     R = N // max(groups, 1)
     if groups < 1 or x.shape[1] != groups * Kg or N % groups or (groups > 1 and (Kg % QBLOCK or R % cfg.block_n)):
         raise ValueError(f"fp8_w8a16: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit {groups} group(s) "

@@ -7,6 +7,8 @@
 #                                               at one token, a tensor-core kernel at 2-64 rows)
 #   bash bench/gpu_session_s14.sh $OUT rules    the launch rules taken from the w8a16 call (the first call's row kernel
 #                                               back), the quick probe, the 28-layer model with its kernel timeline
+#   bash bench/gpu_session_s14.sh $OUT split    the row GEMV's K split: tests, the probe's split variants, the 28-layer
+#                                               model at batch 1 with DSV4_FP8_ROW_SPLIT_PROGRAMS 0, 1024, 2048
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-rowgemv}
@@ -39,4 +41,18 @@ if [ "$WHICH" = rules ]; then   # the launch rules from the w8a16 call's probe (
   grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
   grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
   grep -B 2 -A 40 "graph kernels by name" "$OUT/q28.log" | head -n 100 | cut -c1-150
+fi
+if [ "$WHICH" = split ]; then   # the row GEMV's K split (the last program of a row block sums the splits)
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_quant_model.py \
+    tests/test_fp4_mma.py
+  tail -n 3 "$OUT/tests.log"
+  part 150 probe python3 bench/probe_fp8_row_gemv.py --quick --out "$OUT/probe_row.json"
+  grep -v "^  " "$OUT/probe.log" | grep -v "W8A16 M=" | cut -c1-300; grep "^      next" "$OUT/probe.log" | cut -c1-80
+  for p in 0 1024 2048; do
+    DSV4_FP8_ROW_SPLIT_PROGRAMS=$p part 120 q28_$p python3 bench/bench_quant_model.py --contexts 4096,1048576 \
+      --batches 1 --skip-kernels --steps 6 --prefill-max-seconds 3 --prefill-context 8192 --time-budget 100 \
+      --out "$OUT/q28_$p.json"
+    echo "split programs $p:"; grep -A 6 "^decode" "$OUT/q28_$p.log" | grep -v "graph replay" | head -n 4
+    grep "^per layer" "$OUT/q28_$p.log" | head -n 1
+  done
 fi

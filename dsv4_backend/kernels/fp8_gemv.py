@@ -64,6 +64,25 @@ class RowGemvConfig(NamedTuple):
     blocks: int = 4        # 128-wide K blocks a step
     num_warps: int = 2
     num_stages: int = 4
+    split: int = 1         # K split over this many programs; the last to finish sums them in order
+
+
+# A K split is taken while a row block has fewer programs than this (0: never split), each split
+# keeping at least SPLIT_MIN_STEPS steps of the row loop. DSV4_FP8_ROW_SPLIT_PROGRAMS sets it.
+SPLIT_PROGRAMS = int(os.environ.get("DSV4_FP8_ROW_SPLIT_PROGRAMS", "0"))
+SPLIT_MIN_STEPS = 1
+
+
+def with_split(cfg: RowGemvConfig, N: int, K: int, programs: int = -1) -> RowGemvConfig:
+    """``cfg`` with the K split of the rule: the largest power of two that keeps the grid at most
+    ``programs`` (default SPLIT_PROGRAMS) and every split at least SPLIT_MIN_STEPS steps long."""
+    programs = SPLIT_PROGRAMS if programs < 0 else programs
+    tiles = triton.cdiv(N, cfg.block_n)
+    steps = triton.cdiv(triton.cdiv(K, QBLOCK), cfg.blocks)
+    split = 1
+    while tiles * split * 2 <= programs and steps >= 2 * split * SPLIT_MIN_STEPS:
+        split *= 2
+    return cfg._replace(split=split)
 
 
 def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
@@ -72,18 +91,22 @@ def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
     least one 16-row program per SM: ``wo_b``, the shared expert, ``wo_a``) 16 rows x 4 blocks;
     narrow ones (``wq_a + wkv``) 4 rows x 8 blocks on 4 warps."""
     if K <= 1024:
-        return RowGemvConfig(32, 1, 2, 3)
+        return with_split(RowGemvConfig(32, 1, 2, 3), N, K)
     if triton.cdiv(N, 16) >= sms:
-        return RowGemvConfig(16, 4, 2, 4)
-    return RowGemvConfig(4, 8, 4, 3)
+        return with_split(RowGemvConfig(16, 4, 2, 4), N, K)
+    return with_split(RowGemvConfig(4, 8, 4, 3), N, K)
 
 
 @triton.jit
-def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
-                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
-    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
+def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, N, K, NB, ws_sn, GROUP_ROWS,
+                     K_SPLIT, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+                     SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr,
+                     NATIVE: tl.constexpr):
+    # program (i, s): rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over K's
+    # split s, [s K_SPLIT, (s + 1) K_SPLIT)
     n0 = tl.program_id(0) * BLOCK_N
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     group = n0 // GROUP_ROWS
@@ -95,9 +118,9 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP
     w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
     ws_row = ws_ptr + (n0 // 128) * ws_sn
     acc = tl.zeros([BLOCK_N, BLOCKS, 128], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCKS * 128, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_lo, k_hi, BLOCKS * 128, num_stages=NUM_STAGES):
         kb = k0 // 128 + j
-        k_ok = (k0 + col) < K
+        k_ok = (k0 + col) < k_hi
         w = tl.load(w_tile + k0, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0)
         sw = tl.load(ws_row + kb, mask=kb < NB, other=0.0)
         if MODE == 0:       # round x to e4m3 in its 128-blocks, as act_quant_fp8 does
@@ -112,9 +135,40 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP
             a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None]
         acc += e4m3_decode(w, NATIVE) * a[None, :, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
-        y = round_bf16(y, NATIVE)
-    tl.store(y_ptr + n, y, mask=n_ok)
+    if SPLIT > 1:
+        # each split leaves its sums in part[s]; the row block's last program to arrive (its
+        # counter, left at zero again for the next launch) adds them in split order
+        tl.store(part_ptr + tl.program_id(1) * N + n, y, mask=n_ok)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            y = tl.load(part_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLIT):
+                y += tl.load(part_ptr + sp * N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            if OUT_BF16:
+                y = round_bf16(y, NATIVE)
+            tl.store(y_ptr + n, y, mask=n_ok)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+    else:
+        if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
+            y = round_bf16(y, NATIVE)
+        tl.store(y_ptr + n, y, mask=n_ok)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-device arrival counters of split launches, all zero between launches (each launch's
+    last programs reset theirs). One buffer per device: split launches run on one stream at a
+    time (the engine's steps and graphs do); grown outside graph capture only."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8_row_gemv: split counters must be allocated before graph capture")
+        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mode: str = "quant",
@@ -157,10 +211,16 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     if N == 0:
         return y
     xs = x_scale.contiguous() if x_scale is not None else w_scale       # (unread unless "codes")
-    _row_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
-        N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
-        MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
+    tiles = triton.cdiv(N, cfg.block_n)
+    step = cfg.blocks * QBLOCK
+    k_split = triton.cdiv(triton.cdiv(Kg, step), cfg.split) * step    # whole steps a split
+    split = triton.cdiv(Kg, k_split)
+    part = torch.empty(split, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    count = _counters(x.device, tiles) if split > 1 else w_scale
+    _row_gemv_kernel[(tiles, split)](
+        x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y, part, count,
+        N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1), k_split,
+        MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, SPLIT=split, NUM_STAGES=cfg.num_stages,
         OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps)
     return y
 

@@ -9,6 +9,8 @@
 #                                               back), the quick probe, the 28-layer model with its kernel timeline
 #   bash bench/gpu_session_s14.sh $OUT split    the row GEMV's K split: tests, the probe's split variants, the 28-layer
 #                                               model at batch 1 with DSV4_FP8_ROW_SPLIT_PROGRAMS 0, 1024, 2048
+#   bash bench/gpu_session_s14.sh $OUT full     issue 13's whole table: kernels against their floors, 4K / 128K / 1M x 1 / 32 / max,
+#                                               the 128K prefill, per layer and the 43-layer step (derived)
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-rowgemv}
@@ -55,4 +57,9 @@ if [ "$WHICH" = split ]; then   # the row GEMV's K split (the last program of a 
     echo "split programs $p:"; grep -A 6 "^decode" "$OUT/q28_$p.log" | grep -v "graph replay" | head -n 4
     grep "^per layer" "$OUT/q28_$p.log" | head -n 1
   done
+fi
+if [ "$WHICH" = full ]; then    # issue 13's table after this session's kernels (the row GEMV, wo_a W8A16; split off)
+  part 430 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,64 --kernel-iters 5 --steps 4 \
+    --prefill-max-seconds 40 --time-budget 390 --out "$OUT/quant_full.json"
+  grep -v "^\[\|^  *graph replay" "$OUT/qfull.log" | tail -n 70 | cut -c1-220
 fi

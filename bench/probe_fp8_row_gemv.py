@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parent
 for p in (ROOT, ROOT.parent):
@@ -29,6 +28,7 @@ for p in (ROOT, ROOT.parent):
         sys.path.insert(0, str(p))
 
 from bench_kernels import measure_ceilings  # noqa: E402
+from probe_gemv_bf16 import graph_us  # noqa: E402
 
 from dsv4_backend.kernels.bf16_gemv import bf16_gemv  # noqa: E402
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm, pick_gemv_config  # noqa: E402
@@ -41,19 +41,6 @@ from dsv4_backend.kernels.kv_store import sm_count  # noqa: E402
 SHAPES = (("wo_a (W8A16)", 8192, 4096, 8), ("wq_a+wkv", 1536, 4096, 1), ("wq_b", 32768, 1024, 1), ("wq_b+indexer.wq_b", 40960, 1024, 1),
           ("wo_b", 4096, 8192, 1), ("shared w1+w3", 4096, 4096, 1), ("shared w2", 4096, 2048, 1))
 COPIES = 8
-
-
-def graph_us(calls) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    return do_bench(graph.replay, warmup=5, rep=50, return_mode="median") * 1e3 / len(calls)
 
 
 def grid(quick: bool, N: int, K: int, sms: int):

@@ -58,9 +58,9 @@ class _DequantCache:
         return self.value
 
 
-class Fp8Linear(nn.Module):
-    """``y = x @ W^T`` with W e4m3 ``[out, in]`` and fp32 power-of-two block scales
-    ``[ceil(out/128), ceil(in/128)]``; x is rounded to e4m3 in 1 x 128 blocks first (W8A8)."""
+class _StoredFp8(nn.Module):
+    """W e4m3 ``[out, in]`` with fp32 power-of-two block scales ``[ceil(out/128), ceil(in/128)]``
+    (buffers ``weight`` and ``scale``, the release's names)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -68,10 +68,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", torch.empty(fp8_scale_shape((out_features, in_features)),
                                                   dtype=torch.float32))
         self._cache = _DequantCache()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out] in x's dtype
-        return shared_input(x, self)[0]
 
     def dequantised(self, dtype: torch.dtype, on_gpu_tensor: bool) -> torch.Tensor:
         """The weight in ``dtype`` for the torch path (kept between calls off the GPU)."""
@@ -79,27 +75,23 @@ class Fp8Linear(nn.Module):
         return deq() if on_gpu_tensor else self._cache.get((self.weight, self.scale), dtype, deq)
 
 
-class Fp8WeightOnlyLinear(nn.Module):
+class Fp8Linear(_StoredFp8):
+    """``y = x @ W^T`` with x rounded to e4m3 in 1 x 128 blocks first (W8A8)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out] in x's dtype
+        return shared_input(x, self)[0]
+
+
+class Fp8WeightOnlyLinear(_StoredFp8):
     """A weight the release stores as e4m3 + 128 x 128 block scales but multiplies in bf16
     (``wo_a``: the release's converter folds the scales in and casts to bf16). Kept as stored,
     half the bytes of the fold; ``dequantised`` is that fold, exact (three mantissa bits times a
     power of two fit bf16), and ``kernels/fp8_gemv.py`` multiplies the same values from the bytes
     (W8A16). The activation is not rounded to e4m3."""
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__()
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
-        self.register_buffer("scale", torch.empty(fp8_scale_shape((out_features, in_features)),
-                                                  dtype=torch.float32))
-        self._cache = _DequantCache()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantised(x.dtype, x.is_cuda))
-
-    def dequantised(self, dtype: torch.dtype, on_gpu_tensor: bool) -> torch.Tensor:
-        """The folded weight in ``dtype`` (kept between calls off the GPU)."""
-        deq = lambda: dequant_fp8(self.weight, self.scale, dtype)  # noqa: E731
-        return deq() if on_gpu_tensor else self._cache.get((self.weight, self.scale), dtype, deq)
 
 
 class RowStack(NamedTuple):

@@ -31,3 +31,11 @@ bf16_128k_x17() {  # LIMIT BUDGET [ARGS]: 128K x 17, compressed and dense (issue
     --time-budget "$budget" --out "$OUT/dense.json" "$@"
   grep -E "decode (compressed|dense)|compressed / dense|x dense" "$OUT/dense.log" | cut -c1-400
 }
+graph_check() {  # the decode graphs bit for bit against the static and eager steps
+  part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"; tail -n 1 "$OUT/graph.log"; }
+q28() {            # LIMIT BUDGET BATCHES PREFILL_SECONDS: the 28-layer quantised model at 4K and 1M
+  part "$1" q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches "$3" --skip-kernels --steps 8 \
+    --prefill-max-seconds "$4" --prefill-context 8192 --time-budget "$2" --out "$OUT/q28.json"
+  grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
+  grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
+}

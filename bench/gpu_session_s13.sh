@@ -21,13 +21,6 @@ OUT=${1:?output directory}
 WHICH=${2:-probe}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
-graph_check() { part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"; tail -n 1 "$OUT/graph.log"; }
-q28() {            # LIMIT BUDGET BATCHES PREFILL_SECONDS: the 28-layer quantised model at 4K and 1M
-  part "$1" q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches "$3" --skip-kernels --steps 8 \
-    --prefill-max-seconds "$4" --prefill-context 8192 --time-budget "$2" --out "$OUT/q28.json"
-  grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
-  grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
-}
 if [ "$WHICH" = probe ]; then
   part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py
   tail -n 6 "$OUT/tests.log"

@@ -8,7 +8,8 @@
 #   bash bench/gpu_session_s14.sh $OUT rules    the launch rules taken from the w8a16 call (the first call's row kernel
 #                                               back), the quick probe, the 28-layer model with its kernel timeline
 #   bash bench/gpu_session_s14.sh $OUT split    the row GEMV's K split: tests, the probe's split variants, the 28-layer
-#                                               model at batch 1 with DSV4_FP8_ROW_SPLIT_PROGRAMS 0, 1024, 2048
+#                                               model at batch 1 with DSV4_FP8_ROW_SPLIT_PROGRAMS 0, 1024, 2048 (commit
+#                                               eb20898; the split was removed after this call, so the knob is gone)
 #   bash bench/gpu_session_s14.sh $OUT full     issue 13's whole table: kernels against their floors, 4K / 128K / 1M x 1 / 32 / max,
 #                                               the 128K prefill, per layer and the 43-layer step (derived)
 set -uo pipefail
@@ -16,13 +17,6 @@ OUT=${1:?output directory}
 WHICH=${2:-rowgemv}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
-graph_check() { part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"; tail -n 1 "$OUT/graph.log"; }
-q28() {            # LIMIT BUDGET BATCHES PREFILL_SECONDS: the 28-layer quantised model at 4K and 1M
-  part "$1" q28 python3 bench/bench_quant_model.py --contexts 4096,1048576 --batches "$3" --skip-kernels --steps 8 \
-    --prefill-max-seconds "$4" --prefill-context 8192 --time-budget "$2" --out "$OUT/q28.json"
-  grep -A 16 "^decode" "$OUT/q28.log" | head -n 20
-  grep "^per layer\|43-layer" "$OUT/q28.log" | head -n 2
-}
 if [ "$WHICH" = rowgemv ] || [ "$WHICH" = w8a16 ]; then
   # (the first call also ran tests/test_fp8_gemm.py, which builds CPU tensors: interpreter-only)
   part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py \

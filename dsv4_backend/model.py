@@ -46,7 +46,8 @@ from memory.quant import indexer_fake_quant
 from .config import DSV4Config, RopeScaling
 from .layers.head import LogitsHead
 from .layers.linear import (
-    Fp4Expert, Fp4ExpertStack, Fp8Linear, Fp8WeightOnlyLinear, dense_linear, gemv_applies, row_stack_of, shared_input, stack_rows,
+    Fp4Expert, Fp4ExpertStack, Fp8Linear, Fp8WeightOnlyLinear, dense_linear, gemv_applies, row_stack_of,
+    shared_input, stack_rows,
 )
 from .weights import model_tensors
 
@@ -81,11 +82,11 @@ USE_NORM_ROPE_KERNEL = os.environ.get("DSV4_NORM_ROPE_KERNEL", "1") != "0"
 
 def _w8a16_kernel_applies(o: torch.Tensor, rows_per_group: int) -> bool:
     """Whether ``wo_a``'s W8A16 product of o ``[T, H, hd]`` runs in ``kernels/fp8_gemv.py``
-    (decode sizes; prefill chunks fold the weight to bf16 for cuBLAS)."""
-    if not (o.is_cuda and o.dtype == torch.bfloat16 and rows_per_group % 64 == 0):
+    (decode sizes on CUDA; prefill chunks fold the weight to bf16 for cuBLAS)."""
+    if not o.is_cuda:
         return False
     from .kernels.fp8_gemv import w8a16_applies
-    return w8a16_applies(o.reshape(o.shape[0], -1))
+    return w8a16_applies(o.reshape(o.shape[0], -1), rows_per_group)
 
 
 def _norm_rope_kernel_applies(x: torch.Tensor) -> bool:

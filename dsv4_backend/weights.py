@@ -255,9 +255,7 @@ def keeps_quantized(spec: WeightSpec) -> bool:
     """Whether a quantised model keeps this weight in its stored FP8 / FP4 form: all of them.
     (``wo_a``, which the release multiplies in bf16 after folding its scales in, is kept as e4m3 +
     scales too and multiplied as that fold: ``layers.linear.Fp8WeightOnlyLinear``.)"""
-    if spec.kind is WeightKind.FP4:
-        return True
-    return spec.kind is WeightKind.FP8
+    return spec.kind in (WeightKind.FP8, WeightKind.FP4)
 
 
 class ModelTensor(NamedTuple):

@@ -169,32 +169,3 @@ def test_quantised_wo_a_dispatch(monkeypatch):
     mag = torch.einsum("tgi,gri->tgr", xg.abs(), wg.abs()).reshape(T, -1)
     for z in (z_kernel, z_fold):
         assert_within(z.cpu(), y64, bound(y64, mag, Kg, torch.bfloat16), "wo_a")
-
-
-@pytest.mark.parametrize("split", [2, 3])
-def test_k_split_sums_in_order_and_leaves_counters_zero(split):
-    """A K split: each split's sums go to a workspace and the last program of a row block adds
-    them in split order, so two launches agree bit for bit, both are within the bound, and the
-    arrival counters are zero again after each launch."""
-    g = torch.Generator().manual_seed(split)
-    w, ws = random_weight(64, 768, g)
-    x = (torch.randn(1, 768, generator=g) * 3).bfloat16()
-    w, ws, x = w.to(DEV), ws.to(DEV), x.to(DEV)
-    cfg = RowGemvConfig(16, 1, 2, 2, split)
-    a = fp8_row_gemv(x, w, ws, out_dtype=torch.float32, config=cfg)
-    assert int(fp8_gemv._COUNTERS[x.device].abs().sum()) == 0
-    b = fp8_row_gemv(x, w, ws, out_dtype=torch.float32, config=cfg)
-    assert torch.equal(a, b) and int(fp8_gemv._COUNTERS[x.device].abs().sum()) == 0
-    q, s = act_quant_sim(x.cpu())
-    y64, mag = gemm_sim(q, s, w.cpu(), ws.cpu())
-    assert_within(a.cpu(), y64, bound(y64, mag, 768, torch.float32), "split row gemv")
-    # the bf16 output is the fp32 sums rounded once
-    assert torch.equal(fp8_row_gemv(x, w, ws, out_dtype=torch.bfloat16, config=cfg), a.to(torch.bfloat16))
-
-
-def test_split_rule():
-    cfg = RowGemvConfig(4, 8, 4, 3)
-    assert fp8_gemv.with_split(cfg, 1536, 4096, 0).split == 1           # off
-    assert fp8_gemv.with_split(cfg, 1536, 4096, 1536).split == 4        # 384 tiles -> 1,536 programs
-    assert fp8_gemv.with_split(cfg, 1536, 4096, 10 ** 6).split == 4     # 4 steps of 8 blocks: one a split
-    assert fp8_gemv.with_split(RowGemvConfig(32, 1, 2, 3), 32768, 1024, 2048).split == 2

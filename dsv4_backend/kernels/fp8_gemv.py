@@ -7,8 +7,9 @@ launch (docs/PERF.md, session 10). Here one program owns ``block_n`` weight rows
 over all of K, ``blocks`` 128-wide blocks a step (pipelined, 16-byte loads), multiplying each
 decoded weight by its activation element-wise into an fp32 register tile that is summed once at
 the end, the pattern of the bf16 GEMV (``bf16_gemv.py``, ~85% of copy bandwidth). No split, so no
-second launch. (Summing each thread's 16 products in the thread every step, to shrink the
-accumulator and allow larger tiles, measured 1.2-1.9x slower on the H200: session 14.)
+second launch. (Measured slower on the H200 and not kept, session 14: summing each thread's 16
+products in the thread every step, 1.2-1.9x; a K split summed by the last program to arrive,
+1-6 us a shape.)
 
 The activation comes in three forms (``mode``):
 
@@ -64,25 +65,6 @@ class RowGemvConfig(NamedTuple):
     blocks: int = 4        # 128-wide K blocks a step
     num_warps: int = 2
     num_stages: int = 4
-    split: int = 1         # K split over this many programs; the last to finish sums them in order
-
-
-# A K split is taken while a row block has fewer programs than this (0: never split), each split
-# keeping at least SPLIT_MIN_STEPS steps of the row loop. DSV4_FP8_ROW_SPLIT_PROGRAMS sets it.
-SPLIT_PROGRAMS = int(os.environ.get("DSV4_FP8_ROW_SPLIT_PROGRAMS", "0"))
-SPLIT_MIN_STEPS = 1
-
-
-def with_split(cfg: RowGemvConfig, N: int, K: int, programs: int = -1) -> RowGemvConfig:
-    """``cfg`` with the K split of the rule: the largest power of two that keeps the grid at most
-    ``programs`` (default SPLIT_PROGRAMS) and every split at least SPLIT_MIN_STEPS steps long."""
-    programs = SPLIT_PROGRAMS if programs < 0 else programs
-    tiles = triton.cdiv(N, cfg.block_n)
-    steps = triton.cdiv(triton.cdiv(K, QBLOCK), cfg.blocks)
-    split = 1
-    while tiles * split * 2 <= programs and steps >= 2 * split * SPLIT_MIN_STEPS:
-        split *= 2
-    return cfg._replace(split=split)
 
 
 def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
@@ -91,22 +73,18 @@ def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
     least one 16-row program per SM: ``wo_b``, the shared expert, ``wo_a``) 16 rows x 4 blocks;
     narrow ones (``wq_a + wkv``) 4 rows x 8 blocks on 4 warps."""
     if K <= 1024:
-        return with_split(RowGemvConfig(32, 1, 2, 3), N, K)
+        return RowGemvConfig(32, 1, 2, 3)
     if triton.cdiv(N, 16) >= sms:
-        return with_split(RowGemvConfig(16, 4, 2, 4), N, K)
-    return with_split(RowGemvConfig(4, 8, 4, 3), N, K)
+        return RowGemvConfig(16, 4, 2, 4)
+    return RowGemvConfig(4, 8, 4, 3)
 
 
 @triton.jit
-def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, N, K, NB, ws_sn, GROUP_ROWS,
-                     K_SPLIT, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                     SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr,
-                     NATIVE: tl.constexpr):
-    # program (i, s): rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over K's
-    # split s, [s K_SPLIT, (s + 1) K_SPLIT)
+def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
+                     MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
     n0 = tl.program_id(0) * BLOCK_N
-    k_lo = tl.program_id(1) * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     group = n0 // GROUP_ROWS
@@ -118,9 +96,9 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, N
     w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
     ws_row = ws_ptr + (n0 // 128) * ws_sn
     acc = tl.zeros([BLOCK_N, BLOCKS, 128], dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCKS * 128, num_stages=NUM_STAGES):
+    for k0 in tl.range(0, K, BLOCKS * 128, num_stages=NUM_STAGES):
         kb = k0 // 128 + j
-        k_ok = (k0 + col) < k_hi
+        k_ok = (k0 + col) < K
         w = tl.load(w_tile + k0, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0)
         sw = tl.load(ws_row + kb, mask=kb < NB, other=0.0)
         if MODE == 0:       # round x to e4m3 in its 128-blocks, as act_quant_fp8 does
@@ -135,40 +113,27 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, N
             a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None]
         acc += e4m3_decode(w, NATIVE) * a[None, :, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if SPLIT > 1:
-        # each split leaves its sums in part[s]; the row block's last program to arrive (its
-        # counter, left at zero again for the next launch) adds them in split order
-        tl.store(part_ptr + tl.program_id(1) * N + n, y, mask=n_ok)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
-            y = tl.load(part_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            for sp in tl.static_range(1, SPLIT):
-                y += tl.load(part_ptr + sp * N + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            if OUT_BF16:
-                y = round_bf16(y, NATIVE)
-            tl.store(y_ptr + n, y, mask=n_ok)
-            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
-    else:
-        if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
-            y = round_bf16(y, NATIVE)
-        tl.store(y_ptr + n, y, mask=n_ok)
+    if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
+        y = round_bf16(y, NATIVE)
+    tl.store(y_ptr + n, y, mask=n_ok)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, what: str) -> tuple[int, int, int]:
+    """(N, K, 128-blocks along K) of a contiguous e4m3 ``w [N, K]`` with its fp32 block scales
+    ``[ceil(N / 128), ceil(K / 128)]`` dense along K; ValueError naming ``what`` otherwise."""
+    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn or not w.is_contiguous():
+        raise ValueError(f"{what}: w must be a contiguous float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
+    N, K = w.shape
+    nb = triton.cdiv(K, QBLOCK)
+    if tuple(w_scale.shape) != (triton.cdiv(N, QBLOCK), nb) or w_scale.dtype != torch.float32 \
+            or w_scale.stride(1) != 1:
+        raise ValueError(f"{what}: w_scale must be fp32 [{triton.cdiv(N, QBLOCK)}, {nb}] dense along K, "
+                         f"got {w_scale.dtype} {tuple(w_scale.shape)}")
+    return N, K, nb
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device arrival counters of split launches, all zero between launches (each launch's
-    last programs reset theirs). One buffer per device: split launches run on one stream at a
-    time (the engine's steps and graphs do); grown outside graph capture only."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8_row_gemv: split counters must be allocated before graph capture")
-        buf = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+# the activation dtypes each mode takes
+_MODE_DTYPES = {"quant": (torch.bfloat16, torch.float32), "codes": (torch.float8_e4m3fn,), "bf16": (torch.bfloat16,)}
 
 
 def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mode: str = "quant",
@@ -180,21 +145,13 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     (default: x's dtype, bf16 for "codes")."""
     if mode not in MODES:
         raise ValueError(f"fp8_row_gemv: mode must be one of {sorted(MODES)}, got {mode!r}")
-    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn or not w.is_contiguous():
-        raise ValueError(f"fp8_row_gemv: w must be a contiguous float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
-    N, Kg = w.shape
-    nb = triton.cdiv(Kg, QBLOCK)
-    if tuple(w_scale.shape) != (triton.cdiv(N, QBLOCK), nb) or w_scale.dtype != torch.float32 \
-            or w_scale.stride(1) != 1:
-        raise ValueError(f"fp8_row_gemv: w_scale must be fp32 [{triton.cdiv(N, QBLOCK)}, {nb}] dense along K, "
-                         f"got {w_scale.dtype} {tuple(w_scale.shape)}")
+    N, Kg, nb = _check_weight(w, w_scale, "fp8_row_gemv")
     if x.dim() != 2 or x.shape[0] != 1 or groups < 1 or x.shape[1] != groups * Kg or N % groups \
             or (groups > 1 and Kg % QBLOCK):
         raise ValueError(f"fp8_row_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit one row and "
                          f"{groups} group(s) (grouped: 128-wide blocks within a group)")
-    want = {"quant": (torch.bfloat16, torch.float32), "codes": (torch.float8_e4m3fn,), "bf16": (torch.bfloat16,)}
-    if x.dtype not in want[mode]:
-        raise ValueError(f"fp8_row_gemv: mode {mode!r} takes x in {want[mode]}, got {x.dtype}")
+    if x.dtype not in _MODE_DTYPES[mode]:
+        raise ValueError(f"fp8_row_gemv: mode {mode!r} takes x in {_MODE_DTYPES[mode]}, got {x.dtype}")
     if mode == "codes":
         if x_scale is None or tuple(x_scale.shape) != (1, groups * nb) or x_scale.dtype != torch.float32:
             raise ValueError(f"fp8_row_gemv: mode 'codes' needs x_scale fp32 [1, {groups * nb}]")
@@ -211,16 +168,10 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     if N == 0:
         return y
     xs = x_scale.contiguous() if x_scale is not None else w_scale       # (unread unless "codes")
-    tiles = triton.cdiv(N, cfg.block_n)
-    step = cfg.blocks * QBLOCK
-    k_split = triton.cdiv(triton.cdiv(Kg, step), cfg.split) * step    # whole steps a split
-    split = triton.cdiv(Kg, k_split)
-    part = torch.empty(split, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    count = _counters(x.device, tiles) if split > 1 else w_scale
-    _row_gemv_kernel[(tiles, split)](
-        x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y, part, count,
-        N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1), k_split,
-        MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, SPLIT=split, NUM_STAGES=cfg.num_stages,
+    _row_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
+        N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
+        MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
         OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps)
     return y
 
@@ -247,10 +198,12 @@ def w8a16_config(M: int) -> W8A16Config:
     return W8A16Config(64, 64, 4, 3)
 
 
-def w8a16_applies(x: torch.Tensor) -> bool:
-    """Whether ``fp8_w8a16`` takes x ``[M, K]``: CUDA (or the interpreter), bf16, 1 <= M <= W8A16_MAX_M."""
+def w8a16_applies(x: torch.Tensor, rows_per_group: int) -> bool:
+    """Whether ``fp8_w8a16`` takes x ``[M, K]`` against groups of ``rows_per_group`` weight rows:
+    CUDA (or the interpreter), bf16, 1 <= M <= W8A16_MAX_M, groups of whole 64-row tiles (the
+    largest tile of either launch rule)."""
     return (ENABLED and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= W8A16_MAX_M
-            and (x.is_cuda or not native()))
+            and (x.is_cuda or not native()) and rows_per_group % 64 == 0)
 
 
 @triton.jit
@@ -294,15 +247,8 @@ def fp8_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: i
         return fp8_row_gemv(x, w, w_scale, mode="bf16", groups=groups, config=config)
     if x.dim() != 2 or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= W8A16_MAX_M:
         raise ValueError(f"fp8_w8a16: x must be bf16 [1..{W8A16_MAX_M}, K], got {x.dtype} {tuple(x.shape)}")
-    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn or not w.is_contiguous():
-        raise ValueError(f"fp8_w8a16: w must be a contiguous float8_e4m3fn [N, K], got {w.dtype} {tuple(w.shape)}")
     M = x.shape[0]
-    N, Kg = w.shape
-    nb = triton.cdiv(Kg, QBLOCK)
-    if tuple(w_scale.shape) != (triton.cdiv(N, QBLOCK), nb) or w_scale.dtype != torch.float32 \
-            or w_scale.stride(1) != 1:
-        raise ValueError(f"fp8_w8a16: w_scale must be fp32 [{triton.cdiv(N, QBLOCK)}, {nb}], "
-                         f"got {w_scale.dtype} {tuple(w_scale.shape)}")
+    N, Kg, nb = _check_weight(w, w_scale, "fp8_w8a16")
     cfg = config or w8a16_config(M)
     R = N // max(groups, 1)
     if groups < 1 or x.shape[1] != groups * Kg or N % groups or (groups > 1 and (Kg % QBLOCK or R % cfg.block_n)):

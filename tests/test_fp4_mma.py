@@ -124,27 +124,6 @@ def test_kernel_equals_emulation(pairs, config):
 
 
 @cuda
-@pytest.mark.parametrize("l2_ahead,next_at", [(2, 0), (64, 0), (0, 1), (4, 2)])
-def test_l2_hints_change_no_bits(l2_ahead, next_at):
-    """The L2 prefetch hints (own chunks ahead, the next projection's experts) are hints: the
-    partials equal the run without them bit for bit, also with a tile count not a multiple of
-    four warps and a split past the last chunk."""
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    n, k, experts = 80, 640, 8
-    w, s = _weights(gen, n, k, experts)
-    w2, s2 = _weights(gen, 64, 256, experts)
-    pack, nxt = F.pack_fp4_mma(w, s), F.pack_fp4_mma(w2, s2)
-    ids = torch.tensor([3, 5, 3, -1, 7, 5], device="cuda")
-    act_q, act_s = _acts(ids.numel(), k, gen)
-    for split in (1, 2, 4):
-        plain = F.fp4_gemv_mma(act_q, act_s, ids, pack, 1, F.MmaConfig(split))
-        hinted = F.fp4_gemv_mma(act_q, act_s, ids, pack, 1, F.MmaConfig(split, l2_ahead=l2_ahead, next_at=next_at),
-                                next_pack=nxt)
-        valid = ids >= 0
-        assert torch.equal(plain[:, valid], hinted[:, valid]), f"split {split}"
-
-
-@cuda
 @pytest.mark.parametrize("name", ["t1", "empty_experts", "all_to_one", "padded_rows"])
 @pytest.mark.parametrize("routed", [False, True])
 def test_moe_on_packed_weights_meets_the_contract(name, routed):

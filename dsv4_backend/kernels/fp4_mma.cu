@@ -66,38 +66,6 @@ __device__ __forceinline__ int pair_expert(const void* ids, int ids64, int j) {
 #endif
 #define PASS (8 * NB)  // pairs per pass over the weights
 
-#ifndef L2_AHEAD
-#define L2_AHEAD 0  // weight chunks of its own tile a warp asks the L2 to fetch ahead of its loads
-#endif
-
-#ifndef NEXT_AT
-#define NEXT_AT 0  // when a CTA asks the L2 for its slice of the next projection's weights: 0 never,
-                   // 1 before its own K loop, 2 after it
-#endif
-
-// Ask the L2 to fetch [p, p + bytes) from memory (no registers written, nothing waited for): one
-// instruction for a whole range, so a warp can keep many more bytes in flight than its loads
-// alone (Hopper's bulk-copy engine; p and bytes multiples of 16). Older chips: nothing.
-__device__ __forceinline__ void l2_prefetch(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    if (bytes) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-// This warp's share of one expert's weights and scales of the next projection (next_w / next_s,
-// the expert's bytes contiguous): the CTAs of an expert split both ranges evenly, four parts each.
-__device__ __forceinline__ void prefetch_next(const unsigned char* next_w, long long w_per_e,
-                                              const unsigned char* next_s, long long s_per_e, int e,
-                                              int warp, int lane) {
-    if (next_w == nullptr || lane != 0) return;
-    const long long parts = 4LL * gridDim.x * gridDim.z;
-    const long long j = 4LL * ((long long)blockIdx.z * gridDim.x + blockIdx.x) + warp;
-    const long long w0 = (w_per_e * j / parts) & ~15LL, w1 = (w_per_e * (j + 1) / parts) & ~15LL;
-    const long long s0 = (s_per_e * j / parts) & ~15LL, s1 = (s_per_e * (j + 1) / parts) & ~15LL;
-    l2_prefetch(next_w + e * w_per_e + w0, (unsigned)(w1 - w0));
-    l2_prefetch(next_s + e * s_per_e + s0, (unsigned)(s1 - s0));
-}
-
 // The K loop of one warp for one pass: up to PASS pairs (cols[0 .. n)), ceil(n / 8) MMA column
 // groups, each weight chunk dequantised once for all of them.
 __device__ __forceinline__ void tile_pairs(
@@ -120,11 +88,6 @@ __device__ __forceinline__ void tile_pairs(
         s1row[q] = act_s + (size_t)(cols[i1] / row_div) * KS;
     }
 
-    if (L2_AHEAD > 0 && lane == 0) {  // the first L2_AHEAD chunks of this split (a 1 KiB chunk, 64 B of scales)
-        const int n0 = min(L2_AHEAD, c_hi - c_lo);
-        l2_prefetch(wtile + (size_t)c_lo * 64, 1024u * n0);
-        l2_prefetch(stile + (size_t)c_lo * 16, 64u * n0);
-    }
     float acc[NB][4];
 #pragma unroll
     for (int q = 0; q < NB; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.f;
@@ -144,10 +107,6 @@ __device__ __forceinline__ void tile_pairs(
     for (int i = 0; i < PREFETCH; ++i) {
         const int c = c0 + i;
         if (c >= c_hi) break;
-        if (L2_AHEAD > 0 && lane == 0 && c + L2_AHEAD < c_hi) {
-            l2_prefetch(wtile + (size_t)(c + L2_AHEAD) * 64, 1024u);
-            l2_prefetch(stile + (size_t)(c + L2_AHEAD) * 16, 64u);
-        }
         const uint4 wa = wbuf[i][0], wb = wbuf[i][1];
         const u32 slo = sbuf[i][0], shi = sbuf[i][1];
         if (c + PREFETCH < c_hi) {
@@ -220,9 +179,7 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
     const float* __restrict__ act_s, const void* __restrict__ ids, float* __restrict__ part,
     int P, int E, int N, int K, int row_div, int ids64, int chunks_per_split, int routed,
     const long long* __restrict__ order, const long long* __restrict__ blk_e,
-    const long long* __restrict__ blk_r0, const long long* __restrict__ offsets,
-    const unsigned char* __restrict__ next_w, long long next_w_per_e,
-    const unsigned char* __restrict__ next_s, long long next_s_per_e) {
+    const long long* __restrict__ blk_r0, const long long* __restrict__ offsets) {
     __shared__ int cols[4][PASS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.y, split = blockIdx.z;
@@ -237,15 +194,12 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
         for (int j = threadIdx.x; j < b; j += blockDim.x) earlier |= pair_expert(ids, ids64, j) == e;
         if (__syncthreads_or(earlier)) return;
     }
-    if (NEXT_AT == 1) prefetch_next(next_w, next_w_per_e, next_s, next_s_per_e, e, warp, lane);
     const int NT = N >> 4, KC = K >> 7;
     const int tile = blockIdx.x * 4 + warp;
+    if (tile >= NT) return;
     const int c_lo = split * chunks_per_split;
     const int c_hi = min(c_lo + chunks_per_split, KC);
-    if (tile >= NT || c_lo >= c_hi) {
-        if (NEXT_AT == 2) prefetch_next(next_w, next_w_per_e, next_s, next_s_per_e, e, warp, lane);
-        return;
-    }
+    if (c_lo >= c_hi) return;
     const uint4* wtile = wp + (size_t)(e * NT + tile) * KC * 64;
     const u32* stile = sp + (size_t)(e * NT + tile) * KC * 16;
     const int row0 = tile * 16;
@@ -258,7 +212,6 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
         if (n > 0)
             tile_pairs(wtile, stile, act, act_s, part, cols[warp], n, row_div, N, K, P, row0,
                        c_lo, c_hi, split, lane);
-        if (NEXT_AT == 2) prefetch_next(next_w, next_w_per_e, next_s, next_s_per_e, e, warp, lane);
         return;
     }
     int cnt = 0;
@@ -285,5 +238,4 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
     if (cnt > 0)
         tile_pairs(wtile, stile, act, act_s, part, cols[warp], cnt, row_div, N, K, P, row0, c_lo,
                    c_hi, split, lane);
-    if (NEXT_AT == 2) prefetch_next(next_w, next_w_per_e, next_s, next_s_per_e, e, warp, lane);
 }

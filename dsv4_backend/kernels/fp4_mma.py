@@ -36,7 +36,6 @@ checks the order, the bit moves and the kernel's addressing without a GPU.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -203,12 +202,12 @@ PREFETCH = 1  # 1 KiB weight chunks in flight per warp while one is multiplied (
 
 
 @lru_cache(maxsize=None)
-def _kernel(device_index: int, prefetch: int, groups: int, l2_ahead: int = 0, next_at: int = 0):
-    """The NVRTC-compiled kernel for one device, prefetch distance, number of MMA column groups
-    per pass and L2 prefetch switches (compiled once per process)."""
+def _kernel(device_index: int, prefetch: int, groups: int):
+    """The NVRTC-compiled kernel for one device, prefetch distance and number of MMA column
+    groups per pass (compiled once per process)."""
     with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(SOURCE.read_text(), "fp4_mma_gemv", nvcc_options=[
-            f"-DPREFETCH={prefetch}", f"-DNB={groups}", f"-DL2_AHEAD={l2_ahead}", f"-DNEXT_AT={next_at}"])
+        return torch.cuda._compile_kernel(SOURCE.read_text(), "fp4_mma_gemv",
+                                          nvcc_options=[f"-DPREFETCH={prefetch}", f"-DNB={groups}"])
 
 
 class MmaConfig(NamedTuple):
@@ -220,12 +219,6 @@ class MmaConfig(NamedTuple):
     # pairs found by the CTAs themselves (decode: no routing launch; each CTA scans the ids before
     # it, so the work grows as P^2) or sorted by ``fp4_moe.route`` (one CTA per block of 8 x groups)
     routed: bool = False
-    # weight chunks (1 KiB) of its own tile a warp asks the L2 for ahead of its loads
-    # (``cp.async.bulk.prefetch.L2``: many more bytes in flight than its registers hold); 0: none
-    l2_ahead: int = 0
-    # when each CTA asks the L2 for its share of the next projection's weights (``fp4_gemv_mma``'s
-    # ``next_pack``, e.g. the down experts while gate-up runs): 0 never, 1 before its K loop, 2 after
-    next_at: int = 0
 
 
 def mma_splits(K: int, split_k: int) -> tuple[int, int]:
@@ -236,14 +229,10 @@ def mma_splits(K: int, split_k: int) -> tuple[int, int]:
 
 
 def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pack: Fp4MmaPack,
-                 row_div: int, config: MmaConfig = MmaConfig(),
-                 next_pack: Fp4MmaPack | None = None) -> torch.Tensor:
+                 row_div: int, config: MmaConfig = MmaConfig()) -> torch.Tensor:
     """fp32 partials ``[splits, P, N]`` of act . w[e]^T for every valid pair (rows of skipped
     pairs unset), as ``fp4_moe_decode.fp4_gemv``: act_q e4m3 ``[R, K]`` with 1x128 scales act_s
-    fp32 ``[R, K/128]``, pair p's activation row ``p // row_div``; ids int32 / int64 ``[P]``.
-    ``next_pack`` (scan mode, ``config.next_at`` > 0): the pack the next call will read for the
-    same ids; the CTAs of each selected expert ask the L2 to fetch that expert's bytes of it
-    (a hint: the partials are the same bits with or without it)."""
+    fp32 ``[R, K/128]``, pair p's activation row ``p // row_div``; ids int32 / int64 ``[P]``."""
     N, K = pack.n, pack.k
     E = pack.words.shape[0]
     if act_q.device.type != "cuda":
@@ -262,29 +251,16 @@ def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pa
         blocks, tables = r.block_expert.numel(), (r.order, r.block_expert, r.block_row0, r.offsets)
     else:
         blocks, tables = P, (ids,) * 4  # unread
-    next_at = config.next_at if next_pack is not None and not config.routed else 0
-    if next_at:
-        nxt = (next_pack.words, next_pack.words[0].numel() * 4, next_pack.scales, next_pack.scales[0].numel() * 4)
-    else:
-        nxt = (None, 0, None, 0)
-    _kernel(act_q.device.index or 0, config.prefetch, config.groups, config.l2_ahead, next_at)(
+    _kernel(act_q.device.index or 0, config.prefetch, config.groups)(
         grid=(-(-N // ROWS_PER_CTA), blocks, splits), block=(128, 1, 1),
         args=[pack.words, pack.scales, act_q.view(torch.uint8), act_s, ids, part,
-              P, E, N, K, row_div, int(ids.dtype == torch.int64), per, int(config.routed), *tables, *nxt])
+              P, E, N, K, row_div, int(ids.dtype == torch.int64), per, int(config.routed), *tables])
     return part
 
 
 # ---- the routed experts on packed weights ---------------------------------------------------
 
 SCAN_MAX_PAIRS = 384  # up to 64 tokens of top-6: the CTAs find their pairs (no routing launch)
-# The L2 hints at decode (scan mode), MmaConfig.l2_ahead / next_at; bench/probe_fp4_l2.py measures them
-L2_AHEAD = int(os.environ.get("DSV4_FP4_L2_AHEAD", "0"))
-NEXT_AT = int(os.environ.get("DSV4_FP4_L2_NEXT", "0"))
-
-
-@lru_cache(maxsize=None)
-def _l2_bytes(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
 PART_BYTES_MAX = 512 << 20  # tokens per call are capped so that one fp32 partial buffer stays below
 
 
@@ -296,7 +272,7 @@ def pick_mma_configs(num_pairs: int) -> tuple[MmaConfig, MmaConfig]:
     if num_pairs > SCAN_MAX_PAIRS:
         return MmaConfig(1, PREFETCH, 1, True), MmaConfig(1, PREFETCH, 1, True)
     split = 2 if num_pairs <= 24 else 1
-    return MmaConfig(split, l2_ahead=L2_AHEAD, next_at=NEXT_AT), MmaConfig(split, l2_ahead=L2_AHEAD)
+    return MmaConfig(split), MmaConfig(split)
 
 
 class SharedFp8(NamedTuple):
@@ -331,10 +307,7 @@ def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     gate_up, down = gate_up or picked[0], down or picked[1]
     flat = ids.reshape(-1).contiguous()
     xq, xs = act_quant_fp8(x)
-    # the down experts are asked for during gate-up only while they fit in half the L2 beside it
-    down_bytes = T * k * 4 * (w2.words[0].numel() + w2.scales[0].numel())
-    nxt = w2 if down_bytes <= _l2_bytes(x.device.index or 0) // 2 else None
-    part = fp4_gemv_mma(xq, xs, flat, w13, k, gate_up, next_pack=nxt)
+    part = fp4_gemv_mma(xq, xs, flat, w13, k, gate_up)
     hq, hs = swiglu_quant(part, flat, weights.reshape(-1).contiguous(), E, limit)
     part = fp4_gemv_mma(hq, hs, flat, w2, 1, down)
     sh = None

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4_backend.kernels import fp4_moe_prefill
 from dsv4_backend.kernels.fp4_moe import route_pairs
 from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm_partials
@@ -296,9 +297,14 @@ def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     ``Expert.forward`` + add would (bf16 g, u; bf16 h; bf16 output; one bf16 add): it reuses the
     routed act-quant of x, its SwiGLU runs in the routed kernel without routing (and quantises h
     for w2 itself) and its down partials are summed in the routed combine: five launches
-    fewer than the shared expert alone (act-quant twice, split sums twice, the SwiGLU's torch ops)."""
+    fewer than the shared expert alone (act-quant twice, split sums twice, the SwiGLU's torch ops).
+
+    From ``fp4_moe_prefill.PREFILL_MIN_TOKENS`` tokens (no shared expert, no explicit configs,
+    outside a graph capture) the experts run as bf16 grouped GEMMs instead (``fp4_moe_prefill``)."""
     T, k = ids.shape
     E = w13.words.shape[0]
+    if shared is None and gate_up is None and down is None and fp4_moe_prefill.applies(T):
+        return fp4_moe_prefill.fp4_moe_prefill(x, ids, weights, w13, w2, limit)  # bf16 grouped GEMMs
     per_call = max(1, PART_BYTES_MAX // (4 * k * max(w13.n, w2.n)))
     if T > per_call:
         return torch.cat([fp4_moe_mma(x[t:t + per_call], ids[t:t + per_call], weights[t:t + per_call],

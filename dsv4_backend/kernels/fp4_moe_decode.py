@@ -180,11 +180,11 @@ def _swiglu_quant_kernel(part_ptr, ids_ptr, wts_ptr, hq_ptr, hs_ptr, P, E, I, li
     else:
         ok = pair >= 0
     base = part_ptr + pair.to(tl.int64) * (2 * I) + col
-    g = tl.load(base, mask=ok & (col < I), other=0.0)
-    u = tl.load(base + I, mask=ok & (col < I), other=0.0)
+    g = tl.load(base, mask=ok & (col < I), other=0.0).to(tl.float32)
+    u = tl.load(base + I, mask=ok & (col < I), other=0.0).to(tl.float32)
     for s in tl.static_range(1, SPLIT):
-        g += tl.load(base + s * P * (2 * I), mask=ok & (col < I), other=0.0)
-        u += tl.load(base + s * P * (2 * I) + I, mask=ok & (col < I), other=0.0)
+        g += tl.load(base + s * P * (2 * I), mask=ok & (col < I), other=0.0).to(tl.float32)
+        u += tl.load(base + s * P * (2 * I) + I, mask=ok & (col < I), other=0.0).to(tl.float32)
     g = tl.minimum(round_bf16(g, NATIVE), limit)
     u = tl.minimum(tl.maximum(round_bf16(u, NATIVE), -limit), limit)
     h = g / (1.0 + tl.exp(-g)) * u
@@ -282,7 +282,8 @@ def fp4_gemv(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, w: tor
 
 def swiglu_quant(part: torch.Tensor, ids: Optional[torch.Tensor], weights: Optional[torch.Tensor],
                  num_experts: int, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate-up partials [splits, P, 2I] -> (hq e4m3 [P, I], hs fp32 [P, I/128]) at each pair's row.
+    """Gate-up partials [splits, P, 2I] (fp32, or bf16 rows with one split) -> (hq e4m3 [P, I],
+    hs fp32 [P, I/128]) at each pair's row.
     ``ids`` and ``weights`` None: rows of one unrouted expert (the shared expert), every row
     valid and weight 1 (an exact factor: the same codes as ids 0 and weights 1)."""
     split, P, I2 = part.shape

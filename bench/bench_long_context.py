@@ -126,6 +126,7 @@ class PrefillRow:
     last_chunk_tokens_per_s: float = 0.0
     chunk: int = 0
     note: str = ""
+    warmup_seconds: float = 0.0          # the untimed two-chunk prefill before (first-use compiles)
 
 
 @dataclass
@@ -363,13 +364,29 @@ def measure_decode(eng: Engine, row: DecodeRow, args: argparse.Namespace, guard:
 def measure_prefill(eng: Engine, row: PrefillRow, max_seconds: float,
                     progress: Optional[Callable[[str], None]] = None) -> None:
     """A real chunked prefill of ``row.context`` random ids through the scheduler, for at most
-    ``max_seconds``; records how far it got and the rates."""
+    ``max_seconds``; records how far it got and the rates. An untimed prefill of two chunks of
+    other ids runs first (a chunk without and one with a prefix: the kernels' first-use compiles,
+    which a cold Triton cache makes take tens of seconds, stay out of the rate)."""
+    sched = eng.scheduler
+    row.chunk = sched.cfg.chunked_prefill_size
+    t_warm = time.perf_counter()
+    g = torch.Generator().manual_seed(row.context + 7)
+    warm = GenerateRequest(torch.randint(0, eng.vocab_size, (min(row.context, 2 * row.chunk),), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    sched.add(warm)
+    try:
+        for _ in range(64 + 4 * len(warm.input_ids) // max(1, row.chunk)):   # a few steps a chunk at most
+            if warm.rid not in sched.reqs or sched.reqs[warm.rid].kv_len >= len(warm.input_ids):
+                break
+            eng.step()
+        sync(eng.device)
+    finally:
+        eng.abort(warm.rid)
+    row.warmup_seconds = time.perf_counter() - t_warm
     g = torch.Generator().manual_seed(row.context)
     ids = torch.randint(0, eng.vocab_size, (row.context,), generator=g).tolist()
     req = GenerateRequest(ids, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-    sched = eng.scheduler
     sched.add(req)
-    row.chunk = sched.cfg.chunked_prefill_size
     done, steps, t_start = 0, 0, time.perf_counter()
     try:
         while True:

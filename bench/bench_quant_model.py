@@ -491,7 +491,8 @@ def prefill_row(eng: Engine, args: argparse.Namespace, guard: Budget) -> dict[st
         except Exception as e:
             pf.status, pf.note = ("OOM" if is_oom(e) else "error"), str(e)[:200]
     print(f"\nprefill {fmt_tokens(pf.context)}: {pf.tokens_per_s:,.0f} tok/s ({pf.tokens_done:,} tokens in "
-          f"{pf.seconds:.1f} s, chunk {pf.chunk}) {pf.status} {pf.note}")
+          f"{pf.seconds:.1f} s, chunk {pf.chunk}; after an untimed {pf.warmup_seconds:.1f} s warm-up) "
+          f"{pf.status} {pf.note}")
     return asdict(pf)
 
 

@@ -209,6 +209,7 @@ def test_bench_long_context_end_to_end(tmp_path):
     assert any(r.breakdown for r in ok if r.context == 1024)
     pre = {p.context: p for p in rep.prefill}
     assert pre[512].status == "complete" and pre[512].tokens_done == 512
+    assert all(p.warmup_seconds > 0 for p in rep.prefill)   # the untimed two-chunk prefill ran first
     assert pre[1024].status.startswith("stopped") and 0 < pre[1024].tokens_done < 1024   # one chunk, then the budget
     assert png.stat().st_size > 1000
     data = json.loads(out.read_text())

@@ -30,8 +30,9 @@ from dsv4_backend.kernels.fp4_moe import e2m1_scaled_bits, route
 from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
 
-# tokens from which fp4_mma.fp4_moe_mma takes this path (0: never)
-PREFILL_MIN_TOKENS = int(os.environ.get("DSV4_FP4_PREFILL_MIN_TOKENS", "0"))
+# tokens from which fp4_mma.fp4_moe_mma takes this path (0: never). H100 (docs/PERF.md, session 15):
+# 0.67x the MMA kernels at 4,096 tokens, 1.16x at 8,192; the two lines cross near 6,700
+PREFILL_MIN_TOKENS = int(os.environ.get("DSV4_FP4_PREFILL_MIN_TOKENS", "7168"))
 DEQUANT_EXPERTS = 16  # experts in bf16 at a time: 16 x 48 MiB (w13 + w2) at Flash's widths
 CHUNKS_PER_PROGRAM = 4  # 128-deep chunks of one 16-row tile a dequant program writes
 

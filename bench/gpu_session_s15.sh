@@ -7,7 +7,8 @@
 #                                               (kernels/fp4_moe_prefill.py): CUDA tests, probe_fp4_prefill.py, the
 #                                               quantised model's prefill with DSV4_FP4_PREFILL_MIN_TOKENS 0 and $MIN
 #   bash bench/gpu_session_s15.sh $OUT prefill2 the same model's whole 128K prefill after the bench's new two-chunk
-#                                               warm-up, the prefill path off (MIN 0) and at its default
+#                                               warm-up, the prefill path off (MIN 0) and at its default; ORDER="0_cold
+#                                               7168 0" first fills the Triton cache, then compares warm
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-prefill}
@@ -26,8 +27,8 @@ if [ "$WHICH" = prefill ]; then
   done
 fi
 if [ "$WHICH" = prefill2 ]; then
-  for m in 0 7168; do
-    DSV4_FP4_PREFILL_MIN_TOKENS=$m part 200 "pf_$m" python3 bench/bench_quant_model.py --contexts 4096 --batches 1 \
+  for m in ${ORDER:-0 7168}; do    # (a fresh machine's Triton cache is cold: the first run compiles for the later ones)
+    DSV4_FP4_PREFILL_MIN_TOKENS=${m%_*} part 200 "pf_$m" python3 bench/bench_quant_model.py --contexts 4096 --batches 1 \
       --skip-kernels --steps 3 --prefill-max-seconds 40 --time-budget 170 --out "$OUT/pf_$m.json"
     echo "min tokens $m:"; grep "^prefill\|^decode\|^ *4K\|^per layer" "$OUT/pf_$m.log" | head -n 5 | cut -c1-250
   done

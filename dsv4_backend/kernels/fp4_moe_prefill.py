@@ -3,11 +3,11 @@ grouped bf16 GEMM per projection (``torch._grouped_mm``: CUTLASS's grouped GEMM 
 
 Why: at prefill every expert is selected by hundreds of rows, so the weights are read once per
 step whatever the kernel, and the time is the multiply. The MMA kernels of ``fp4_mma`` (``mma.sync``
-with the dequantisation in every warp's loop) run those sizes at ~100 TFLOP/s on the H200
-(docs/PERF.md, session 8: T = 4096 in 13.0 ms), a dense bf16 grouped GEMM at several times that.
+with the dequantisation in every warp's loop) run those sizes at ~100 TFLOP/s (docs/PERF.md:
+T = 4096 in 13.0 ms on the H200, 12.4 ms on an H100), a dense bf16 grouped GEMM at several times that.
 The cost is the bf16 copy: each expert's weights are written once as bf16 (4x their FP4 bytes)
-and read by the GEMM, a time independent of T that pays off from a few thousand tokens
-(``PREFILL_MIN_TOKENS``, from the H200 measurement of ``bench/probe_fp4_prefill.py``).
+and read by the GEMM, a time independent of T; the kernels alone are faster from ~6,700 tokens,
+the model's prefill was not (``PREFILL_MIN_TOKENS``: opt-in).
 
 Same contract and rounding points as ``fp4_moe`` (its module docstring): e2m1 x 2^s and e4m3 x 2^s
 are exact in bf16, so the GEMM's products are the contract's, summed in fp32 in the library's
@@ -30,9 +30,13 @@ from dsv4_backend.kernels.fp4_moe import e2m1_scaled_bits, route
 from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
 
-# tokens from which fp4_mma.fp4_moe_mma takes this path (0: never). H100 (docs/PERF.md, session 15):
-# 0.67x the MMA kernels at 4,096 tokens, 1.16x at 8,192; the two lines cross near 6,700
-PREFILL_MIN_TOKENS = int(os.environ.get("DSV4_FP4_PREFILL_MIN_TOKENS", "7168"))
+# tokens from which fp4_mma.fp4_moe_mma takes this path; 0 (the default): never. On an H100
+# (docs/PERF.md, session 15) the MoE alone ran 0.67x the MMA kernels' speed at 4,096 tokens and
+# 1.16x at 8,192 (22 against 27 ms a layer in the model's prefill), yet the 128K prefill of the
+# 11-layer model was no faster with it (17,196 against 17,234 and 17,490 tok/s); why is not
+# measured (a suspect: the host read of the offsets each layer idles the GPU until the launches
+# after it are queued again)
+PREFILL_MIN_TOKENS = int(os.environ.get("DSV4_FP4_PREFILL_MIN_TOKENS", "0"))
 DEQUANT_EXPERTS = 16  # experts in bf16 at a time: 16 x 48 MiB (w13 + w2) at Flash's widths
 CHUNKS_PER_PROGRAM = 4  # 128-deep chunks of one 16-row tile a dequant program writes
 

@@ -43,12 +43,14 @@ from torch import nn
 
 from memory.quant import indexer_fake_quant
 
+from . import side_stream
 from .config import DSV4Config, RopeScaling
 from .layers.head import LogitsHead
 from .layers.linear import (
     Fp4Expert, Fp4ExpertStack, Fp8Linear, Fp8WeightOnlyLinear, dense_linear, gemv_applies, row_stack_of,
     shared_input, stack_rows,
 )
+from .side_stream import SideBranch
 from .weights import model_tensors
 
 
@@ -281,18 +283,23 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
         # x: [T, D] -> [T, D]
         T, H, hd, eps = x.shape[0], self.n_heads, self.head_dim, self.cfg.rms_norm_eps
-        qa, kv = shared_input(x, self.wq_a, self.wkv)
-        qr = self.q_norm(qa)
         compress = self.ratio and getattr(meta, "compress", True)
         index = compress and self.indexer is not None
+        comp = idx_in = head_w = None
+        if compress:    # projections of x alone: on a side stream beside the query path (side_stream.py)
+            branch = SideBranch(x.device, side_stream.COMPRESSOR and T <= SIDE_STREAM_MAX_TOKENS)
+            with branch:
+                raws = self._compressor_inputs(x)
+                head_w = self._indexer_head_weights(x) if index else None
+        qa, kv = shared_input(x, self.wq_a, self.wkv)
+        qr = self.q_norm(qa)
         qb, iq = shared_input(qr, self.wq_b, self.indexer.wq_b) if index else (self.wq_b(qr), None)
         q = self.rope.norm_apply(qb.view(T, H, hd), None, eps, positions)
         kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
-        comp = idx_in = None
         if compress:
-            raws = self._compressor_inputs(x)
+            branch.join()    # x, the branch's input, is still referenced here
             comp = raws[0]
-            idx_in = self._indexer_inputs(x, iq, raws[1], positions) if index else None
+            idx_in = self._indexer_inputs(x, iq, head_w, raws[1], positions) if index else None
         o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, idx_in), meta)  # [T, H, hd]
         o = self.rope.apply(o, positions, inverse=True)
         return self._project_out(o)
@@ -305,9 +312,13 @@ class Attention(nn.Module):
         ys = shared_input(x, *[lin for c in comps for lin in (c.wkv, c.wgate)], out_dtype=hi_dtype(x.dtype))
         return [CompressorInput(ys[2 * i], ys[2 * i + 1]) for i in range(len(comps))]
 
-    def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, comp: CompressorInput,
+    def _indexer_head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        ix = self.indexer
+        return ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+
+    def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, w: torch.Tensor, comp: CompressorInput,
                         positions: torch.Tensor) -> IndexerInput:
-        # iq: indexer.wq_b(qr) [T, local index_heads * 128]
+        # iq: indexer.wq_b(qr) [T, local index_heads * 128]; w: _indexer_head_weights(x)
         ix, T = self.indexer, x.shape[0]
         iq = ix.gather_heads(iq).view(T, ix.n_heads, ix.head_dim)
         if _norm_rope_kernel_applies(iq) and iq.dtype == torch.bfloat16 and ix.head_dim == 128:
@@ -315,7 +326,6 @@ class Attention(nn.Module):
             q = indexer_q(iq, positions, self.rope.inv_freq_on(x.device), hadamard_matrix(128, iq.dtype, x.device))
         else:
             q = indexer_fake_quant(hadamard(self.rope.apply(iq, positions)))
-        w = ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
         return IndexerInput(q, w, comp)
 
     def _project_out(self, o: torch.Tensor) -> torch.Tensor:
@@ -570,6 +580,10 @@ MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "24"))
 # combine) for steps of at most this many tokens on CUDA; DSV4_FUSE_SHARED_EXPERT=0 runs it alone.
 USE_FUSED_SHARED = os.environ.get("DSV4_FUSE_SHARED_EXPERT", "1") != "0"
 SHARED_FUSED_MAX_TOKENS = 127   # from 128 tokens the unfused expert's GEMMs are cuBLAS's (fp8_gemm)
+# Steps of at most this many tokens may run a layer's independent projections on a side stream
+# (side_stream.py: DSV4_COMPRESSOR_STREAM, DSV4_SHARED_EXPERT_STREAM): decode sizes, where the
+# launches are too small to fill the GPU alone.
+SIDE_STREAM_MAX_TOKENS = 64
 _GROUPED_MM_OK: dict[int, bool] = {}
 
 

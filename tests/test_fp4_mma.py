@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bounds import U32, U64, assert_within, gamma
+from dsv4_backend import side_stream
 from dsv4_backend.kernels import fp4_mma as F
 from test_fp4_moe import fp4_dequant_sim
 
@@ -144,21 +145,10 @@ def test_moe_on_packed_weights_meets_the_contract(name, routed):
     moe_within(out, ref, tol, f"fp4_moe_mma {name}")
 
 
-@cuda
-@pytest.mark.parametrize("T", [1, 3, 8, 64])
-def test_fused_shared_expert_equals_the_unfused_sum(T):
-    """``fp4_moe_mma(shared=...)`` against the quantised ``Expert`` run alone plus the routed MoE.
-
-    Both run the same FP8 GEMM kernels and the same roundings (bf16 g and u, bf16 h, e4m3 h
-    in 1x128 blocks, bf16 output, one bf16 add); they part only where silu's exp (the kernel's
-    against torch's) tips h's bf16 rounding. Such an h moves by at most one bf16 step (2^-7 |h|)
-    and its block scale at most doubles, so its dequantised e4m3 value moves by at most
-    (2^-4 + 2^-7 + 2^-4) |h| + 3 s 2^-10 (normal half-steps 2^-4 relative, subnormal 2^-10 s):
-    through w2 that is sum_k |w2| of it, plus both sides' fp32 accumulation (gamma(I + 2) of
-    sum_k |w2| |h|), and each side's two bf16 roundings (the expert's output, the add) add 2^-8
-    of |y| and |out| each."""
+def _shared_expert_case(T):
+    """A quantised shared expert (FP8 w1 + w3 row-stacked, w2) beside 8 packed FP4 experts, top-2."""
     from test_fp4_moe import LIMIT, make_experts, make_x, random_ids
-    from dsv4_backend.layers.linear import row_stack_of, shared_input, stack_rows
+    from dsv4_backend.layers.linear import row_stack_of, stack_rows
     from dsv4_backend.model import Expert
 
     gen = torch.Generator().manual_seed(100 + T)
@@ -177,12 +167,31 @@ def test_fused_shared_expert_equals_the_unfused_sum(T):
     x = make_x(T, dim, gen).cuda()
     ids = random_ids(T, k, experts, gen).cuda()
     wts = (torch.rand(T, k, generator=gen) + 0.25).cuda()
+    return x, ids, wts, packs, ex, F.SharedFp8(st.weight, st.scale, ex.w2.weight, ex.w2.scale)
 
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3, 8, 64])
+def test_fused_shared_expert_equals_the_unfused_sum(T):
+    """``fp4_moe_mma(shared=...)`` against the quantised ``Expert`` run alone plus the routed MoE.
+
+    Both run the same FP8 GEMM kernels and the same roundings (bf16 g and u, bf16 h, e4m3 h
+    in 1x128 blocks, bf16 output, one bf16 add); they part only where silu's exp (the kernel's
+    against torch's) tips h's bf16 rounding. Such an h moves by at most one bf16 step (2^-7 |h|)
+    and its block scale at most doubles, so its dequantised e4m3 value moves by at most
+    (2^-4 + 2^-7 + 2^-4) |h| + 3 s 2^-10 (normal half-steps 2^-4 relative, subnormal 2^-10 s):
+    through w2 that is sum_k |w2| of it, plus both sides' fp32 accumulation (gamma(I + 2) of
+    sum_k |w2| |h|), and each side's two bf16 roundings (the expert's output, the add) add 2^-8
+    of |y| and |out| each."""
+    from test_fp4_moe import LIMIT
+    from dsv4_backend.layers.linear import shared_input
+
+    x, ids, wts, packs, ex, shared = _shared_expert_case(T)
+    inter = ex.w2.weight.shape[1]
     routed = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT)
     shared_alone = ex(x)
     unfused = shared_alone + routed
-    fused = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=F.SharedFp8(st.weight, st.scale, ex.w2.weight,
-                                                                       ex.w2.scale))
+    fused = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=shared)
     assert fused.shape == unfused.shape and fused.dtype == torch.bfloat16
 
     g, u = (y.float() for y in shared_input(x, ex.w1, ex.w3))
@@ -196,3 +205,25 @@ def test_fused_shared_expert_equals_the_unfused_sum(T):
     tol = dh @ w2d.abs().T + 2 * gamma(inter + 2, U32) * mag + 2.0 ** -8 * (2 * shared_alone.double().abs().cpu() + fused.double().abs().cpu()
                                            + unfused.double().abs().cpu()) * 1.01
     assert_within(fused.cpu(), unfused.double().cpu(), tol, "fused shared expert")
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 8])
+def test_shared_expert_on_a_second_stream_changes_no_bit(T, monkeypatch):
+    """The shared expert's launches on a side stream (forked after the act-quant, joined before the
+    combine) compute what they compute on one stream, eagerly and replayed from a CUDA graph."""
+    from test_fp4_moe import LIMIT
+
+    x, ids, wts, packs, _, shared = _shared_expert_case(T)
+    monkeypatch.setattr(side_stream, "SHARED_EXPERT", False)
+    one = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=shared)
+    monkeypatch.setattr(side_stream, "SHARED_EXPERT", True)
+    two = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=shared)
+    assert torch.equal(one, two)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=shared)
+    x.neg_()    # a new input for the replay: the graph must read it, not the captured values
+    graph.replay()
+    monkeypatch.setattr(side_stream, "SHARED_EXPERT", False)
+    assert torch.equal(replayed, F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=shared))

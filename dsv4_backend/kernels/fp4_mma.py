@@ -42,10 +42,12 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4_backend import side_stream
 from dsv4_backend.kernels import fp4_moe_prefill
 from dsv4_backend.kernels.fp4_moe import route_pairs
 from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm_partials
+from dsv4_backend.side_stream import SideBranch
 
 SOURCE = Path(__file__).with_name("fp4_mma.cu")
 MAX_SCALE_BYTE = 240  # the packed byte s + 14 must stay below 255 (an fp32 exponent field)
@@ -313,12 +315,16 @@ def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     gate_up, down = gate_up or picked[0], down or picked[1]
     flat = ids.reshape(-1).contiguous()
     xq, xs = act_quant_fp8(x)
+    sh = None
+    if shared is not None:    # its three launches beside the routed ones (side_stream.SHARED_EXPERT)
+        branch = SideBranch(x.device, side_stream.SHARED_EXPERT)
+        with branch:
+            sp = fp8_block_gemm_partials(xq, xs, shared.w13, shared.w13_scale)
+            shq, shs = swiglu_quant(sp, None, None, 0, limit)
+            sh = fp8_block_gemm_partials(shq, shs, shared.w2, shared.w2_scale)
     part = fp4_gemv_mma(xq, xs, flat, w13, k, gate_up)
     hq, hs = swiglu_quant(part, flat, weights.reshape(-1).contiguous(), E, limit)
     part = fp4_gemv_mma(hq, hs, flat, w2, 1, down)
-    sh = None
     if shared is not None:
-        sp = fp8_block_gemm_partials(xq, xs, shared.w13, shared.w13_scale)
-        shq, shs = swiglu_quant(sp, None, None, 0, limit)
-        sh = fp8_block_gemm_partials(shq, shs, shared.w2, shared.w2_scale)
+        branch.join()    # xq, xs (the branch's inputs) are still referenced here
     return combine_splits(part, ids.contiguous(), E, sh)

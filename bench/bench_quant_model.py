@@ -287,6 +287,11 @@ def step_floor_ms(cfg: DSV4Config, batch: int, context: int, gbps: float) -> flo
 
 FP8_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b",
                "ffn.shared_experts.w1", "ffn.shared_experts.w2")
+# The FP8 products as the model calls them: linears of one input run as one GEMM over their
+# stacked rows after one act-quant (layers/linear.py: shared_input). wq_b runs alone in SWA and HCA
+# layers and stacked with the indexer's in CSA layers.
+FP8_CALLS = (("attn.wq_a", "attn.wkv"), ("attn.wq_b",), ("attn.wq_b", "attn.indexer.wq_b"), ("attn.wo_b",),
+             ("ffn.shared_experts.w1", "ffn.shared_experts.w3"), ("ffn.shared_experts.w2",))
 
 
 @dataclass
@@ -300,6 +305,7 @@ class KernelRow:
     tflops: float
     pct_copy_bw: float
     pct_fp8_peak: Optional[float]
+    model_call: bool = True   # a product the model runs as timed (False: a member of a stack timed alone)
 
 
 def _module(model: nn.Module, path: str) -> nn.Module:
@@ -317,20 +323,54 @@ def bench_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device, bw: f
     moe_impl = "triton" if device.type == "cuda" and qlinear._kernel("fp4_moe", "fp4_moe") else "torch"
     if getattr(model.layers[-1].ffn.fp4, "mma", None) is not None:
         moe_impl = "fp4_mma"
-    for name in FP8_LINEARS:
+    def row(kernel, shape, ms, nbytes, flops, model_call=True, impl=fp8_impl):
+        floor = max(nbytes / (bw * 1e9), flops / (peak * 1e12) if peak else 0.0) * 1e3
+        rows.append(KernelRow(kernel, shape, impl, ms, floor, nbytes / (ms * 1e-3) / 1e9,
+                              flops / (ms * 1e-3) / 1e12, 100 * nbytes / (ms * 1e-3) / 1e9 / bw,
+                              100 * flops / (ms * 1e-3) / 1e12 / peak if peak and flops else None, model_call))
+
+    called = {m for call in FP8_CALLS if len(call) == 1 for m in call}
+    for name in FP8_LINEARS:     # each linear alone, its act-quant included
         layers = csa if "indexer" in name else range(cfg.num_hidden_layers)
         mods = [_module(model.layers[i], name) for i in layers]       # cycling layers: weights not in L2
         N, K = mods[0].weight.shape
         for M in ms_list:
             x = torch.randn(M, K, device=device, dtype=DTYPE)
             ms = graph_time_ms([lambda m=m: m(x) for m in mods], device, iters)
-            nbytes = N * K + 4 * mods[0].scale.numel() + 2 * M * (K + N)
-            flops = 2.0 * M * N * K
-            floor = max(nbytes / (bw * 1e9), flops / (peak * 1e12) if peak else 0.0) * 1e3
-            rows.append(KernelRow("fp8_linear", f"{name} M={M} N={N} K={K}", fp8_impl, ms, floor,
-                                  nbytes / (ms * 1e-3) / 1e9, flops / (ms * 1e-3) / 1e12,
-                                  100 * nbytes / (ms * 1e-3) / 1e9 / bw,
-                                  100 * flops / (ms * 1e-3) / 1e12 / peak if peak else None))
+            row("fp8_linear", f"{name} M={M} N={N} K={K}", ms,
+                N * K + 4 * mods[0].scale.numel() + 2 * M * (K + N), 2.0 * M * N * K, name in called)
+    gemm = qlinear._kernel("fp8_gemm", "fp8_block_gemm") if device.type == "cuda" else None
+    quant = qlinear._kernel("fp8_gemm", "act_quant_fp8") if gemm is not None else None
+    for call in FP8_CALLS:
+        if len(call) == 1 and gemm is None:
+            continue
+        layers = csa if any("indexer" in n for n in call) else range(cfg.num_hidden_layers)
+        groups = [[_module(model.layers[i], n) for n in call] for i in layers]
+        stacks = [qlinear.row_stack_of(tuple(g)) for g in groups]
+        if len(call) > 1 and any(st is None for st in stacks):
+            log(f"{'+'.join(call)}: not stacked in this model (each runs alone); no stacked row")
+            continue
+        N, K = sum(m.weight.shape[0] for m in groups[0]), groups[0][0].weight.shape[1]
+        wbytes = N * K + 4 * sum(m.scale.numel() for m in groups[0])
+        name = "+".join(n.split(".", 1)[1] if i else n for i, n in enumerate(call))
+        for M in ms_list:
+            x = torch.randn(M, K, device=device, dtype=DTYPE)
+            if len(call) > 1:    # the stacked linear as the model calls it (act-quant included)
+                ms = graph_time_ms([lambda g=g: qlinear.shared_input(x, *g) for g in groups], device, iters)
+                row("fp8_linear", f"{name} M={M} N={N} K={K}", ms, wbytes + 2 * M * (K + N), 2.0 * M * N * K)
+            if gemm is None or M < 128:   # below 128 rows the GEMV / GEMM rounds x itself
+                continue
+            xq, xs = quant(x)          # the GEMM alone on the rounded activation
+            ws = [(st.weight, st.scale) if st is not None else (g[0].weight, g[0].scale) for g, st in zip(groups, stacks)]
+            ms = graph_time_ms([lambda w=w: gemm(xq, xs, w[0], w[1], DTYPE) for w in ws], device, iters)
+            row("fp8_gemm", f"{name} M={M} N={N} K={K}", ms, wbytes + M * K + 4 * M * K // 128 + 2 * M * N,
+                2.0 * M * N * K, impl="auto")
+    if quant is not None:        # the act-quant alone, one per input width (bf16 read, e4m3 + scales written)
+        for K in sorted({m.weight.shape[1] for n in FP8_LINEARS for m in [_module(model.layers[0], n)]}):
+            for M in [m for m in ms_list if m >= 128]:
+                x = torch.randn(M, K, device=device, dtype=DTYPE)
+                ms = graph_time_ms([lambda: quant(x)], device, iters)
+                row("act_quant", f"M={M} K={K}", ms, 2 * M * K + M * K + 4 * M * K // 128, 0.0, impl="triton")
     ffn = model.layers[cfg.num_hidden_layers - 1].ffn
     ex_bytes = expert_bytes(cfg)
     for T in moe_tokens:
@@ -554,8 +594,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "% floor  GB/s     TFLOP/s  % copy  % FP8 peak")
         for r in rows:
             pk = f"{r.pct_fp8_peak:6.1f}" if r.pct_fp8_peak is not None else "     -"
-            print(f"{r.kernel:<21} {r.shape:<39} {r.impl:<7} {r.ms:8.4f} {r.floor_ms:9.4f} "
+            shape = r.shape + ("" if r.model_call else " *")
+            print(f"{r.kernel:<21} {shape:<39} {r.impl:<7} {r.ms:8.4f} {r.floor_ms:9.4f} "
                   f"{100 * r.floor_ms / r.ms:7.1f} {r.gbps:8.0f} {r.tflops:8.1f} {r.pct_copy_bw:7.1f}  {pk}")
+        print("(* a member of a row stack timed alone: the model runs the stack; fp8_linear: act-quant + GEMM, "
+              "fp8_gemm: the GEMM alone on a rounded x, act_quant: the rounding alone)")
 
         rep["kernel_check"] = checks = check_kernels(eng.runner.model, cfg, device)
         print("\nagreement with the torch spec (layers/quant.py) on the model's weights:")
@@ -637,11 +680,20 @@ def targets(rep: dict[str, Any]) -> list[str]:
         out.append(f"MoE decode (T <= 64) reads its weights at >= 70% of copy bandwidth: worst "
                    f"{worst['pct_copy_bw']:.1f}% ({worst['shape']}, {worst['impl']}) -> "
                    f"{'met' if worst['pct_copy_bw'] >= 70 else 'not met'}")
-    gemm = [k for k in rep["kernels"] if k["kernel"] == "fp8_linear" and " M=8192 " in k["shape"]]
-    if gemm and gemm[0]["pct_fp8_peak"] is not None:
-        worst = min(gemm, key=lambda k: k["pct_fp8_peak"])
-        out.append(f"FP8 GEMM at M = 8192 >= 60% of the measured FP8 peak: worst {worst['pct_fp8_peak']:.1f}% "
-                   f"({worst['shape']}) -> {'met' if worst['pct_fp8_peak'] >= 60 else 'not met'}")
+    def at_8192(kind):
+        return [k for k in rep["kernels"] if k["kernel"] == kind and " M=8192 " in k["shape"]
+                and k.get("model_call", True) and k["pct_fp8_peak"] is not None]
+    gemm, linear = at_8192("fp8_gemm"), at_8192("fp8_linear")
+    if gemm or linear:
+        # the GEMMs the model runs (stacked groups as stacked), the act-quant apart; then the
+        # whole linear with its act-quant launch counted in its time
+        worst = min(gemm or linear, key=lambda k: k["pct_fp8_peak"])
+        with_q = min(linear, key=lambda k: k["pct_fp8_peak"]) if linear else None
+        counted = "act-quant apart" if gemm else "act-quant counted"
+        out.append(f"FP8 GEMM at M = 8192 >= 60% of the measured FP8 peak ({counted}): worst "
+                   f"{worst['pct_fp8_peak']:.1f}% ({worst['shape']}) -> {'met' if worst['pct_fp8_peak'] >= 60 else 'not met'}"
+                   + (f"; with its act-quant counted: worst {with_q['pct_fp8_peak']:.1f}% ({with_q['shape']})"
+                      if gemm and with_q else ""))
     else:
         out.append("FP8 GEMM at M = 8192 vs the FP8 peak: not measured (no M = 8192 case or no FP8 peak)")
     pl = rep.get("per_layer")

@@ -78,7 +78,7 @@ def decode_kernels():
     import bench_kernels as bk
     for cfg in bk.DECODE_CONFIGS:
         consts = dict(BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=False, HALVES=cfg.halves,
-                      WORD_SCALES=cfg.scales == "word", NATIVE=True, DOT_DTYPE=tl.bfloat16)
+                      WORD_SCALES=cfg.scales == "word", NATIVE=True, DOT_DTYPE=tl.bfloat16, PDL=False)
         name = "decode " + ",".join(str(x) for x in cfg)
         yield name, _compile(SA._sparse_decode_kernel, consts, types, cfg.num_warps, cfg.num_stages)
 
@@ -91,7 +91,7 @@ def indexer_kernels():
                  "scales": "tensordesc<fp32[1, 64]>"}
         f16 = cfg.products == "f16" and not fp8
         consts = dict(H=64, BLOCK_H=64, P=64, PAGE_ROWS_2D=66, Q_FP8=fp8, DOT_DTYPE=tl.float16 if f16 else tl.bfloat16,
-                      NUM_STAGES=cfg.num_stages, GROUP=cfg.group or (1 if fp8 else 4), Q_POW2=f16)
+                      NUM_STAGES=cfg.num_stages, GROUP=cfg.group or (1 if fp8 else 4), Q_POW2=f16, PDL=False)
         yield (f"indexer pages {'fp8' if fp8 else cfg.products}",
                _compile(I._indexer_paged_kernel, consts, types, cfg.num_warps, cfg.num_stages))
 

@@ -90,7 +90,7 @@ def test_stages_against_float64():
 
     out = torch.empty(T, D, dtype=torch.bfloat16)
     K._combine_splits_kernel[(T, 1)](part2, flat, out, part2[0, PR:], P * D, P, D, E, TOPK=TOPK, SPLIT=2,
-                                     SHARED=True, SH_SPLIT=2, BLOCK_D=1024, NATIVE=False)
+                                     SHARED=True, SH_SPLIT=2, BLOCK_D=1024, NATIVE=False, PDL=False)
     y = (part2[0] + part2[1]).to(torch.bfloat16).float()              # [P, D], rounded per pair
     want = torch.empty(T, D)
     for t in range(T):

@@ -23,6 +23,8 @@ import triton.language as tl
 
 from dsv4_backend.kernels._common import check_device, native, round_bf16
 from dsv4_backend.kernels.kv_store import sm_count
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 class GemvConfig(NamedTuple):
@@ -39,7 +41,8 @@ def gemv_config(N: int, sms: int) -> GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, w_sr, y_ptr, N, K, GROUP_ROWS,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W times x's columns of their group; the
     # products accumulate element-wise in fp32 and are summed once at the end
     n0 = tl.program_id(0) * BLOCK_N
@@ -84,5 +87,5 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvCon
         _gemv_kernel[(triton.cdiv(N, config.block_n),)](
             x, w, w.stride(0), y, N, Kg, R if groups > 1 else max(N, 1),
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, NATIVE=native(),
-            num_warps=config.num_warps)
+            num_warps=config.num_warps, **pdl.args(x.device))
     return y

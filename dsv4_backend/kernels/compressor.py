@@ -41,6 +41,8 @@ from dsv4_backend.kernels.kv_store import (
     FinishConfig, any_written, finish_attention_rows, finish_indexer_row, finish_rows, load_hadamard,
     load_norm_weight, pool_args, sm_count,
 )
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 class CompressEvents(NamedTuple):
@@ -110,7 +112,8 @@ def _pool_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stri
                  out_ptr, out_stride, dest_ptr,
                  K: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr,
                  KC: tl.constexpr, BLOCK_D: tl.constexpr, SKIP: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     e = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = e >= 0
@@ -170,7 +173,7 @@ def compress_pool(state: torch.Tensor, sources: torch.Tensor, ape: torch.Tensor,
         state, state.stride(0), sources, sources.stride(0), ape, ape.stride(0), out, out.stride(0),
         dest_rows if dest_rows is not None else sources,
         K=k, RATIO=ratio, D=d, COFF=coff, KC=min(cfg.kc, k), BLOCK_D=cfg.block_d,
-        SKIP=dest_rows is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        SKIP=dest_rows is not None, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl.args(state.device))
     return out
 
 
@@ -182,7 +185,8 @@ def _fused_c4_kernel(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_
                      pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride, eps,
                      D: tl.constexpr, NT: tl.constexpr, EVENTS: tl.constexpr,
                      ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr, WRITE_OUT: tl.constexpr,
-                     NATIVE: tl.constexpr):
+                     NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     first = tl.program_id(0).to(tl.int64) * EVENTS
     if any_written(dest_ptr, first, E, EVENTS):   # else no event of mine completes a block: no work
         _fused_c4_events(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_stride, w_ptr, cos_ptr,
@@ -287,7 +291,7 @@ def compress_c4_fused(pool: torch.Tensor, events: CompressEvents, state: torch.T
         norm_weight.contiguous(), events.cos.float().contiguous(), events.sin.float().contiguous(), 32,
         events.dest_rows.contiguous(), e, pool, P, page_stride, had, out_arg, out_arg.stride(0), eps,
         D=d, NT=8 if d == 512 else 2, EVENTS=per_program, ROUND_BF16=round_bf16, INDEXER=indexer,
-        WRITE_OUT=out is not None, NATIVE=native(), num_warps=cfg.num_warps)
+        WRITE_OUT=out is not None, NATIVE=native(), num_warps=cfg.num_warps, **pdl.args(state.device))
     return out
 
 
@@ -324,7 +328,8 @@ def compress(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor, ap
 
 @triton.jit
 def _ring_write_kernel(ring_ptr, ring_stride, slot_ptr, tok_ptr, c_ptr, c_stride, z_ptr, z_stride, N,
-                       HAS_TOK: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+                       HAS_TOK: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     w = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < N
@@ -363,14 +368,15 @@ def ring_write(ring: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, z: torc
         _ring_write_kernel[(W, triton.cdiv(N, block))](
             ring, ring.stride(0), slots, tokens if tokens is not None else slots, c, c.stride(0), z, z.stride(0), N,
             HAS_TOK=tokens is not None, BF16=ring.dtype == torch.bfloat16, BLOCK=block, NATIVE=native(),
-            num_warps=4)
+            num_warps=4, **pdl.args(ring.device))
 
 
 # ---- online C128 ---------------------------------------------------------------------------
 
 @triton.jit
 def _online_kernel(state_ptr, slot_ptr, start_ptr, count_ptr, cz_ptr, cz_stride, pos_ptr,
-                   ape_ptr, pooled_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                   ape_ptr, pooled_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     r = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     st = state_ptr + tl.load(slot_ptr + r).to(tl.int64) * (3 * D)
@@ -440,5 +446,5 @@ def online_c128_update(state: torch.Tensor, req_slots: torch.Tensor, token_start
         state, req_slots.to(torch.int32).contiguous(), token_start.to(torch.int32).contiguous(),
         token_count.to(torch.int32).contiguous(), cz, cz.stride(0),
         positions.to(torch.int32).contiguous(), ape.float().contiguous(), pooled,
-        D=d, BLOCK_D=block_d, num_warps=4)
+        D=d, BLOCK_D=block_d, num_warps=4, **pdl.args(state.device))
     return pooled

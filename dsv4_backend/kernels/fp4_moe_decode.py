@@ -38,6 +38,8 @@ from dsv4_backend.kernels._common import (
     e2m1_times_2m14, e4m3_decode, exp2_int, native, quant_block_e4m3, round_bf16,
 )
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 ID_CHUNK = 64  # ids scanned per step when a program looks for its expert's pairs
 
@@ -123,10 +125,11 @@ def _nibbles(b, lut_ptr, DECODE: tl.constexpr, NATIVE: tl.constexpr):
 def _fp4_gemv_kernel(a_ptr, as_ptr, ids_ptr, w_ptr, ws_ptr, lut_ptr, part_ptr,
                      P, E, N, K, a_sr, as_sr, w_se, w_sr, ws_se, ws_sr, k_per_split,
                      ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DECODE: tl.constexpr, NATIVE: tl.constexpr, CH: tl.constexpr):
+                     DECODE: tl.constexpr, NATIVE: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr):
     """part[split, pair, n] = sum over this split's K of act[pair // ROW_DIV] . w[e][n] (fp32),
     for every pair routed to this program's expert e (the activation row of a pair is its token
     for gate-up, ROW_DIV = k, and its own row for down, ROW_DIV = 1)."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     e, n_rows = _expert_of_program(ids_ptr, P, E, CH)
     e64 = e.to(tl.int64)
     split = tl.program_id(2)
@@ -168,10 +171,11 @@ def _fp4_gemv_kernel(a_ptr, as_ptr, ids_ptr, w_ptr, ws_ptr, lut_ptr, part_ptr,
 
 @triton.jit
 def _swiglu_quant_kernel(part_ptr, ids_ptr, wts_ptr, hq_ptr, hs_ptr, P, E, I, limit,
-                         SPLIT: tl.constexpr, ROUTED: tl.constexpr, NATIVE: tl.constexpr):
+                         SPLIT: tl.constexpr, ROUTED: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """Per (pair, 128 columns of I): g, u = the split sums in order, rounded to bf16; h =
     bf16(silu(min(g, limit)) clamp(u, +-limit) weight) and its 1x128 act-quant (0 for a skipped pair;
     not ROUTED: every row valid, weight 1)."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     pair = tl.program_id(0)
     col = tl.program_id(1) * 128 + tl.arange(0, 128)
     if ROUTED:
@@ -200,12 +204,13 @@ def _swiglu_quant_kernel(part_ptr, ids_ptr, wts_ptr, hq_ptr, hs_ptr, P, E, I, li
 @triton.jit
 def _combine_splits_kernel(part_ptr, ids_ptr, out_ptr, sh_ptr, sh_ss, P, D, E, TOPK: tl.constexpr,
                            SPLIT: tl.constexpr, SHARED: tl.constexpr, SH_SPLIT: tl.constexpr,
-                           BLOCK_D: tl.constexpr, NATIVE: tl.constexpr):
+                           BLOCK_D: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """out[t] = bf16 of the sum over valid j, in order, of bf16(sum over splits, in order, of
     part[s, t k + j]); with SHARED, the shared expert's row t of ``sh`` (fp32 partials, split
     stride ``sh_ss``: rows of ``part`` itself in ``moe_bf16_decode``, the FP8 GEMM's partials in
     ``fp4_mma.fp4_moe_mma``) is summed over its SH_SPLIT splits too and out[t] =
     bf16(bf16(shared) + that routed sum)."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -276,7 +281,7 @@ def fp4_gemv(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, w: tor
         act_q.view(torch.uint8), act_s, ids, w, w_scale, e2m1_table(w.device), part, P, E, N, K,
         act_q.stride(0), act_s.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), per,
         ROW_DIV=row_div, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DECODE=DECODES[cfg.decode], NATIVE=native(),
-        CH=ID_CHUNK, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        CH=ID_CHUNK, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(act_q.view(torch.uint8).device))
     return part
 
 
@@ -295,7 +300,7 @@ def swiglu_quant(part: torch.Tensor, ids: Optional[torch.Tensor], weights: Optio
     hs = torch.empty(P, I // 128, dtype=torch.float32, device=part.device)
     _swiglu_quant_kernel[(P, I // 128)](
         part, ids if routed else part, weights if routed else part, hq.view(torch.uint8), hs, P, num_experts, I,
-        float(limit), SPLIT=split, ROUTED=routed, NATIVE=native(), num_warps=4)
+        float(limit), SPLIT=split, ROUTED=routed, NATIVE=native(), num_warps=4, **pdl.args(part.device))
     return hq, hs
 
 
@@ -315,7 +320,7 @@ def combine_splits(part: torch.Tensor, ids: torch.Tensor, num_experts: int,
     sh = part if shared is None else shared
     _combine_splits_kernel[(T, triton.cdiv(D, block_d))](
         part, ids, out, sh, T * D, P, D, num_experts, TOPK=k, SPLIT=split, SHARED=shared is not None,
-        SH_SPLIT=sh.shape[0], BLOCK_D=block_d, NATIVE=native(), num_warps=4)
+        SH_SPLIT=sh.shape[0], BLOCK_D=block_d, NATIVE=native(), num_warps=4, **pdl.args(part.device))
     return out
 
 

@@ -41,6 +41,8 @@ from dsv4_backend.kernels._common import (
     check_device, e4m3_decode, native, quant_block_e4m3, round_bf16,
 )
 from dsv4_backend.kernels.fp8_gemv import fp8_row_gemv, row_gemv_applies
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 QBLOCK = 128  # activation and weight scale block along K (and along N for weights)
 NUM_SMS_DEFAULT = 132
@@ -86,7 +88,8 @@ def pick_config(M: int, N: int, K: int, num_sms: int = NUM_SMS_DEFAULT) -> GemmC
 
 @triton.jit
 def _act_quant_kernel(x_ptr, x_sm, q_ptr, s_ptr, M, K, NB,
-                      BLOCK_M: tl.constexpr, NATIVE: tl.constexpr):
+                      BLOCK_M: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
@@ -113,7 +116,7 @@ def act_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block_m = 8
     _act_quant_kernel[(triton.cdiv(M, block_m), nb)](
         x, x.stride(0), xq.view(torch.uint8), xs, M, K, nb, BLOCK_M=block_m, NATIVE=native(),
-        num_warps=4)
+        num_warps=4, **pdl.args(x.device))
     return xq, xs
 
 
@@ -124,9 +127,10 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, NB, a_sm, ws_
                      kb_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                      SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, OUT_BF16: tl.constexpr,
-                     NATIVE: tl.constexpr):
+                     NATIVE: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile over K-blocks [split * kb_per_split, ...). The split's
     partial (or, unsplit, the result) goes to c + split * c_ss."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -210,11 +214,12 @@ def pick_gemv_config(N: int, K: int, num_sms: int = NUM_SMS_DEFAULT, M: int = 1)
 
 @triton.jit
 def _fp8_gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, NB, a_sm, ws_sn, c_ss, kb_per_split,
-                     BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """Rows n of this program over K-blocks [split * kb_per_split, ...), for each of the M rows
     of a in turn (the second and later rows re-read the weight slice from L1 / L2). A block of
     128 is [8, 16] per weight row: each thread's 16-byte load is summed in the thread, the
     block's two scales applied to the eight partial sums, which meet only at the end."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     split = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
@@ -243,8 +248,9 @@ def _fp8_gemv_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, NB, a_sm, ws_
 
 @triton.jit
 def _split_sum_kernel(p_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                      OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+                      OUT_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     """c = sum over splits of the fp32 partials [SPLIT, MN], in split order."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -306,7 +312,7 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, w_scale:
     block = 1024
     _split_sum_kernel[(triton.cdiv(M * N, block),)](
         part, out, M * N, SPLIT=split, BLOCK=block, OUT_BF16=out_dtype == torch.bfloat16,
-        NATIVE=nat, num_warps=4)
+        NATIVE=nat, num_warps=4, **pdl.args(part.device))
     return out
 
 
@@ -350,7 +356,7 @@ def _launch_gemm(xq, xs, w, w_scale, dest, c_ss: int, cfg, kb_per_split: int, ou
             xq.view(torch.uint8), xs, w.view(torch.uint8), w_scale, dest, M, N, K, nb,
             xq.stride(0), w_scale.stride(0), c_ss, kb_per_split,
             BLOCK_N=cfg.block_n, OUT_BF16=out_bf16, NATIVE=native(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(xq.view(torch.uint8).device))
     else:
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), split)
         _fp8_gemm_kernel[grid](
@@ -358,7 +364,7 @@ def _launch_gemm(xq, xs, w, w_scale, dest, c_ss: int, cfg, kb_per_split: int, ou
             xq.stride(0), w_scale.stride(0), c_ss, N, kb_per_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
             EVEN_K=K % QBLOCK == 0, OUT_BF16=out_bf16, NATIVE=native(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.args(xq.view(torch.uint8).device))
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

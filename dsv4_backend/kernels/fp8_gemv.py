@@ -48,6 +48,8 @@ import triton.language as tl
 
 from dsv4_backend.kernels._common import check_device, e4m3_decode, native, quant_block_e4m3, round_bf16
 from dsv4_backend.kernels.kv_store import sm_count
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 QBLOCK = 128
 MODES = {"quant": 0, "codes": 1, "bf16": 2}
@@ -82,7 +84,8 @@ def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
 @triton.jit
 def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation access (pdl.py)
     # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
     n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -172,7 +175,7 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
         N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
         MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
-        OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps)
+        OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps, **pdl.args(x.device))
     return y
 
 
@@ -209,7 +212,8 @@ def w8a16_applies(x: torch.Tensor, rows_per_group: int) -> bool:
 @triton.jit
 def _w8a16_dot_kernel(x_ptr, x_sm, w_ptr, ws_ptr, y_ptr, M, N, K, NB, ws_sn, GROUP_ROWS,
                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      NATIVE: tl.constexpr):
+                      NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # program (i, j): weight rows [i BLOCK_N, ...) (one group's) times activation rows [j BLOCK_M, ...);
     # each 128-block of weights is decoded, scaled (exact in bf16) and fed to one MMA
     n0 = tl.program_id(0) * BLOCK_N
@@ -262,5 +266,5 @@ def fp8_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: i
         _w8a16_dot_kernel[(triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))](
             x, x.stride(0), w.view(torch.uint8), w_scale, y, M, N, Kg, nb, w_scale.stride(0),
             R if groups > 1 else max(N, 1), BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-            NUM_STAGES=cfg.num_stages, NATIVE=native(), num_warps=cfg.num_warps)
+            NUM_STAGES=cfg.num_stages, NATIVE=native(), num_warps=cfg.num_warps, **pdl.args(x.device))
     return y

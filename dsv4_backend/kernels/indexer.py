@@ -29,6 +29,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from dsv4_backend.kernels._common import (
     IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, exp2_int, native, page_geometry, pow2_scale_exp,
 )
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 class IndexerConfig(NamedTuple):
@@ -88,7 +90,8 @@ def _indexer_scores_kernel(
         score_ptr, score_sb, chunk,
         H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_TABLE: tl.constexpr, Q_FP8: tl.constexpr, NATIVE: tl.constexpr,
-        DOT_DTYPE: tl.constexpr, Q_POW2: tl.constexpr):
+        DOT_DTYPE: tl.constexpr, Q_POW2: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     b = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * chunk
     q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE, Q_POW2)
@@ -138,11 +141,12 @@ def _indexer_paged_kernel(
         score_ptr, score_sb, pages_per_prog,
         H: tl.constexpr, BLOCK_H: tl.constexpr, P: tl.constexpr, PAGE_ROWS_2D: tl.constexpr,
         Q_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr, GROUP: tl.constexpr,
-        Q_POW2: tl.constexpr):
+        Q_POW2: tl.constexpr, PDL: tl.constexpr):
     """One program per (request, run of ``pages_per_prog`` table entries). A page is two
     tensor-memory-accelerator copies straight into shared memory, pipelined NUM_STAGES deep:
     its [P, 128] codes (``codes``: the pool seen as [pages * PAGE_ROWS_2D, 128] e4m3) and the P
     fp32 scales that follow them (``scales``: the pool seen as fp32 [pages, 33 P])."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     b = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * pages_per_prog
     q, w = _load_queries(q_ptr, q_sb, q_sh, w_ptr, w_sb, qs_ptr, b, H, BLOCK_H, Q_FP8, DOT_DTYPE, Q_POW2)
@@ -267,7 +271,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
             scores, scores.stride(0), chunk // P,
             H=H, BLOCK_H=H_block, P=P, PAGE_ROWS_2D=page_stride // 128, Q_FP8=q_fp8,
             DOT_DTYPE=dt, NUM_STAGES=config.num_stages,
-            GROUP=config.group or (1 if q_fp8 else 4), Q_POW2=q_pow2, num_warps=config.num_warps)
+            GROUP=config.group or (1 if q_fp8 else 4), Q_POW2=q_pow2, num_warps=config.num_warps, **pdl.args(qv.device))
         return scores
     _indexer_scores_kernel[(b, triton.cdiv(L, chunk))](
         qv, qv.stride(0), qv.stride(1), weights, weights.stride(0), qs,
@@ -275,7 +279,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool: torch.Tensor, *
         scores, scores.stride(0), chunk,
         H=H, BLOCK_H=H_block, BLOCK_N=block_n,
         USE_TABLE=use_table, Q_FP8=q_fp8, NATIVE=native(), DOT_DTYPE=dt, Q_POW2=q_pow2,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.args(qv.device))
     return scores
 
 

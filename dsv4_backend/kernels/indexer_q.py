@@ -29,6 +29,8 @@ from dsv4_backend.kernels._common import (
     check_device, dot_dtype, e4m3_decode, e4m3_encode, exp2_int, native, pow2_scale_exp, round_bf16, rope_pairs,
 )
 from dsv4_backend.kernels.norm_rope import _cos_sin
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 HEAD_DIM = 128
 ROPE_DIM = 64
@@ -37,7 +39,8 @@ HEADS_PER_PROGRAM = 16  # the tensor-core product's smallest M
 
 @triton.jit
 def _indexer_q_kernel(x_ptr, stride_t, pos_ptr, inv_ptr, h_ptr, out_ptr, H,
-                      BH: tl.constexpr, NATIVE: tl.constexpr):
+                      BH: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = (head < H)[:, None]
@@ -89,5 +92,5 @@ def indexer_q(iq: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     if T and H:
         _indexer_q_kernel[(T, triton.cdiv(H, HEADS_PER_PROGRAM))](
             iq, iq.stride(0), positions, inv_freq.to(torch.float32).contiguous(),
-            hadamard.to(dot_dtype()).contiguous(), out, H, BH=HEADS_PER_PROGRAM, NATIVE=native(), num_warps=4)
+            hadamard.to(dot_dtype()).contiguous(), out, H, BH=HEADS_PER_PROGRAM, NATIVE=native(), num_warps=4, **pdl.args(iq.device))
     return out

@@ -30,6 +30,8 @@ from dsv4_backend.kernels._common import (
     IDX_ROW_BYTES, KV_DIM, KV_ROW_BYTES, bf16_bits, check_device, e4m3_decode, e4m3_encode,
     exp2_int, native, page_geometry, pow2_scale_exp, rope_pairs, round_bf16,
 )
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 class FinishConfig(NamedTuple):
@@ -226,7 +228,8 @@ def _finish_kernel(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr
                    pool_ptr, P, page_stride, had_ptr, out_ptr, out_stride, eps,
                    D: tl.constexpr, NT: tl.constexpr, ROWS: tl.constexpr,
                    ROUND_IN: tl.constexpr, ROUND_BF16: tl.constexpr, INDEXER: tl.constexpr,
-                   WRITE_OUT: tl.constexpr, NATIVE: tl.constexpr):
+                   WRITE_OUT: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     first = tl.program_id(0).to(tl.int64) * ROWS
     if any_written(dest_ptr, first, N, ROWS):   # else (a decode graph's masked events) no work
         _finish_rows(x_ptr, x_stride, w_ptr, cos_ptr, sin_ptr, cs_stride, dest_ptr, N, pool_ptr, P, page_stride,
@@ -320,7 +323,7 @@ def finish_rows(pool: torch.Tensor, dest: torch.Tensor, x: torch.Tensor, norm_we
         pool, P, page_stride, had, out_arg, out_arg.stride(0), eps,
         D=d, NT=8 if d == KV_DIM else 2, ROWS=cfg.rows,
         ROUND_IN=round_in, ROUND_BF16=round_bf16,
-        INDEXER=indexer, WRITE_OUT=out is not None, NATIVE=native(), num_warps=cfg.num_warps)
+        INDEXER=indexer, WRITE_OUT=out is not None, NATIVE=native(), num_warps=cfg.num_warps, **pdl.args(x.device))
     return out
 
 
@@ -367,7 +370,8 @@ def kv_store(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, norm_wei
 
 @triton.jit
 def _store_kernel(x_ptr, x_stride, dest_ptr, N, pool_ptr, P, page_stride, ROWS: tl.constexpr,
-                  NATIVE: tl.constexpr):
+                  NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     n, dest, live, x, re, ro = _load_attention_rows(x_ptr, x_stride, dest_ptr, N, tl.program_id(0), ROWS)
     _store_kv_rows(pool_ptr, dest, P, page_stride, x, round_bf16(re, NATIVE), round_bf16(ro, NATIVE),
                    live, NATIVE)
@@ -394,4 +398,4 @@ def kv_store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
         return
     _store_kernel[(triton.cdiv(n, cfg.rows),)](rows, rows.stride(0), slots.contiguous(), n, pool, P,
                                                page_stride, ROWS=cfg.rows, NATIVE=native(),
-                                               num_warps=cfg.num_warps)
+                                               num_warps=cfg.num_warps, **pdl.args(rows.device))

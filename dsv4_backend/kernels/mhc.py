@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import check_device, native, round_bf16
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 class MixWeights(NamedTuple):
@@ -144,7 +146,8 @@ def _check_streams(X: torch.Tensor, what: str) -> None:
 
 @triton.jit
 def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr):
+                        CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # program (i, s): chunk s of K for tokens [i BLOCK_T, (i + 1) BLOCK_T); fn's tile is read once for them.
     # DOT: the chunk's dots as one fp32 tl.dot (IEEE products and sums, BLOCK_T >= 16), else as a
     # broadcast product summed by tl.sum; either sums the chunk's products in some order.
@@ -171,7 +174,8 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: t
 @triton.jit
 def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
                               N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
-                              SP: tl.constexpr, PRE_ONLY: tl.constexpr):
+                              SP: tl.constexpr, PRE_ONLY: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # one program per token: its S partials are loaded as one [SP, ...] tile and summed by tl.sum,
     # a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
     t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]
@@ -251,7 +255,7 @@ def _launch_partials(X, fn, launch: MixLaunch) -> torch.Tensor:
     part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
     _mix_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
         X, fn, part, T, K, S, N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk, BLOCK_T=launch.block_t,
-        DOT=launch.dot, num_warps=launch.num_warps)
+        DOT=launch.dot, num_warps=launch.num_warps, **pdl.args(X.device))
     return part
 
 
@@ -263,7 +267,7 @@ def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, iter
     _mix_from_partials_kernel[(T,)](
         part, scale.contiguous(), base.contiguous(), pre, post, C, T, S, K, float(hc_eps), float(rms_eps),
         N=N, HC=hc, HCP=triton.next_power_of_2(hc), ITERS=iters, SP=triton.next_power_of_2(S),
-        PRE_ONLY=pre_only, num_warps=launch.finalize_warps)
+        PRE_ONLY=pre_only, num_warps=launch.finalize_warps, **pdl.args(part.device))
 
 
 def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
@@ -350,7 +354,8 @@ def mhc_collapse(X: torch.Tensor, pre: torch.Tensor, block_d: int = 256) -> torc
 @triton.jit
 def _expand_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
                    HCP: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr,
-                   NATIVE: tl.constexpr):
+                   NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -394,13 +399,14 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
         _expand_kernel[(T, triton.cdiv(D, block_d))](
             X, f.contiguous(), post.contiguous(), C.contiguous(), out, D,
             HC=hc, HCP=triton.next_power_of_2(hc), BLOCK_D=block_d,
-            ROUND_BF16=X.dtype == torch.bfloat16 and not native(), NATIVE=native(), num_warps=num_warps or 4)
+            ROUND_BF16=X.dtype == torch.bfloat16 and not native(), NATIVE=native(), num_warps=num_warps or 4, **pdl.args(X.device))
     return out
 
 
 @triton.jit
 def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                          ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
+                          ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -433,6 +439,6 @@ def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, 
         block = triton.next_power_of_2(D)
         _collapse_norm_kernel[(T,)](X, pre.contiguous(), weight, out, D, float(eps), HC=hc, BLOCK_D=block,
                                     ROUND_BF16=out_dtype == torch.bfloat16 and not native(), NATIVE=native(),
-                                    num_warps=8 if block >= 2048 else 4)
+                                    num_warps=8 if block >= 2048 else 4, **pdl.args(X.device))
     return out
 

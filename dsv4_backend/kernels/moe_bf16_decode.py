@@ -35,6 +35,7 @@ import triton.language as tl
 
 from dsv4_backend.kernels._common import native, round_bf16
 from dsv4_backend.kernels.fp4_moe_decode import _combine_splits_kernel, _count_same, _nth_pair
+from dsv4_backend.kernels import pdl
 
 ID_CHUNK = 64
 
@@ -174,5 +175,5 @@ def moe_bf16_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
     split = part.shape[0]
     _combine_splits_kernel[(T, triton.cdiv(D, 1024))](part, flat, out, part[0, PR:], P * D, P, D, E, TOPK=k,
                                                       SPLIT=split, SHARED=True, SH_SPLIT=split, BLOCK_D=1024,
-                                                      NATIVE=native(), num_warps=4)
+                                                      NATIVE=native(), num_warps=4, **pdl.args(part.device))
     return out

@@ -26,10 +26,13 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels.fp8_gemm import _num_sms
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 @triton.jit
-def _scores_kernel(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _scores_kernel(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
@@ -50,7 +53,8 @@ def _scores_kernel(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E: tl.constexpr,
 
 @triton.jit
 def _select_kernel(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, E, scale, TOPK: tl.constexpr,
-                   KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr):
+                   KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     emask = e < E
@@ -113,12 +117,12 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if block_e is None:
         block_e = scores_block_e(T, E, _num_sms(x.device))
     _scores_kernel[(T, triton.cdiv(E, block_e))](x, weight, s, E, D, x.stride(0), weight.stride(0),
-                                                 BLOCK_E=block_e, BLOCK_D=512, num_warps=4)
+                                                 BLOCK_E=block_e, BLOCK_D=512, num_warps=4, **pdl.args(x.device))
     hashed = tid2eid is not None
     dummy = s
     _select_kernel[(T,)](s, bias if bias is not None else dummy,
                          tid2eid.contiguous() if hashed else dummy,
                          input_ids.contiguous() if hashed else dummy, ids, w, E, float(scale),
                          TOPK=topk, KP=triton.next_power_of_2(topk), EP=triton.next_power_of_2(E), HASH=hashed,
-                         num_warps=4)
+                         num_warps=4, **pdl.args(s.device))
     return ids, w

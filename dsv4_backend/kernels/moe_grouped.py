@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import check_device, native, round_bf16
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 BLOCK_I = 128   # columns of h a program
 BLOCK_D = 1024  # columns of out a program
@@ -36,7 +38,8 @@ BLOCK_D = 1024  # columns of out a program
 
 @triton.jit
 def _swiglu_rows_kernel(g_ptr, u_ptr, g_sr, u_sr, h_ptr, I, limit, order_ptr, wts_ptr, inv_ptr, valid_ptr,
-                        WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+                        WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     r = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = col < I
@@ -90,13 +93,14 @@ def swiglu_rows(g: torch.Tensor, u: torch.Tensor, limit: float, weights: Optiona
             g, u, g.stride(0), u.stride(0), h, I, float(limit),
             order if order is not None else h, weights if weights is not None else h,
             inv if inv is not None else h, valid_rows if valid_rows is not None else h,
-            WEIGHTED=weights is not None, BLOCK=BLOCK_I, NATIVE=native(), num_warps=4)
+            WEIGHTED=weights is not None, BLOCK=BLOCK_I, NATIVE=native(), num_warps=4, **pdl.args(g.device))
     return h, inv
 
 
 @triton.jit
 def _combine_pairs_kernel(y_ptr, inv_ptr, ids_ptr, sh_ptr, out_ptr, D, E, TOPK: tl.constexpr,
-                          BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+                          BLOCK: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
@@ -128,5 +132,5 @@ def combine_pairs(y: torch.Tensor, inv: torch.Tensor, ids: torch.Tensor, shared:
     if T:
         _combine_pairs_kernel[(T, triton.cdiv(D, BLOCK_D))](
             y.contiguous(), inv.contiguous(), ids.contiguous(), shared.contiguous(), out, D, num_experts,
-            TOPK=k, BLOCK=BLOCK_D, NATIVE=native(), num_warps=4)
+            TOPK=k, BLOCK=BLOCK_D, NATIVE=native(), num_warps=4, **pdl.args(y.contiguous().device))
     return out

@@ -29,6 +29,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsv4_backend.kernels._common import check_device, native, round_bf16, rope_pairs
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 @triton.jit
@@ -53,7 +55,8 @@ def _cos_sin(a, NATIVE: tl.constexpr):
 @triton.jit
 def _norm_rope_kernel(x_ptr, stride_t, stride_h, w_ptr, pos_ptr, inv_ptr, out_ptr, D, rows_per_pos, eps,
                       BLOCK: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr,
-                      INVERSE: tl.constexpr, BF16: tl.constexpr, NATIVE: tl.constexpr):
+                      INVERSE: tl.constexpr, BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # row r = token r // rows_per_pos, head r % rows_per_pos of x [T, rows_per_pos, D] (any
     # token / head strides, last dim contiguous); out is contiguous [T * rows_per_pos, D]
     r = tl.program_id(0).to(tl.int64)
@@ -127,5 +130,5 @@ def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, posit
             positions if rope else dummy, inv_freq.to(torch.float32).contiguous() if rope else dummy,
             out, D, R, float(eps),
             BLOCK=triton.next_power_of_2(D), NORM=norm, HAS_W=weight is not None and norm, ROPE=rope,
-            INVERSE=inverse, BF16=out_dtype == torch.bfloat16, NATIVE=native())
+            INVERSE=inverse, BF16=out_dtype == torch.bfloat16, NATIVE=native(), **pdl.args(x3.device))
     return out

@@ -36,6 +36,8 @@ from dsv4_backend.kernels._common import (
     KV_ROW_BYTES, bf16_from_bytes, check_device, dot_dtype, e4m3_decode, exp2_int, native,
     page_geometry,
 )
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -137,7 +139,8 @@ def _sparse_decode_kernel(
         out_ptr, out_sb, out_sh, lse_ptr,
         po_ptr, plse_ptr, num_splits, tiles_per_split,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HALVES: tl.constexpr,
-        WORD_SCALES: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        WORD_SCALES: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -228,8 +231,9 @@ def _sparse_decode_kernel(
 
 @triton.jit
 def _merge_kernel(po_ptr, plse_ptr, sink_ptr, out_ptr, out_sb, out_sh, lse_ptr, num_heads,
-                  num_splits, BLOCK_S: tl.constexpr):
+                  num_splits, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """Combine the splits' normalised partial outputs of one (request, head), with the sink."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -359,8 +363,8 @@ def sparse_decode(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.T
         po, plse, num_splits, tiles_per_split,
         BLOCK_H=block_h, BLOCK_N=config.block_n, SPLIT=split, HALVES=config.halves,
         WORD_SCALES=config.scales == "word", NATIVE=native(), DOT_DTYPE=dt,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.args(q.device))
     if split:
         _merge_kernel[(b, h)](po, plse, attn_sink, out, out.stride(0), out.stride(1), lse, h,
-                              num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+                              num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **pdl.args(po.device))
     return DecodeAttentionOutput(out, lse)

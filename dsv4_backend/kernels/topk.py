@@ -57,6 +57,8 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.kernels._common import interpreting
+from dsv4_backend.kernels import pdl
+from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 # topk_rows uses the kernels on CUDA tensors; under TRITON_INTERPRET=1 only when a test sets this.
 INTERPRET_KERNELS = False
@@ -176,7 +178,8 @@ def _floor_kernel(bits_ptr, sb, L, seg_len, gmax_ptr, G: tl.constexpr, TILE: tl.
 def _radix_pass_kernel(bits_ptr, sb, L, seg_len, b, k, gmax_ptr, hist_ptr, seg_hist_ptr, nseg,
                        shift, pmask, PASS: tl.constexpr, LAST: tl.constexpr, G: tl.constexpr,
                        FLOOR: tl.constexpr, BITS: tl.constexpr, NBINS: tl.constexpr,
-                       BLOCK: tl.constexpr, SPARSE: tl.constexpr):
+                       BLOCK: tl.constexpr, SPARSE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     row = tl.program_id(0)
     seg = tl.program_id(1)
     v = _floor(gmax_ptr, row, G, FLOOR)
@@ -209,7 +212,8 @@ def _radix_pass_kernel(bits_ptr, sb, L, seg_len, b, k, gmax_ptr, hist_ptr, seg_h
 @triton.jit(do_not_specialize=_DYNAMIC)
 def _compact_kernel(bits_ptr, sb, L, seg_len, b, k, hist_ptr, seg_hist_ptr, nseg, count_ptr,
                     cand_ptr, last_shift, NPASS: tl.constexpr, BITS: tl.constexpr,
-                    NBINS: tl.constexpr, BLOCK: tl.constexpr):
+                    NBINS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     row = tl.program_id(0)
     seg = tl.program_id(1)
     t_u, need = _threshold(hist_ptr, row, b, k, NPASS, BITS, NBINS)
@@ -243,7 +247,8 @@ def _compact_kernel(bits_ptr, sb, L, seg_len, b, k, hist_ptr, seg_hist_ptr, nseg
 
 
 @triton.jit(do_not_specialize=["k", "ob"])
-def _rank_kernel(cand_ptr, k, out_ptr, ob, BI: tl.constexpr, BJ: tl.constexpr):
+def _rank_kernel(cand_ptr, k, out_ptr, ob, BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BI + tl.arange(0, BI)
     keys = cand_ptr + row * k
@@ -294,14 +299,14 @@ def _radix(bits: torch.Tensor, kk: int, config: TopKConfig) -> torch.Tensor:
         _radix_pass_kernel[grid](
             bits, bits.stride(0), L, seg_len, b, kk, gmax, hist, seg_hist, nseg, shifts[p], pmask,
             PASS=p, LAST=p == npass - 1, G=G, FLOOR=use_floor, BITS=nbits, NBINS=nbins,
-            BLOCK=block, SPARSE=config.sparse, num_warps=config.num_warps)
+            BLOCK=block, SPARSE=config.sparse, num_warps=config.num_warps, **pdl.args(bits.device))
     cand = torch.empty(b, kk, dtype=torch.int64, device=dev)
     _compact_kernel[grid](bits, bits.stride(0), L, seg_len, b, kk, hist, seg_hist, nseg, count,
                           cand, shifts[-1], NPASS=npass, BITS=nbits, NBINS=nbins, BLOCK=block,
-                          num_warps=config.num_warps)
+                          num_warps=config.num_warps, **pdl.args(bits.device))
     out = torch.empty(b, kk, dtype=torch.int64, device=dev)
     bi = 64
-    _rank_kernel[(b, triton.cdiv(kk, bi))](cand, kk, out, out.stride(0), BI=bi, BJ=256, num_warps=4)
+    _rank_kernel[(b, triton.cdiv(kk, bi))](cand, kk, out, out.stride(0), BI=bi, BJ=256, num_warps=4, **pdl.args(cand.device))
     return out
 
 

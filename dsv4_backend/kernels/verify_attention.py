@@ -43,6 +43,7 @@ from dsv4_backend.kernels._common import KV_ROW_BYTES, check_device, dot_dtype, 
 from dsv4_backend.kernels.sparse_attention import (
     LOG2E, SCALE_MODES, DecodeAttentionOutput, _load_rows, _merge_kernel, default_num_splits,
 )
+from dsv4_backend.kernels import pdl
 
 
 class VerifyAttentionConfig(NamedTuple):
@@ -267,5 +268,5 @@ def sparse_verify(q: torch.Tensor, swa_pool: torch.Tensor, window_slots: torch.T
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split:
         _merge_kernel[(T, h)](po, plse, attn_sink, out, out.stride(0), out.stride(1), lse, h,
-                              num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+                              num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **pdl.args(po.device))
     return DecodeAttentionOutput(out, lse)

@@ -37,6 +37,15 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def random_packs(gen: torch.Generator) -> tuple[mma.Fp4MmaPack, mma.Fp4MmaPack]:
+    """Flash's w13 and w2 as random release-format FP4 (any nibbles; scale bytes near 2^-4 and
+    2^-6, so the products stay in range) packed for the MMA kernels, on gen's device."""
+    def r(lo, hi, shape):
+        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen, device=gen.device)
+    return (mma.pack_fp4_mma(r(0, 256, (E, 2 * I, D // 2)), r(123, 128, (E, 2 * I, D // 32))),
+            mma.pack_fp4_mma(r(0, 256, (E, D, I // 2)), r(118, 126, (E, D, I // 32))))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1024,2048,4096,8192")
@@ -45,10 +54,7 @@ def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def r(lo, hi, shape):
-        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen, device=dev)
-    p13 = mma.pack_fp4_mma(r(0, 256, (E, 2 * I, D // 2)), r(123, 128, (E, 2 * I, D // 32)))
-    p2 = mma.pack_fp4_mma(r(0, 256, (E, D, I // 2)), r(118, 126, (E, D, I // 32)))
+    p13, p2 = random_packs(gen)
     torch.cuda.empty_cache()
     bw = copy_gbps(dev)
     log(f"{torch.cuda.get_device_name(dev)}: copy bandwidth {bw:.0f} GB/s")

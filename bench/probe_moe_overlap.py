@@ -38,6 +38,7 @@ from _floor import copy_gbps  # noqa: E402
 from dsv4_backend import side_stream  # noqa: E402
 from dsv4_backend.kernels import fp4_mma as mma  # noqa: E402
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm_partials  # noqa: E402
+from probe_fp4_prefill import random_packs  # noqa: E402
 
 E, D, I, TOP = 256, 4096, 2048, 6
 LIMIT = 10.0
@@ -81,10 +82,7 @@ def main() -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def r(lo, hi, shape):
-        return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=gen, device=dev)
-    p13 = mma.pack_fp4_mma(r(0, 256, (E, 2 * I, D // 2)), r(123, 128, (E, 2 * I, D // 32)))
-    p2 = mma.pack_fp4_mma(r(0, 256, (E, D, I // 2)), r(118, 126, (E, D, I // 32)))
+    p13, p2 = random_packs(gen)
 
     def e4m3(n, k):
         return (torch.randn(n, k, generator=gen, device=dev) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)

@@ -4,7 +4,9 @@ With PDL on, a kernel may be scheduled while the one before it drains; a wait pl
 would read the producer's output before it is written: a chain of row GEMVs, each reading the one before's fresh ``torch.empty`` output,
 eager and replayed from a CUDA graph, must equal the chain without PDL bit for bit, and so must an
 Engine's greedy tokens and logprobs (bf16 and FP8/FP4 checkpoints: every decode kernel that takes
-PDL runs in them). CUDA (sm_90+) only: on the CPU and under the interpreter PDL is off.
+PDL runs in them). The NVRTC FP4 MMA kernel, launched through ``pdl.launch_compiled``, inside the
+decode MoE (act-quant -> MMA -> SwiGLU -> MMA -> combine, the shared expert beside it): equal with
+and without PDL, eager and replayed on a new input each time. CUDA (sm_90+) only: on the CPU and under the interpreter PDL is off.
 """
 
 from __future__ import annotations
@@ -12,11 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_backend.checkpoint import save_checkpoint
+from cuda_decode import greedy_decode, write_fp8_checkpoint
 from dsv4_backend.kernels import pdl
-from dsv4_backend.weights import random_weights
-from scheduler_hooks.engine import Engine
-from test_model_runner import CFG
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                                 reason="PDL needs an sm_90+ GPU")
@@ -63,28 +62,40 @@ def test_row_gemv_chain_with_pdl_equals_without(monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("T", [1, 8])
+def test_fp4_mma_moe_with_pdl_equals_without(T, monkeypatch):
+    from dsv4_backend.kernels import fp4_mma as F
+    from test_fp4_mma import _shared_expert_case
+    from test_fp4_moe import LIMIT
+
+    x, ids, wts, packs, _, shared = _shared_expert_case(T)
+
+    def moe():
+        return F.fp4_moe_mma(x, ids, wts, *packs, LIMIT, shared=shared)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    want = moe()
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert torch.equal(moe(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe()
+    g = torch.Generator(device="cuda").manual_seed(T)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda") * 3)   # a stale read would show
+        graph.replay()
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        assert torch.equal(replayed, moe())
+        monkeypatch.setattr(pdl, "ENABLED", True)
+
+
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fp8_pdl")
-    save_checkpoint(d, CFG, random_weights(CFG, seed=3), fmt="fp8", max_shard_bytes=1 << 22)
-    return d
+    return write_fp8_checkpoint(tmp_path_factory.mktemp("fp8_pdl"))
 
 
 def _greedy(monkeypatch, on: bool, model_path=None) -> tuple[list, list]:
     monkeypatch.setattr(pdl, "ENABLED", on)
-    kw = {"model_path": str(model_path)} if model_path else {"preset": "tiny", "config_overrides": {"vocab_size": 1024},
-                                                            "random_weights_on_device": True}
-    eng = Engine(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_total_tokens=8192,
-                 max_running_requests=2, **kw)
-    try:
-        assert eng.runner.cuda_graphs is not None
-        g = torch.Generator().manual_seed(11)
-        prompts = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (250, 61)]
-        outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 14, "temperature": 0.0,
-                                                                "ignore_eos": True}, return_logprob=True)
-    finally:
-        eng.shutdown()
-    return [o["output_ids"] for o in outs], [o["meta_info"]["output_token_logprobs"] for o in outs]
+    return greedy_decode(model_path)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8-fp4"])

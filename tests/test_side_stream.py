@@ -12,20 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_decode import greedy_decode, write_fp8_checkpoint
 from dsv4_backend import side_stream
-from dsv4_backend.checkpoint import save_checkpoint
-from dsv4_backend.weights import random_weights
-from scheduler_hooks.engine import Engine
-from test_model_runner import CFG
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams are CUDA streams")
 
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fp8_side")
-    save_checkpoint(d, CFG, random_weights(CFG, seed=3), fmt="fp8", max_shard_bytes=1 << 22)
-    return d
+    return write_fp8_checkpoint(tmp_path_factory.mktemp("fp8_side"))
 
 
 def _greedy(monkeypatch, on: bool, model_path=None) -> tuple[list, list, int]:
@@ -39,19 +34,8 @@ def _greedy(monkeypatch, on: bool, model_path=None) -> tuple[list, list, int]:
             forks.append(1)
         return enter(self)
     monkeypatch.setattr(side_stream.SideBranch, "__enter__", counting)
-    kw = {"model_path": str(model_path)} if model_path else {"preset": "tiny", "config_overrides": {"vocab_size": 1024},
-                                                            "random_weights_on_device": True}
-    eng = Engine(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_total_tokens=8192,
-                 max_running_requests=2, **kw)
-    try:
-        assert eng.runner.cuda_graphs is not None
-        g = torch.Generator().manual_seed(11)
-        prompts = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (250, 61)]
-        outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 14, "temperature": 0.0,
-                                                                "ignore_eos": True}, return_logprob=True)
-    finally:
-        eng.shutdown()
-    return ([o["output_ids"] for o in outs], [o["meta_info"]["output_token_logprobs"] for o in outs], len(forks))
+    ids, logprobs = greedy_decode(model_path)
+    return ids, logprobs, len(forks)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8-fp4"])

@@ -181,6 +181,13 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
     const long long* __restrict__ order, const long long* __restrict__ blk_e,
     const long long* __restrict__ blk_r0, const long long* __restrict__ offsets) {
     __shared__ int cols[4][PASS];
+#if __CUDA_ARCH__ >= 900
+    // Programmatic dependent launch (kernels/pdl.py): wait for the kernel before this one (it
+    // writes ids and the activations), then let the next one be scheduled. A no-op when the
+    // launch carried no PDL attribute.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.y, split = blockIdx.z;
     int e;

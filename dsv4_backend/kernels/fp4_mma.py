@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4_backend import side_stream
-from dsv4_backend.kernels import fp4_moe_prefill
+from dsv4_backend.kernels import fp4_moe_prefill, pdl
 from dsv4_backend.kernels.fp4_moe import route_pairs
 from dsv4_backend.kernels.fp4_moe_decode import combine_splits, swiglu_quant
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm_partials
@@ -254,10 +254,11 @@ def fp4_gemv_mma(act_q: torch.Tensor, act_s: torch.Tensor, ids: torch.Tensor, pa
         blocks, tables = r.block_expert.numel(), (r.order, r.block_expert, r.block_row0, r.offsets)
     else:
         blocks, tables = P, (ids,) * 4  # unread
-    _kernel(act_q.device.index or 0, config.prefetch, config.groups)(
-        grid=(-(-N // ROWS_PER_CTA), blocks, splits), block=(128, 1, 1),
-        args=[pack.words, pack.scales, act_q.view(torch.uint8), act_s, ids, part,
-              P, E, N, K, row_div, int(ids.dtype == torch.int64), per, int(config.routed), *tables])
+    pdl.launch_compiled(_kernel(act_q.device.index or 0, config.prefetch, config.groups),
+                        (-(-N // ROWS_PER_CTA), blocks, splits), (128, 1, 1),
+                        [pack.words, pack.scales, act_q.view(torch.uint8), act_s, ids, part,
+                         P, E, N, K, row_div, int(ids.dtype == torch.int64), per, int(config.routed), *tables],
+                        act_q.device)
     return part
 
 

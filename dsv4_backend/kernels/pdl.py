@@ -21,9 +21,12 @@ The contract every kernel launched with ``args`` keeps, and why it is safe:
   this kernel's programs are past their wait, so at most one kernel waits beside a running one.
 - Because every PDL kernel waits for the kernel before it, its own completion implies that
   kernel's completion: order stays transitive along the stream. Launches without the attribute
-  (torch ops, cuBLAS, the NVRTC kernels) keep the full ordering in both directions, and so do
+  (torch ops, cuBLAS) keep the full ordering in both directions, and so do
   event edges between streams (``side_stream.py``); under graph capture the attribute becomes a
   programmatic edge of the graph.
+
+The NVRTC kernels (``fp4_mma.cu``) keep the same contract with ``griddepcontrol`` in CUDA C and
+are launched by ``launch_compiled``: ``cuLaunchKernelEx`` with the attribute when ``on``.
 
 Off on the CPU, under the interpreter (no ``griddepcontrol``), before sm_90, and with
 ``DSV4_PDL=0`` (A/B timing): ``args`` then gives False and ``wait`` compiles to nothing.
@@ -32,6 +35,7 @@ The values computed do not change by a bit either way (``tests/test_pdl.py`` on 
 
 from __future__ import annotations
 
+import ctypes
 import os
 from functools import lru_cache
 
@@ -69,3 +73,53 @@ def wait(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# ---- NVRTC kernels (torch.cuda._compile_kernel) ---------------------------------------------
+
+# cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, and the driver's launch structs
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # id (an enum), padding to 8 bytes, then the 64-byte value union (an int for this attribute)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _c_arg(a):
+    if isinstance(a, torch.Tensor):
+        return ctypes.c_void_p(a.data_ptr())
+    if isinstance(a, bool) or not isinstance(a, int):
+        raise TypeError(f"launch_compiled: tensors and ints only, got {type(a).__name__}")
+    return ctypes.c_int(a)
+
+
+def launch_compiled(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
+                    device: torch.device) -> None:
+    """Launch a ``torch.cuda._compile_kernel`` kernel on the current stream: with the PDL
+    attribute through ``cuLaunchKernelEx`` when ``on(device)`` (the kernel must then begin with
+    ``griddepcontrol.wait`` and ``launch_dependents``, as ``wait`` does), else as torch launches
+    it. Arguments: CUDA tensors (passed as pointers) and Python ints (C ints)."""
+    if not on(device):
+        kernel(grid=grid, block=block, args=args)
+        return
+    from torch.cuda._utils import _get_gpu_runtime_library
+    values = [_c_arg(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(*grid, *block, 0, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
+                           ctypes.pointer(attr), 1)
+    lib = _get_gpu_runtime_library()
+    err = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
+    if err != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(err, ctypes.byref(msg))
+        raise RuntimeError(f"cuLaunchKernelEx failed: {(msg.value or b'error %d' % err).decode()}")

@@ -314,7 +314,12 @@ class Attention(nn.Module):
 
     def _indexer_head_weights(self, x: torch.Tensor) -> torch.Tensor:
         ix = self.indexer
-        return ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+        scale = ix.head_dim ** -0.5 * ix.n_heads ** -0.5
+        w = ix.weights_proj.weight
+        if gemv_applies(x, w, x.dtype, least=1):    # one row: the product and the scale in one launch
+            from .kernels.bf16_gemv import bf16_gemv
+            return bf16_gemv(x.reshape(1, -1), w, scale=scale).view(*x.shape[:-1], w.shape[0])
+        return ix.weights_proj(x) * scale
 
     def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, w: torch.Tensor, comp: CompressorInput,
                         positions: torch.Tensor) -> IndexerInput:

@@ -3,7 +3,8 @@
 On a machine without CUDA it runs under TRITON_INTERPRET=1 (tests/conftest.py). Bound: the
 products of bf16 values are exact in fp32 and the K-term sum in any order is within
 ``gamma(K) sum |x w|`` of exact (tests/bounds.py); the bf16 store adds half a step of the result:
-``|y - y64| <= gamma(K) sum |x w| (1 + BF16_HALF) + BF16_HALF |y64|``.
+``|y - y64| <= gamma(K) sum |x w| (1 + BF16_HALF) + BF16_HALF |y64|``; a float32 output (the
+compressors' projections) is the fp32 sum itself, within ``gamma(K) sum |x w|``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,32 @@ def test_one_row_against_float64(N, K, block_n):
     check(x, w, config=GemvConfig(block_n=block_n, block_k=128))   # several K steps, a partial last block
 
 
+@pytest.mark.parametrize("N, K, config", [(40, 200, GemvConfig(block_n=8, block_k=128)),
+                                          (6, 300, GemvConfig(block_n=2, block_k=256, num_warps=2))])
+def test_float32_output_against_float64(N, K, config):
+    g = torch.Generator().manual_seed(3 * N + K)
+    x = torch.randn(1, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    y = bf16_gemv(x.to(DEV), w.to(DEV), config=config, out_dtype=torch.float32).cpu()
+    assert y.dtype == torch.float32 and y.shape == (1, N)
+    mag = x.double().abs() @ w.double().abs().T
+    assert_within(y, x.double() @ w.double().T, gamma(K) * mag, "gemv fp32 out")
+    # the bf16 output is this sum rounded once
+    assert torch.equal(bf16_gemv(x.to(DEV), w.to(DEV), config=config).cpu(), y.bfloat16())
+
+
+def test_scaled_output_is_the_bf16_product_times_the_scale():
+    """``scale`` gives what the indexer's ``weights_proj(x) * scale`` gives: the bf16 result times
+    the scalar in fp32, rounded to bf16 again."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 192, generator=g).bfloat16().to(DEV)
+    w = torch.randn(12, 192, generator=g).bfloat16().to(DEV)
+    scale = 128 ** -0.5 * 64 ** -0.5
+    cfg = GemvConfig(block_n=4, block_k=64)
+    want = (bf16_gemv(x, w, config=cfg).float() * torch.tensor(scale, dtype=torch.float32)).bfloat16()
+    assert torch.equal(bf16_gemv(x, w, config=cfg, scale=scale), want)
+
+
 def test_grouped_rows_read_their_group_of_columns():
     g = torch.Generator().manual_seed(5)
     G, R, Kg = 4, 16, 96
@@ -57,6 +84,10 @@ def test_bad_inputs_are_named():
         bf16_gemv(x, w)
     with pytest.raises(ValueError, match="2-D bf16"):
         bf16_gemv(x[:1].float(), w)
+    with pytest.raises(ValueError, match="bf16 or float32"):
+        bf16_gemv(x[:1], w, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="scale is for a bf16 output"):
+        bf16_gemv(x[:1], w, out_dtype=torch.float32, scale=0.5)
     with pytest.raises(ValueError, match="must divide"):
         bf16_gemv(torch.zeros(1, 4 * 16, dtype=torch.bfloat16, device=DEV), w[:24, :16], groups=4,
                   config=GemvConfig(block_n=4))
@@ -68,8 +99,9 @@ def test_model_dispatch(monkeypatch):
     from dsv4_backend.layers import linear as lin
     calls = []
     real = lin.gemv_applies
-    monkeypatch.setattr(lin, "gemv_applies", lambda x, w, dt: calls.append(x.shape) or (
-        x.dtype == w.dtype == dt == torch.bfloat16 and x.numel() == x.shape[-1] and w.shape[0] >= 32))
+    monkeypatch.setattr(lin, "gemv_applies", lambda x, w, dt, least=None: calls.append(x.shape) or (
+        x.dtype == w.dtype == torch.bfloat16 and dt in (torch.bfloat16, torch.float32)
+        and x.numel() == x.shape[-1] and w.shape[0] >= 32))
     g = torch.Generator().manual_seed(9)
     w = torch.randn(48, 64, generator=g).bfloat16().to(DEV)
     x = torch.randn(1, 64, generator=g).bfloat16().to(DEV)
@@ -77,6 +109,9 @@ def test_model_dispatch(monkeypatch):
     x3 = torch.randn(3, 64, generator=g).bfloat16().to(DEV)
     assert torch.equal(lin.dense_linear(x3, w), torch.nn.functional.linear(x3, w))
     assert len(calls) == 2 and real is not lin.gemv_applies
+    # float32 out (a compressor's projections of a bf16 row): the GEMV's fp32 sums
+    assert torch.equal(lin.dense_linear(x, w, torch.float32), bf16_gemv(x, w, out_dtype=torch.float32))
+    assert torch.equal(lin.dense_linear(x3, w, torch.float32), torch.nn.functional.linear(x3.float(), w.float()))
 
     # the grouped output projection: wo_a by the GEMV, then wo_b, against the einsum path's bound
     from types import SimpleNamespace

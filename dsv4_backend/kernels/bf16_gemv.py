@@ -9,6 +9,14 @@ element-wise in fp32 registers (the bf16 MoE decode GEMV's pattern, ~89% of copy
 1); the sum is rounded to bf16 once, as a bf16 GEMM with fp32 accumulation stores it.
 Only the order of the fp32 sum differs from cuBLAS (``tests/test_bf16_gemv.py`` bounds it).
 
+float32 out (``out_dtype``): the fp32 sum stored as it is, what ``torch.mm(..., out_dtype=float32)``
+computes for the compressors' projections of a bf16 row (``layers/fp32_products.py``); cuBLAS
+runs those at one row as a split-K GEMM and a reduction, two launches that take no programmatic
+dependent launch (``pdl.py``), this one launch does.
+
+``scale`` (bf16 out): ``y`` rounded to bf16, times the scalar in fp32 and rounded again, what
+``bf16_linear(x) * scale`` gives in torch (the indexer's head weights) without the extra launch.
+
 Grouped (``wo_a``): W ``[G * R, Kg]`` holds G groups of R rows; group g's rows multiply x's
 columns ``g Kg .. (g + 1) Kg`` (``einsum("tgi,gri->tgr")`` with x viewed ``[1, G, Kg]``).
 """
@@ -35,13 +43,18 @@ class GemvConfig(NamedTuple):
 
 
 def gemv_config(N: int, sms: int) -> GemvConfig:
-    """16 rows a program where that still gives two programs per SM, else 8."""
-    return GemvConfig(block_n=16 if N >= 32 * sms else 8)
+    """16 rows a program where that still gives two programs per SM, else 8; fewer below 1024
+    rows (a compressor's narrow projections, the indexer's 64 head weights), for more programs
+    streaming."""
+    if N < 256:
+        return GemvConfig(block_n=2, block_k=256, num_warps=2)
+    return GemvConfig(block_n=16 if N >= 32 * sms else 8 if N >= 1024 else 4)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w_sr, y_ptr, N, K, GROUP_ROWS,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, w_sr, y_ptr, N, K, GROUP_ROWS, scale,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, NATIVE: tl.constexpr,
+                 OUT_FP32: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W times x's columns of their group; the
     # products accumulate element-wise in fp32 and are summed once at the end
@@ -57,14 +70,22 @@ def _gemv_kernel(x_ptr, w_ptr, w_sr, y_ptr, N, K, GROUP_ROWS,
         w = tl.load(rows + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(xg + k0 + kk, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = round_bf16(tl.sum(acc, axis=1), NATIVE)   # rounded here: the interpreter's cast truncates
-    tl.store(y_ptr + n, y.to(tl.bfloat16), mask=n_ok)
+    y = tl.sum(acc, axis=1)
+    if OUT_FP32:
+        tl.store(y_ptr + n, y, mask=n_ok)
+    else:
+        y = round_bf16(y, NATIVE)   # rounded here: the interpreter's cast truncates
+        if SCALED:
+            y = round_bf16(y * scale, NATIVE)
+        tl.store(y_ptr + n, y.to(tl.bfloat16), mask=n_ok)
 
 
-def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvConfig | None = None) -> torch.Tensor:
+def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvConfig | None = None,
+              out_dtype: torch.dtype = torch.bfloat16, scale: float | None = None) -> torch.Tensor:
     """``x @ w^T`` for one row (``groups`` = 1), or the grouped product (x ``[1, groups * Kg]``, w
     ``[groups * R, Kg]`` -> ``[1, groups * R]``: group g's rows times x's g-th Kg columns), bf16
-    in and out, fp32 sums. w: row-contiguous."""
+    in, fp32 sums, out in ``out_dtype`` (bf16 or float32). w: row-contiguous. ``scale`` (bf16
+    out only): the bf16 result times it, rounded to bf16 again."""
     if x.dim() != 2 or w.dim() != 2 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise ValueError(f"bf16_gemv: x and w must be 2-D bf16, got {x.dtype} {tuple(x.shape)} and "
                          f"{w.dtype} {tuple(w.shape)}")
@@ -75,6 +96,10 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvCon
                          f"{groups} group(s)")
     if w.stride(1) != 1:
         raise ValueError("bf16_gemv: w needs contiguous rows")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"bf16_gemv: out_dtype must be bf16 or float32, got {out_dtype}")
+    if scale is not None and out_dtype != torch.bfloat16:
+        raise ValueError("bf16_gemv: scale is for a bf16 output")
     check_device(x, w)
     if config is None:
         config = gemv_config(N, sm_count(x.device))
@@ -82,10 +107,10 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvCon
     if groups > 1 and R % config.block_n:
         raise ValueError(f"bf16_gemv: block_n {config.block_n} must divide a group's {R} rows")
     x = x.contiguous()
-    y = torch.empty(1, N, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(1, N, dtype=out_dtype, device=x.device)
     if N:
         _gemv_kernel[(triton.cdiv(N, config.block_n),)](
-            x, w, w.stride(0), y, N, Kg, R if groups > 1 else max(N, 1),
+            x, w, w.stride(0), y, N, Kg, R if groups > 1 else max(N, 1), 1.0 if scale is None else float(scale),
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, NATIVE=native(),
-            num_warps=config.num_warps, **pdl.args(x.device))
+            OUT_FP32=out_dtype == torch.float32, SCALED=scale is not None, num_warps=config.num_warps, **pdl.args(x.device))
     return y

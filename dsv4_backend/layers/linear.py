@@ -169,7 +169,10 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dty
 # GEMV (kernels/bf16_gemv.py) instead of cuBLAS; DSV4_BF16_GEMV=0 keeps cuBLAS (for A/B timing).
 # With a float32 output (the compressors' projections of a bf16 row) from GEMV_MIN_FEATURES_FP32:
 # cuBLAS's split-K GEMM and reduction are two launches outside programmatic dependent launch.
+# Off by default (DSV4_BF16_GEMV_FP32=1 turns them on) until measured on the GPU: that path, with
+# the indexer's scaled head weights (model.Attention), was written in session 18 and not yet run there.
 USE_BF16_GEMV = os.environ.get("DSV4_BF16_GEMV", "1") != "0"
+USE_BF16_GEMV_FP32 = os.environ.get("DSV4_BF16_GEMV_FP32", "0") != "0"
 GEMV_MIN_FEATURES = 1024
 GEMV_MIN_FEATURES_FP32 = 256
 
@@ -181,6 +184,8 @@ def gemv_applies(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, least
     if least is None:
         least = {torch.bfloat16: GEMV_MIN_FEATURES, torch.float32: GEMV_MIN_FEATURES_FP32}.get(out_dtype)
     elif out_dtype not in (torch.bfloat16, torch.float32):
+        least = None
+    if out_dtype == torch.float32 and not USE_BF16_GEMV_FP32:
         least = None
     return (USE_BF16_GEMV and least is not None and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
             and x.numel() == x.shape[-1] and w.dim() == 2 and w.stride(1) == 1 and w.shape[0] >= least)

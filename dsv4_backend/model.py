@@ -48,7 +48,7 @@ from .config import DSV4Config, RopeScaling
 from .layers.head import LogitsHead
 from .layers.linear import (
     Fp4Expert, Fp4ExpertStack, Fp8Linear, Fp8WeightOnlyLinear, dense_linear, gemv_applies, row_stack_of,
-    USE_BF16_GEMV_FP32, shared_input, stack_rows,
+    USE_BF16_GEMV_ALL, shared_input, stack_rows,
 )
 from .side_stream import SideBranch
 from .weights import model_tensors
@@ -316,7 +316,7 @@ class Attention(nn.Module):
         ix = self.indexer
         scale = ix.head_dim ** -0.5 * ix.n_heads ** -0.5
         w = ix.weights_proj.weight
-        if USE_BF16_GEMV_FP32 and gemv_applies(x, w, x.dtype, least=1):    # one row: product and scale, one launch
+        if USE_BF16_GEMV_ALL and gemv_applies(x, w, x.dtype, least=1):    # one row: product and scale, one launch
             from .kernels.bf16_gemv import bf16_gemv
             return bf16_gemv(x.reshape(1, -1), w, scale=scale).view(*x.shape[:-1], w.shape[0])
         return ix.weights_proj(x) * scale

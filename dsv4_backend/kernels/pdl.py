@@ -94,6 +94,9 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+_PDL_ATTRIBUTE = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)   # read by the driver only
+
+
 def _c_arg(a):
     if isinstance(a, torch.Tensor):
         return ctypes.c_void_p(a.data_ptr())
@@ -114,9 +117,8 @@ def launch_compiled(kernel, grid: tuple[int, int, int], block: tuple[int, int, i
     from torch.cuda._utils import _get_gpu_runtime_library
     values = [_c_arg(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig(*grid, *block, 0, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
-                           ctypes.pointer(attr), 1)
+                           ctypes.pointer(_PDL_ATTRIBUTE), 1)
     lib = _get_gpu_runtime_library()
     err = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
     if err != 0:

@@ -157,7 +157,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dty
     bf16 weight on CUDA (the head's logits, the compressors' projections) reads w as stored
     instead: :func:`.fp32_products.fp32_linear`, the same products without an fp32 copy of w."""
     out_dtype = out_dtype or x.dtype
-    if gemv_applies(x, w, out_dtype):
+    if gemv_applies(x, w, out_dtype, GEMV_MIN_FEATURES_FP32 if out_dtype == torch.float32 else GEMV_MIN_FEATURES):
         from dsv4_backend.kernels.bf16_gemv import bf16_gemv
         return bf16_gemv(x.reshape(1, -1), w, out_dtype=out_dtype).view(*x.shape[:-1], w.shape[0])
     if out_dtype == torch.float32 and fp32_applies(x, w):
@@ -167,27 +167,21 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dty
 
 # A bf16 projection of one row on CUDA, at least this many output features, runs as one Triton
 # GEMV (kernels/bf16_gemv.py) instead of cuBLAS; DSV4_BF16_GEMV=0 keeps cuBLAS (for A/B timing).
-# With a float32 output (the compressors' projections of a bf16 row) from GEMV_MIN_FEATURES_FP32:
-# cuBLAS's split-K GEMM and reduction are two launches outside programmatic dependent launch.
-# Off by default (DSV4_BF16_GEMV_FP32=1 turns them on) until measured on the GPU: that path, with
-# the indexer's scaled head weights (model.Attention), was written in session 18 and not yet run there.
+# DSV4_BF16_GEMV_ALL=1 also sends the one-row products cuBLAS still runs outside programmatic
+# dependent launch to it: the compressors' float32 projections (split-K GEMM + reduction) from
+# GEMV_MIN_FEATURES_FP32 rows, and the indexer's scaled head weights (model.Attention). Off by
+# default until measured on the GPU (written in session 18, when no machine could be had).
 USE_BF16_GEMV = os.environ.get("DSV4_BF16_GEMV", "1") != "0"
-USE_BF16_GEMV_FP32 = os.environ.get("DSV4_BF16_GEMV_FP32", "0") != "0"
+USE_BF16_GEMV_ALL = os.environ.get("DSV4_BF16_GEMV_ALL", "0") != "0"
 GEMV_MIN_FEATURES = 1024
 GEMV_MIN_FEATURES_FP32 = 256
 
 
-def gemv_applies(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, least: Optional[int] = None) -> bool:
-    """Whether ``x @ w^T`` takes the one-row bf16 GEMV: CUDA, bf16 x and w, one row of x, w
-    row-contiguous with at least ``least`` rows (default GEMV_MIN_FEATURES for a bf16 output,
-    GEMV_MIN_FEATURES_FP32 for a float32 one)."""
-    if least is None:
-        least = {torch.bfloat16: GEMV_MIN_FEATURES, torch.float32: GEMV_MIN_FEATURES_FP32}.get(out_dtype)
-    elif out_dtype not in (torch.bfloat16, torch.float32):
-        least = None
-    if out_dtype == torch.float32 and not USE_BF16_GEMV_FP32:
-        least = None
-    return (USE_BF16_GEMV and least is not None and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
+def gemv_applies(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, least: int = GEMV_MIN_FEATURES) -> bool:
+    """Whether ``x @ w^T`` takes the one-row bf16 GEMV: CUDA, bf16 x and w, a bf16 output (or a
+    float32 one, with USE_BF16_GEMV_ALL), one row of x, w row-contiguous with at least ``least`` rows."""
+    out_ok = out_dtype == torch.bfloat16 or (USE_BF16_GEMV_ALL and out_dtype == torch.float32)
+    return (USE_BF16_GEMV and out_ok and x.is_cuda and x.dtype == w.dtype == torch.bfloat16
             and x.numel() == x.shape[-1] and w.dim() == 2 and w.stride(1) == 1 and w.shape[0] >= least)
 
 

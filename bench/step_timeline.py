@@ -41,6 +41,7 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
     count = defaultdict(int)
     eager_names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     graph_names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    added: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])   # graph kernels: span they add
     gaps: list[tuple[float, str, str]] = []
     end, last = None, ""
     for e in gpu:
@@ -56,6 +57,10 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
         n[1] += e["dur"]
         if end is not None and e["ts"] > end:
             gaps.append((e["ts"] - end, last, e.get("name", "?")[:60]))
+        if kind == "graph":   # how far this kernel pushes the GPU's end of work (idle before it included)
+            a = added[e.get("name", "?")[:90]]
+            a[0] += 1
+            a[1] += e["ts"] + e["dur"] - (e["ts"] if end is None else min(end, e["ts"] + e["dur"]))
         end = max(end or e["ts"], e["ts"] + e["dur"])
         last = e.get("name", "?")[:60]
     span = (end - gpu[0]["ts"]) if gpu else 0.0
@@ -72,6 +77,9 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
         "largest_gaps_us": [(round(g, 1), a, b) for g, a, b in sorted(gaps, reverse=True)[:top]],
         "outside_graph_by_name": _by_time(eager_names, steps, top),
         "graph_kernels_by_name": _by_time(graph_names, steps, len(graph_names)),   # all: which launch is whose
+        # what each graph kernel adds to the span (its end past every earlier activity's): these sum to
+        # the graph's share of the span and, unlike the durations, do not overlap under PDL
+        "graph_kernels_by_added_span": _by_time(added, steps, len(added)),
         "classified": bool(launched_by),
     }
 
@@ -122,6 +130,9 @@ def print_timeline(rep: dict[str, Any], indent: str = "  ") -> None:
     print(f"{indent}  busy per step: " + ", ".join(f"{k} {v:.3f} ms ({acts.get(k, 0):.0f})" for k, v in sorted(busy.items())))
     print(f"{indent}  graph kernels by name, per step{_PDL_NOTE if pdl.ENABLED else ''}:")
     for name, n, ms in rep.get("graph_kernels_by_name", []):
+        print(f"{indent}    {ms * 1e3:8.1f} us  x{n:<5.1f} {name}")
+    print(f"{indent}  graph kernels by the span each adds (its end past all earlier work), per step:")
+    for name, n, ms in rep.get("graph_kernels_by_added_span", []):
         print(f"{indent}    {ms * 1e3:8.1f} us  x{n:<5.1f} {name}")
     print(f"{indent}  outside the graph, per step:")
     for name, n, ms in rep["outside_graph_by_name"]:

@@ -39,6 +39,10 @@ def test_classifies_by_launching_call_and_finds_gaps():
     assert rep["graph_kernels_by_name"] == [("layer_a", 0.5, pytest.approx(25e-3)),
                                             ("layer_b", 0.5, pytest.approx(15e-3)),
                                             ("head", 0.5, pytest.approx(10e-3))]
+    # the span each graph kernel adds: head's 20 us with the 8 us idle before it counted
+    assert rep["graph_kernels_by_added_span"] == [("layer_a", 0.5, pytest.approx(25e-3)),
+                                                  ("layer_b", 0.5, pytest.approx(15e-3)),
+                                                  ("head", 0.5, pytest.approx(14e-3))]
 
 
 def test_overlapping_activities_are_not_gaps():
@@ -47,3 +51,16 @@ def test_overlapping_activities_are_not_gaps():
                          {"cat": "kernel", "name": "c", "ts": 9.0, "dur": 1.0, "args": {}}]}
     rep = summarize(t, steps=1, wall_s=1e-5)
     assert rep["idle_ms_per_step"] == 0.0 and not rep["classified"]
+
+
+def test_added_span_counts_overlapping_kernels_once():
+    """Under PDL a kernel starts before the one it waits for has ended: each adds only its end past the
+    earlier ones', so the additions sum to the span."""
+    g = lambda name, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                               "args": {"correlation": 1}}
+    t = {"traceEvents": [{"cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 1}},
+                         g("a", 0.0, 10.0), g("b", 2.0, 12.0), g("c", 3.0, 5.0), g("d", 20.0, 2.0)]}
+    rep = summarize(t, steps=1, wall_s=1e-5)
+    added = {n: ms * 1e3 for n, _, ms in rep["graph_kernels_by_added_span"]}
+    assert added == pytest.approx({"a": 10.0, "b": 4.0, "c": 0.0, "d": 8.0})
+    assert sum(added.values()) == pytest.approx(rep["gpu_span_ms_per_step"] * 1e3)

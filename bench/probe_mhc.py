@@ -10,7 +10,9 @@ at T = 1, 4, 17, 32 and 64 tokens:
   four streams runs in another order shows as DIFFERS);
 - ``mhc_mix_from_streams`` (split-K partial dots with ``fn`` [24, 16384] fp32, then the Sinkhorn
   finalize) at each tokens-per-program x ``num_warps`` (the same chunks, so the same partials up to
-  the order of a chunk's 128-term sum), with its largest difference from the default's outputs.
+  the order of a chunk's 128-term sum), with its largest difference from the default's outputs;
+- a sub-layer boundary (expand, then the next mix and collapse-norm) in four launches against three,
+  the expand computing the next mix's partials (``mhc_expand_partials``).
 
 Each figure is a CUDA graph of 20 calls on the same inputs, replayed, divided by 20: the inputs
 stay in L2, as they are in the step (the previous kernel just wrote them).
@@ -145,16 +147,46 @@ def probe_sublayer(T: int, results: list) -> None:
     results.extend(r for r in rows if r["kernel"] == "partials")
 
 
+def probe_boundary(T: int, results: list) -> None:
+    """A sub-layer boundary as the model runs it (the expand of one sub-layer's output, then the next
+    sub-layer's mix and input): ``mhc_expand`` + ``mhc_mix_from_streams`` + ``mhc_collapse_norm`` (four
+    launches) against ``mhc_expand_partials`` + ``mhc_mix_finalize`` + ``mhc_collapse_norm`` (three)."""
+    g, args = mix_args(T, 300 + T)
+    X, fn_w, scale, base = args[:4]
+    f = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    post = torch.rand(T, HC, device="cuda", generator=g) * 2
+    C = torch.rand(T, HC, HC, device="cuda", generator=g)
+    w = torch.rand(D, device="cuda", generator=g).to(torch.bfloat16)
+
+    def separate():
+        Xn = mhc.mhc_expand(X, f, post, C)
+        mix = mhc.mhc_mix_from_streams(Xn, *args[1:])
+        return mix, mhc.mhc_collapse_norm(Xn, mix.pre, w, 1e-6, torch.bfloat16)
+
+    def fused():
+        Xn, part = mhc.mhc_expand_partials(X, f, post, C, fn_w)
+        mix = mhc.mhc_mix_finalize(part, HC * D, scale, base, HC, 20, 1e-6, 1e-6)
+        return mix, mhc.mhc_collapse_norm(Xn, mix.pre, w, 1e-6, torch.bfloat16)
+
+    (m1, y1), (m2, y2) = separate(), fused()
+    diff = max([float((a - b).abs().max()) for a, b in zip(m1, m2)] + [float((y1 - y2).float().abs().max())])
+    row = dict(kernel="boundary", tokens=T, separate_us=graph_us(separate), fused_us=graph_us(fused), max_diff=diff)
+    results.append(row)
+    print(f"sub-layer boundary T={T}: four launches {row['separate_us']:.2f} us, expand + partials fused "
+          f"{row['fused_us']:.2f} us, max diff {diff:.1e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,4,17,32,64")
-    ap.add_argument("--parts", default="expand,mix,sublayer", help="which probes to run (comma-separated)")
+    ap.add_argument("--parts", default="expand,mix,sublayer,boundary", help="which probes to run (comma-separated)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     results: list = []
     parts = set(args.parts.split(","))
     for T in (int(v) for v in args.tokens.split(",")):
-        for name, probe in (("expand", probe_expand), ("mix", probe_mix), ("sublayer", probe_sublayer)):
+        for name, probe in (("expand", probe_expand), ("mix", probe_mix), ("sublayer", probe_sublayer),
+                            ("boundary", probe_boundary)):
             if name in parts:
                 probe(T, results)
     if args.out:

@@ -292,10 +292,15 @@ class Attention(nn.Module):
                 raws = self._compressor_inputs(x)
                 head_w = self._indexer_head_weights(x) if index else None
         qa, kv = shared_input(x, self.wq_a, self.wkv)
-        qr = self.q_norm(qa)
+        if _norm_rope_kernel_applies(qa) and kv.dtype == qa.dtype:    # q_lora norm, kv norm + RoPE: one launch
+            from .kernels.norm_rope import norm_pair
+            qr, kv = norm_pair(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight, eps, positions,
+                               self.rope.inv_freq_on(x.device))
+        else:
+            qr = self.q_norm(qa)
+            kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
         qb, iq = shared_input(qr, self.wq_b, self.indexer.wq_b) if index else (self.wq_b(qr), None)
         q = self.rope.norm_apply(qb.view(T, H, hd), None, eps, positions)
-        kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
         if compress:
             branch.join()    # x, the branch's input, is still referenced here
             comp = raws[0]
@@ -699,6 +704,41 @@ def hc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, out_dtyp
     return norm(hc_collapse(X, pre), out_dtype)
 
 
+# At decode sizes (below the mix's tl.dot threshold) a sub-layer boundary's expand on CUDA also
+# computes the next mix's split-K partials of the streams it writes (kernels/mhc.py,
+# mhc_expand_partials): three launches (expand + partials, finalize, collapse + norm) where there
+# were four. DSV4_MHC_FUSED=0 keeps the four (A/B timing).
+USE_MHC_FUSED = os.environ.get("DSV4_MHC_FUSED", "1") != "0"
+
+
+def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                      base: torch.Tensor, norm: RMSNorm,
+                      part: Optional[torch.Tensor] = None) -> tuple[HCMix, torch.Tensor]:
+    """A sub-layer's mix of the streams ``X [T, hc, D]`` and its input ``norm(sum_j pre_j X_j)`` in
+    X's dtype. ``part``: the mix's split-K partials of X, where the expand that wrote X computed
+    them (``hc_expand_partials``)."""
+    if part is not None:
+        from .kernels.mhc import mhc_mix_finalize
+        mix = HCMix(*mhc_mix_finalize(part, X.shape[1] * X.shape[2], scale, base, cfg.hc_mult,
+                                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps))
+    else:
+        mix = hc_mix_weights(cfg, X, fn, scale, base)
+    return mix, hc_collapse_norm(X, mix.pre, norm, X.dtype)
+
+
+def hc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
+                       next_fn: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``hc_expand``, and the split-K partials of the next mix (``next_fn``: its fn; None: no mix
+    follows) from the same launch where that mix would take them from the streams at a size below
+    the tl.dot partials'; else None for them."""
+    if (next_fn is not None and USE_MHC_FUSED and C.dtype == torch.float32 and _mhc_kernels_apply(X)
+            and _mix_from_streams(X, next_fn)):
+        from .kernels import mhc
+        if X.shape[0] < mhc.MIX_DOT_MIN_TOKENS and mhc.expand_partials_apply(X, next_fn):
+            return mhc.mhc_expand_partials(X.contiguous(), f, post, C, next_fn)
+    return hc_expand(X, f, post, C), None
+
+
 def hc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     # X'_k = post_k f + sum_j C[j, k] X_j, mixed in C's precision; the streams keep X's dtype
     if _mhc_kernels_apply(X) and C.dtype == torch.float32:
@@ -723,13 +763,32 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer_id, ratio, quantized)
         self.ffn = MoE(cfg, hash_routed, quantized)
 
-    def forward(self, X, input_ids, positions, backend, meta):
-        pre, post, C = hc_mix_weights(self.cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        f = self.attn(hc_collapse_norm(X, pre, self.attn_norm, X.dtype), positions, backend, meta)
-        X = hc_expand(X, f, post, C)
-        pre, post, C = hc_mix_weights(self.cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        f = self.ffn(hc_collapse_norm(X, pre, self.ffn_norm, X.dtype), input_ids)
-        return hc_expand(X, f, post, C)
+    def forward(self, X, input_ids, positions, backend, meta, carry: Optional["HCCarry"] = None):
+        """Streams ``X [T, hc, D]`` -> the block's new streams. ``carry`` (DSV4Model.forward): the
+        attention mix's split-K partials of X where the block before computed them, replaced by the
+        next block's (``hc_expand_partials``)."""
+        cfg = self.cfg
+        part = carry.part if carry is not None else None
+        mix, x = hc_sublayer_input(cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm, part)
+        f = self.attn(x, positions, backend, meta)
+        X, part = hc_expand_partials(X, f, mix.post, mix.C, self.hc_ffn_fn)
+        mix, x = hc_sublayer_input(cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm, part)
+        f = self.ffn(x, input_ids)
+        X, part = hc_expand_partials(X, f, mix.post, mix.C, carry.next_fn if carry is not None else None)
+        if carry is not None:
+            carry.part = part
+        return X
+
+
+class HCCarry:
+    """What one block hands the next across their boundary: ``part``, the split-K partials of the
+    streams it returns for the next block's attention mix (None: not computed), and ``next_fn``,
+    that mix's fn, which the block's last expand multiplies into ``part``."""
+    __slots__ = ("part", "next_fn")
+
+    def __init__(self) -> None:
+        self.part: Optional[torch.Tensor] = None
+        self.next_fn: Optional[torch.Tensor] = None
 
 
 def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch.Tensor:
@@ -871,8 +930,10 @@ class DSV4Model(nn.Module):
         returns the final mHC streams ``[T, hc, D]`` (feed rows of it to :meth:`logits`)."""
         x = self.embed(input_ids).to(self.dtype)
         X = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            X = layer(X, input_ids, positions, backend, meta)
+        carry, n = HCCarry(), len(self.layers)
+        for i, layer in enumerate(self.layers):
+            carry.next_fn = self.layers[i + 1].hc_attn_fn if i + 1 < n else None
+            X = layer(X, input_ids, positions, backend, meta, carry)
         return X
 
     def logits(self, X: torch.Tensor) -> torch.Tensor:

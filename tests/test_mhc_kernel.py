@@ -266,6 +266,133 @@ def test_collapse_and_expand(dtype):
         assert_within(out, out_ref, bound, f"expand (block_d {block_d})")
 
 
+def boundary_inputs(T: int, hc: int, D: int, dtype: torch.dtype, seed: int, device: str = "cpu"):
+    """A sub-layer boundary's inputs: streams X, the sub-layer's output f, its post and C, and the
+    next mix's fn, scale, base and norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    X, fn, scale, base = stream_inputs(T, hc, D, dtype, seed)
+    f = (torch.randn(T, D, generator=g) * 3).to(dtype)
+    post, C = torch.rand(T, hc, generator=g) * 2, torch.rand(T, hc, hc, generator=g)
+    w = torch.rand(D, generator=g) + 0.5
+    return [t.to(device) for t in (X, f, post, C, fn, scale, base, w)]
+
+
+def check_expand_partials(T, hc, D, dtype, device):
+    """mhc_expand_partials: the new streams within the expand's float64 bound, and the partials
+    within gamma(chunk) of the float64 chunk sums of the streams as stored; under the interpreter
+    both equal the separate launches' (mhc_expand, then the mix's partials) bit for bit."""
+    X, f, post, C, fn, *_ = boundary_inputs(T, hc, D, dtype, seed=T + D, device=device)
+    out, part = mhc_mod.mhc_expand_partials(X, f, post, C, fn)
+    Xd, fd, pd, Cd = X.double().cpu(), f.double().cpu(), post.double().cpu(), C.double().cpu()
+    out_ref = pd[:, :, None] * fd[:, None, :] + torch.einsum("tjk,tjd->tkd", Cd, Xd)
+    mag = pd[:, :, None] * fd.abs()[:, None, :] + torch.einsum("tjk,tjd->tkd", Cd, Xd.abs())
+    bound = gamma(hc + 1) * mag + U32 * out_ref.abs()
+    if dtype == torch.bfloat16:
+        bound = bound + BF16_HALF * (out_ref.abs() + bound)
+    assert out.dtype == dtype and out.shape == X.shape
+    assert_within(out, out_ref, bound, "expand of expand_partials")
+    chunk = mhc_mod.mix_launch(T, fn.shape[0]).chunk
+    S = hc * D // chunk
+    x = out.double().cpu().flatten(1).view(T, S, chunk)                     # the streams as stored
+    fc = fn.double().cpu().view(-1, S, chunk)
+    dots = torch.einsum("tsc,nsc->tsn", x, fc)
+    dots_mag = torch.einsum("tsc,nsc->tsn", x.abs(), fc.abs())
+    assert part.shape == (T, S, fn.shape[0] + 1) and part.dtype == torch.float32
+    assert_within(part[..., :-1], dots, gamma(chunk) * dots_mag, "partial dots")
+    ssq = x.square().sum(-1)
+    assert_within(part[..., -1], ssq, gamma(chunk) * ssq, "partial sums of squares")
+    if device == "cpu":
+        assert torch.equal(out, mhc_expand(X, f, post, C))
+        assert torch.equal(part, mhc_mod._launch_partials(out, fn, mhc_mod.mix_launch(T, fn.shape[0])))
+
+
+def check_finalize(T, hc, D, dtype, device):
+    """mhc_mix_finalize of the expand's partials: the mix mhc_mix_from_streams gives for the new
+    streams, bit for bit under the interpreter (the same partials, the same finalize), within the
+    fp32 evaluation's TOL on a GPU."""
+    cfg = CFG.replace(hc_mult=hc)
+    X, f, post, C, fn, scale, base, _ = boundary_inputs(T, hc, D, dtype, seed=3 * T + D, device=device)
+    out, part = mhc_mod.mhc_expand_partials(X, f, post, C, fn)
+    mix = mhc_mod.mhc_mix_finalize(part, hc * D, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    two = mhc_mix_from_streams(out, fn, scale, base, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    for name, a, b in zip(("pre", "post", "C"), mix, two):
+        if device == "cpu":
+            assert torch.equal(a, b), name
+        else:
+            assert_within(a, b, torch.full(a.shape, 2 * TOL, dtype=torch.float64), name)
+
+
+@interpreter_only
+@pytest.mark.parametrize("T, dtype", [(1, torch.bfloat16), (3, torch.float32), (17, torch.bfloat16)])
+def test_expand_partials(T, dtype):
+    """One token, a partial token block, and the tl.dot partials from 16 tokens."""
+    check_expand_partials(T, CFG.hc_mult, 256, dtype, "cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize("T, hc, dtype", [(1, 4, torch.bfloat16), (3, 3, torch.float32), (5, 4, torch.bfloat16)])
+def test_mix_finalize_of_expand_partials(T, hc, dtype):
+    check_finalize(T, hc, 256, dtype, "cpu")
+
+
+def test_fused_boundary_kernels_reject_bad_inputs():
+    X, f, post, C, fn, scale, base, w = boundary_inputs(2, 4, 128, torch.float32, seed=0)
+    assert mhc_mod.expand_partials_apply(X, fn)
+    assert not mhc_mod.expand_partials_apply(X[..., :120].contiguous(), fn[:, :480].contiguous())
+    with pytest.raises(ValueError, match="mhc_expand_partials: D=120"):
+        mhc_mod.mhc_expand_partials(X[..., :120].contiguous(), f[:, :120], post, C, fn[:, :480].contiguous())
+    with pytest.raises(ValueError, match="mhc_expand_partials: shapes"):
+        mhc_mod.mhc_expand_partials(X, f[:1], post, C, fn)
+    part = torch.zeros(2, 2, 25)
+    with pytest.raises(ValueError, match="mhc_mix_finalize: want"):
+        mhc_mod.mhc_mix_finalize(part[..., :24], 4 * 128, scale, base, 4, 20, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="mhc_mix_finalize: scale"):
+        mhc_mod.mhc_mix_finalize(part, 4 * 128, scale[:2], base, 4, 20, 1e-6, 1e-6)
+
+
+@interpreter_only
+def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
+    """The tiny model's forward with the mHC kernels on (the CUDA condition forced): the fused
+    boundaries (an expand with the next mix's partials, the last expand of one block feeding the
+    next block's mix) give the same streams, bit for bit, as the separate launches; from the tl.dot
+    threshold (20 tokens) every boundary keeps the separate launches."""
+    from dsv4_backend.weights import random_weights
+
+    class Sublayer(torch.nn.Module):     # an elementwise stand-in for attention / the MoE
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, x, *_):
+            return self.fn(x)
+
+    cfg = CFG.replace(vocab_size=512)
+    model = model_mod.DSV4Model(cfg, dtype=torch.bfloat16, include_mtp=False)
+    model.load_stream(random_weights(cfg, seed=1, dtype=torch.bfloat16, include_mtp=False).items())
+    for layer in model.layers:
+        layer.attn, layer.ffn = Sublayer(lambda x: torch.tanh(x) * 2), Sublayer(torch.sin)
+    monkeypatch.setattr(model_mod, "_mhc_kernels_apply", lambda t: t.dtype != torch.float64)
+    monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda t: t.dtype in (torch.float32, torch.bfloat16))
+    launches = []
+    for name in ("mhc_expand_partials", "mhc_mix_finalize", "mhc_mix_from_streams", "mhc_expand"):
+        real = getattr(mhc_mod, name)
+        monkeypatch.setattr(mhc_mod, name, lambda *a, _r=real, _n=name, **k: launches.append(_n) or _r(*a, **k))
+    for T in (1, 20):
+        g = torch.Generator().manual_seed(T)
+        ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
+        outs = {}
+        for fused in (True, False):
+            monkeypatch.setattr(model_mod, "USE_MHC_FUSED", fused)
+            launches.clear()
+            outs[fused] = model(ids, torch.arange(T), None, None)
+            n = len(model.layers)
+            want = ({"mhc_expand_partials": 2 * n - 1, "mhc_mix_finalize": 2 * n - 1, "mhc_mix_from_streams": 1,
+                     "mhc_expand": 1} if fused and T < mhc_mod.MIX_DOT_MIN_TOKENS
+                    else {"mhc_expand": 2 * n, "mhc_mix_from_streams": 2 * n})
+            assert {k: launches.count(k) for k in set(launches)} == want, (fused, launches)
+        assert torch.equal(outs[True], outs[False])
+
+
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_tokens", [256, 0])
@@ -532,3 +659,12 @@ def test_cuda_mix_from_streams_at_flash_shape(T):
     ref = torch.sigmoid(m64 * sh.double().cpu() + bh.double().cpu()) + CFG.hc_eps
     assert_within(pre, ref, TOL + sh.double().cpu().abs() / 4 * logit_bound(Xh, fnh, CFG.rms_norm_eps, 128),
                   "head pre")
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 3, 15])
+def test_cuda_fused_boundaries_at_flash_shape(T):
+    """The fused boundary on Flash's streams (hc = 4, D = 4096): the expand and partials within
+    their float64 bounds, the finalized mix against the separate launches'."""
+    check_expand_partials(T, CFG.hc_mult, 4096, torch.bfloat16, "cuda")
+    check_finalize(T, CFG.hc_mult, 4096, torch.bfloat16, "cuda")

@@ -17,6 +17,9 @@ replaces the ~90 small torch ops of a Sinkhorn mix (and the handful of a collaps
   ``mhc_head_pre``: the hc_head's pre gate by the same launches.
 - ``mhc_collapse``: ``y[t] = sum_j pre[t, j] X[t, j]`` (fp32 out).
 - ``mhc_expand``: ``X'[t, k] = post[t, k] f[t] + sum_j C[t, j, k] X[t, j]`` (X's dtype out).
+- ``mhc_expand_partials``: the expand and the next mix's split-K partials of the streams it
+  writes in one launch, the partials then finalized by ``mhc_mix_finalize`` (a sub-layer
+  boundary in three launches where ``mhc_expand`` + ``mhc_mix_from_streams`` take four).
 - ``mhc_collapse_norm``: ``RMSNorm(sum_j pre[t, j] X[t, j]) * weight``, a sub-layer's input
   (collapse and block norm in one launch).
 """
@@ -260,14 +263,18 @@ def _launch_partials(X, fn, launch: MixLaunch) -> torch.Tensor:
 
 
 def _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, iters, pre_only, launch: MixLaunch):
-    T, hc, _ = X.shape
-    N, K = fn.shape
     part = _launch_partials(X, fn, launch)
-    S = part.shape[1]
+    _launch_finalize(part, X.shape[1] * X.shape[2], scale, base, pre, post, C, hc_eps, rms_eps, iters, pre_only,
+                     launch.finalize_warps)
+
+
+def _launch_finalize(part, K, scale, base, pre, post, C, hc_eps, rms_eps, iters, pre_only, num_warps):
+    T, S, N = part.shape[0], part.shape[1], part.shape[2] - 1
+    hc = pre.shape[1]
     _mix_from_partials_kernel[(T,)](
         part, scale.contiguous(), base.contiguous(), pre, post, C, T, S, K, float(hc_eps), float(rms_eps),
         N=N, HC=hc, HCP=triton.next_power_of_2(hc), ITERS=iters, SP=triton.next_power_of_2(S),
-        PRE_ONLY=pre_only, num_warps=launch.finalize_warps, **pdl.args(part.device))
+        PRE_ONLY=pre_only, num_warps=num_warps, **pdl.args(part.device))
 
 
 def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
@@ -301,6 +308,28 @@ def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
     C = torch.empty(T, hc, hc, dtype=torch.float32, device=X.device)
     if T:
         _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, sinkhorn_iters, False, launch)
+    return MixWeights(pre, post, C)
+
+
+def mhc_mix_finalize(part: torch.Tensor, K: int, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                     sinkhorn_iters: int, hc_eps: float, rms_eps: float) -> MixWeights:
+    """The second launch of ``mhc_mix_from_streams`` alone: the mix weights from split-K partials
+    ``part`` fp32 [T, S, hc (2 + hc) + 1] of streams of ``K = hc D`` values (``mhc_expand_partials``)."""
+    n_mix = hc * (2 + hc)
+    if part.dim() != 3 or part.shape[2] != n_mix + 1 or part.dtype != torch.float32 or not part.is_contiguous():
+        raise ValueError(f"mhc_mix_finalize: want contiguous fp32 partials [T, S, {n_mix + 1}], "
+                         f"got {part.dtype} {tuple(part.shape)}")
+    if scale.numel() != 3 or base.numel() != n_mix:
+        raise ValueError(f"mhc_mix_finalize: scale must have 3 and base {n_mix} elements, "
+                         f"got {scale.numel()} and {base.numel()}")
+    check_device(part, scale, base)
+    T = part.shape[0]
+    pre = torch.empty(T, hc, dtype=torch.float32, device=part.device)
+    post = torch.empty(T, hc, dtype=torch.float32, device=part.device)
+    C = torch.empty(T, hc, hc, dtype=torch.float32, device=part.device)
+    if T:
+        _launch_finalize(part, K, scale, base, pre, post, C, hc_eps, rms_eps, sinkhorn_iters, False,
+                         mix_launch(T, n_mix).finalize_warps)
     return MixWeights(pre, post, C)
 
 
@@ -371,6 +400,90 @@ def _expand_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
         if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
             y = round_bf16(y, NATIVE)
         tl.store(out_ptr + t * HC * D + k * D + d, y.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, T, D, S,
+                           HC: tl.constexpr, HCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+                           CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
+                           ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    # program (i, s): the new streams' chunk s of K = hc D (stream k, columns d; D % CHUNK == 0) for
+    # tokens [i BLOCK_T, (i + 1) BLOCK_T), as _expand_kernel computes and stores them, then the next
+    # mix's partials of that chunk from the stored values, as _mix_partial_kernel computes them.
+    # fn's tile is loaded first: no load may move above the store of the streams (they could alias)
+    s = tl.program_id(1)
+    kk = s * CHUNK + tl.arange(0, CHUNK)
+    n = tl.arange(0, NP)
+    n_ok = n < N
+    K = HC * D
+    w = tl.load(fn_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0.0)  # [NP, CHUNK]
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    k = (s * CHUNK) // D
+    d = (s * CHUNK) % D + tl.arange(0, CHUNK)
+    j = tl.arange(0, HCP)
+    j_ok = j < HC
+    x = tl.load(x_ptr + t64[:, None, None] * K + j[None, :, None] * D + d[None, None, :],
+                mask=t_ok[:, None, None] & j_ok[None, :, None], other=0.0).to(tl.float32)   # [BT, HCP, CHUNK]
+    f = tl.load(f_ptr + t64[:, None] * D + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + t64[:, None] * HC * HC + j[None, :] * HC + k, mask=t_ok[:, None] & j_ok[None, :],
+                other=0.0)                                                    # C[t, :, k]
+    post = tl.load(post_ptr + t64 * HC + k, mask=t_ok, other=0.0)
+    y = post[:, None] * f + tl.sum(c[:, :, None] * x, axis=1)               # [BT, CHUNK]
+    if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
+        y = round_bf16(y, NATIVE)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t64[:, None] * K + k * D + d[None, :], y, mask=t_ok[:, None])
+    x = y.to(tl.float32)                                                    # the stream as stored
+    if DOT:
+        dots = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        dots = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out = part_ptr + (t64 * S + s) * (N + 1)                                 # [BT]
+    tl.store(out[:, None] + n[None, :], dots, mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out + N, tl.sum(x * x, axis=1), mask=t_ok)
+
+
+def expand_partials_apply(X: torch.Tensor, fn: torch.Tensor) -> bool:
+    """Whether ``mhc_expand_partials`` takes streams X [T, hc, D] and the next mix's fn: each
+    split-K chunk must lie inside one stream."""
+    n_mix = fn.shape[0]
+    return X.dim() == 3 and X.shape[2] % mix_launch(X.shape[0], n_mix).chunk == 0
+
+
+def mhc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
+                        fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mhc_expand(X, f, post, C)`` and the next mix's split-K partials of the new streams (what
+    ``mhc_mix_from_streams`` launches first, from the same stored values, in the same order) in
+    one launch: the program that computes a chunk of the new streams also multiplies it with fn's
+    columns. Returns (new streams [T, hc, D] in X's dtype, partials fp32 [T, S, N + 1]) for
+    ``mhc_mix_finalize``. fn: contiguous float32 [N, hc D]; D a multiple of the launch's
+    chunk (``expand_partials_apply``)."""
+    _check_streams(X, "mhc_expand_partials")
+    T, hc, D = X.shape
+    N = fn.shape[0]
+    launch = mix_launch(T, N)
+    _check_stream_logits(X, fn, N, launch.chunk, "mhc_expand_partials")
+    if D % launch.chunk:
+        raise ValueError(f"mhc_expand_partials: D={D} must be a multiple of the chunk {launch.chunk}")
+    if f.shape != (T, D) or post.shape != (T, hc) or C.shape != (T, hc, hc):
+        raise ValueError(f"mhc_expand_partials: shapes X {tuple(X.shape)}, f {tuple(f.shape)}, "
+                         f"post {tuple(post.shape)}, C {tuple(C.shape)} do not agree")
+    if post.dtype != torch.float32 or C.dtype != torch.float32:
+        raise ValueError(f"mhc_expand_partials: post and C must be fp32, got {post.dtype}, {C.dtype}")
+    check_device(X, f, post, C, fn)
+    S = hc * D // launch.chunk
+    out = torch.empty_like(X)
+    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
+    if T:
+        _expand_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
+            X, f.contiguous(), post.contiguous(), C.contiguous(), out, fn, part, T, D, S,
+            HC=hc, HCP=triton.next_power_of_2(hc), N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk,
+            BLOCK_T=launch.block_t, DOT=launch.dot, ROUND_BF16=X.dtype == torch.bfloat16 and not native(),
+            NATIVE=native(), num_warps=launch.num_warps, **pdl.args(X.device))
+    return out, part
 
 
 def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,

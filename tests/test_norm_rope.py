@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bounds import BF16_STEP, assert_within, norm_rope_bound
-from dsv4_backend.kernels.norm_rope import norm_rope
+from dsv4_backend.kernels.norm_rope import norm_pair, norm_rope
 from dsv4_backend.model import Rotary, rms_norm
 from dsv4_backend.config import DSV4Config
 
@@ -127,7 +127,8 @@ def test_norm_rope_refuses_bad_inputs():
 def test_model_routes_its_norms_and_ropes_to_the_kernel(monkeypatch):
     """With the CUDA condition forced on, one engine step sends every norm and RoPE of the layers
     through the kernel: q (per-head norm + RoPE), kv (kv_norm + RoPE), the inverse RoPE of the
-    output, the indexer's q RoPE, and the weighted norms (block, q_lora, final)."""
+    output, the indexer's q RoPE, and the weighted norms (block, q_lora, final); the q_lora norm
+    and the kv norm + RoPE of a layer share one launch (norm_pair)."""
     from dsv4_backend import model as model_mod
     from dsv4_backend.kernels import norm_rope as kernel_mod
     from scheduler_hooks.engine import Engine
@@ -138,8 +139,16 @@ def test_model_routes_its_norms_and_ropes_to_the_kernel(monkeypatch):
         calls.append((x.shape[-1], x.dim(), weight is not None, inv_freq is not None, norm, inverse))
         return norm_rope(x, weight, eps, positions, inv_freq, norm, inverse, out_dtype)
 
+    def counting_pair(a, wa, eps_a, b, wb, eps_b, positions, inv_freq):
+        calls.append((a.shape[-1], 2, True, False, True, False))
+        calls.append((b.shape[-1], 2, True, True, True, False))
+        pairs.append(a.shape[-1])
+        return norm_pair(a, wa, eps_a, b, wb, eps_b, positions, inv_freq)
+
+    pairs = []
     monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda x: x.dtype != torch.float64)
     monkeypatch.setattr(kernel_mod, "norm_rope", counting)
+    monkeypatch.setattr(kernel_mod, "norm_pair", counting_pair)
     eng = Engine(preset="tiny", skip_tokenizer_init=True, max_total_tokens=2048, chunked_prefill_size=256,
                  max_running_requests=1, config_overrides={"vocab_size": 1024})
     out = eng.generate(input_ids=[[5, 6, 7]],
@@ -156,6 +165,7 @@ def test_model_routes_its_norms_and_ropes_to_the_kernel(monkeypatch):
     assert calls.count((D, 2, True, False, True, False)) >= 2 * L + 1      # block norms + final norm
     assert calls.count((QR, 2, True, False, True, False)) >= L             # q_norm (+ indexer compressor norms)
     assert calls.count((idx, 3, False, True, False, False)) == n_csa
+    assert pairs and set(pairs) == {QR}                        # q_lora norm beside kv norm + RoPE, one launch
 
 
 def test_norm_rope_reads_strided_views_like_their_copies():
@@ -199,3 +209,24 @@ def test_mhc_collapse_norm_is_collapse_then_norm(dtype):
         assert_within(got, torch_path, 2 * b + BF16_STEP * torch_path.double().abs(), "collapse + norm (bf16)")
     with pytest.raises(ValueError, match="pre must be fp32"):
         mhc_collapse_norm(X.to(dev), pre.double().to(dev), w.to(dev), EPS, torch.float32)
+
+
+def test_norm_pair_is_two_norm_ropes():
+    """norm_pair computes each of its two row sets exactly as norm_rope does alone (the same row
+    code), from strided column slices of one projection's output as the model passes them."""
+    dev = KERNEL_DEVICE
+    T, Da, Db = 3, 192, 512
+    big, _ = inputs((T, Da + Db), 21, torch.bfloat16)
+    big = big.to(dev)
+    a, b = big[:, :Da], big[:, Da:]
+    g = torch.Generator().manual_seed(22)
+    wa, wb = (torch.rand(n, generator=g).to(dev) + 0.5 for n in (Da, Db))
+    inv = Rotary(CFG.compress_rope_theta, CFG.rope_scaling).inv_freq.to(dev)
+    pos = POSITIONS[:T].to(dev)
+    got_a, got_b = norm_pair(a, wa, 1e-6, b, wb, 2e-6, pos, inv)
+    assert torch.equal(got_a, norm_rope(a, wa, 1e-6))
+    assert torch.equal(got_b, norm_rope(b, wb, 2e-6, pos, inv))
+    with pytest.raises(ValueError, match="norm_pair"):
+        norm_pair(a, wa, 1e-6, b[:2], wb, 2e-6, pos, inv)
+    with pytest.raises(ValueError, match="norm_pair"):
+        norm_pair(a, wa, 1e-6, b, wb, 2e-6, pos, inv[:8])

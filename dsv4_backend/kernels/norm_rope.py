@@ -16,7 +16,8 @@ one row of ``D`` values:
 Rounding follows the torch path exactly: the normalised row is rounded to the output dtype
 before RoPE (``RMSNorm`` returns the input dtype, ``Rotary.apply`` rotates those values in fp32),
 and the result once more on the store. ``positions`` has one entry per ``rows_per_pos`` rows
-(q: ``[T, H, D]`` -> H rows per token).
+(q: ``[T, H, D]`` -> H rows per token). ``norm_pair`` runs two such row sets in one launch (an
+attention's q_lora norm beside its kv norm + RoPE).
 """
 
 from __future__ import annotations
@@ -53,17 +54,12 @@ def _cos_sin(a, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, stride_t, stride_h, w_ptr, pos_ptr, inv_ptr, out_ptr, D, rows_per_pos, eps,
-                      BLOCK: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr,
-                      INVERSE: tl.constexpr, BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    # row r = token r // rows_per_pos, head r % rows_per_pos of x [T, rows_per_pos, D] (any
-    # token / head strides, last dim contiguous); out is contiguous [T * rows_per_pos, D]
-    r = tl.program_id(0).to(tl.int64)
+def _norm_rope_row(x_row, w_ptr, pos_ptr, inv_ptr, o_row, tok, D, eps, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                   HAS_W: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr, BF16: tl.constexpr,
+                   NATIVE: tl.constexpr):
+    """One row of D values at x_row (contiguous) -> o_row; ``tok`` indexes its position."""
     d = tl.arange(0, BLOCK)
     ok = d < D
-    x_row = x_ptr + (r // rows_per_pos) * stride_t + (r % rows_per_pos) * stride_h
-    o_row = out_ptr + r * D
     x = tl.load(x_row + d, mask=ok, other=0.0).to(tl.float32)
     f = 1.0
     if NORM:
@@ -72,7 +68,7 @@ def _norm_rope_kernel(x_ptr, stride_t, stride_h, w_ptr, pos_ptr, inv_ptr, out_pt
         if HAS_W:
             x = x * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     y = _round_to(x, BF16, NATIVE)
-    tl.store(o_row + d, y.to(out_ptr.dtype.element_ty), mask=d < D - ROPE)
+    tl.store(o_row + d, y.to(o_row.dtype.element_ty), mask=d < D - ROPE)
     if ROPE > 0:
         i = tl.arange(0, ROPE // 2)
         ie = D - ROPE + 2 * i
@@ -84,14 +80,43 @@ def _norm_rope_kernel(x_ptr, stride_t, stride_h, w_ptr, pos_ptr, inv_ptr, out_pt
                 xe = xe * tl.load(w_ptr + ie).to(tl.float32)
                 xo = xo * tl.load(w_ptr + ie + 1).to(tl.float32)
             xe, xo = _round_to(xe, BF16, NATIVE), _round_to(xo, BF16, NATIVE)
-        pos = tl.load(pos_ptr + r // rows_per_pos).to(tl.float32)
+        pos = tl.load(pos_ptr + tok).to(tl.float32)
         ang = pos * tl.load(inv_ptr + i)
         c, s = _cos_sin(ang, NATIVE)
         if INVERSE:
             s = -s
         re, ro = rope_pairs(xe, xo, c, s)
-        tl.store(o_row + ie, _round_to(re, BF16, NATIVE).to(out_ptr.dtype.element_ty))
-        tl.store(o_row + ie + 1, _round_to(ro, BF16, NATIVE).to(out_ptr.dtype.element_ty))
+        tl.store(o_row + ie, _round_to(re, BF16, NATIVE).to(o_row.dtype.element_ty))
+        tl.store(o_row + ie + 1, _round_to(ro, BF16, NATIVE).to(o_row.dtype.element_ty))
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, stride_t, stride_h, w_ptr, pos_ptr, inv_ptr, out_ptr, D, rows_per_pos, eps,
+                      BLOCK: tl.constexpr, NORM: tl.constexpr, HAS_W: tl.constexpr, ROPE: tl.constexpr,
+                      INVERSE: tl.constexpr, BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    # row r = token r // rows_per_pos, head r % rows_per_pos of x [T, rows_per_pos, D] (any
+    # token / head strides, last dim contiguous); out is contiguous [T * rows_per_pos, D]
+    r = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + (r // rows_per_pos) * stride_t + (r % rows_per_pos) * stride_h
+    _norm_rope_row(x_row, w_ptr, pos_ptr, inv_ptr, out_ptr + r * D, r // rows_per_pos, D, eps,
+                   BLOCK, NORM, HAS_W, ROPE, INVERSE, BF16, NATIVE)
+
+
+@triton.jit
+def _norm_pair_kernel(a_ptr, a_stride, wa_ptr, oa_ptr, Da, eps_a, b_ptr, b_stride, wb_ptr, ob_ptr, Db, eps_b,
+                      pos_ptr, inv_ptr, T, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROPE_B: tl.constexpr,
+                      BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    # programs 0 .. T - 1: row t of a (weighted norm); T .. 2T - 1: row t of b (weighted norm + RoPE)
+    r = tl.program_id(0).to(tl.int64)
+    if r < T:
+        _norm_rope_row(a_ptr + r * a_stride, wa_ptr, pos_ptr, inv_ptr, oa_ptr + r * Da, r, Da, eps_a,
+                       BLOCK_A, True, True, 0, False, BF16, NATIVE)
+    else:
+        t = r - T
+        _norm_rope_row(b_ptr + t * b_stride, wb_ptr, pos_ptr, inv_ptr, ob_ptr + t * Db, t, Db, eps_b,
+                       BLOCK_B, True, True, ROPE_B, False, BF16, NATIVE)
 
 
 def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, positions: Optional[torch.Tensor] = None,
@@ -132,3 +157,34 @@ def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, posit
             BLOCK=triton.next_power_of_2(D), NORM=norm, HAS_W=weight is not None and norm, ROPE=rope,
             INVERSE=inverse, BF16=out_dtype == torch.bfloat16, NATIVE=native(), **pdl.args(x3.device))
     return out
+
+
+def norm_pair(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor, weight_b: torch.Tensor,
+              eps_b: float, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_rope(a, weight_a, eps_a)`` and ``norm_rope(b, weight_b, eps_b, positions, inv_freq)`` in one
+    launch (an attention's q_lora norm and its kv norm + RoPE: both rows come from one projection
+    and neither waits for the other); each row computed as ``norm_rope`` computes it. a, b:
+    ``[T, Da]``, ``[T, Db]`` of one dtype (float32 / bfloat16), any token stride, last dim contiguous."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"norm_pair: a and b must be [T, D] with a contiguous last dim and one T, got "
+                         f"{tuple(a.shape)} {a.stride()} and {tuple(b.shape)} {b.stride()}")
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"norm_pair: a and b must share a float32 / bfloat16 dtype, got {a.dtype}, {b.dtype}")
+    T, Da, Db = a.shape[0], a.shape[1], b.shape[1]
+    if weight_a.shape != (Da,) or weight_b.shape != (Db,):
+        raise ValueError(f"norm_pair: weights must be [{Da}] and [{Db}], got {tuple(weight_a.shape)} "
+                         f"and {tuple(weight_b.shape)}")
+    rope = 2 * inv_freq.numel()
+    if rope != 64 or rope > Db or positions.dim() != 1 or positions.numel() != T:
+        raise ValueError(f"norm_pair: b's RoPE needs 32 frequencies, Db >= 64 and positions [T], got "
+                         f"{rope // 2}, Db = {Db}, positions {tuple(positions.shape)}")
+    check_device(a, b, weight_a, weight_b, positions, inv_freq)
+    out_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    out_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    if T:
+        _norm_pair_kernel[(2 * T,)](
+            a, a.stride(0), weight_a, out_a, Da, float(eps_a), b, b.stride(0), weight_b, out_b, Db, float(eps_b),
+            positions, inv_freq.to(torch.float32).contiguous(), T, BLOCK_A=triton.next_power_of_2(Da),
+            BLOCK_B=triton.next_power_of_2(Db), ROPE_B=rope, BF16=a.dtype == torch.bfloat16, NATIVE=native(),
+            **pdl.args(a.device))
+    return out_a, out_b

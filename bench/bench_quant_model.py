@@ -484,7 +484,8 @@ def engine_kwargs(args: argparse.Namespace, weights: Any, weight_bytes: int, tot
     context_length = max(args.contexts + [args.prefill_context]) + headroom + 256
     kw: dict[str, Any] = dict(device=args.device, dtype="bfloat16", skip_tokenizer_init=True, random_seed=args.seed,
                               max_running_requests=args.max_batch, chunked_prefill_size=args.prefill_chunk,
-                              context_length=context_length, swa_ratio=0.1, weight_stream=weights)
+                              context_length=context_length, swa_ratio=0.1, weight_stream=weights,
+                              attention_kernel=args.attention_kernel)
     if torch.device(args.device).type == "cuda":
         kw["mem_fraction_static"] = min(0.97, (args.kv_gb * 2 ** 30 + weight_bytes) / total)
     else:
@@ -756,6 +757,8 @@ def add_run_args(p: argparse.ArgumentParser, prefill_max_seconds: float) -> None
     p.add_argument("--prefill-max-seconds", type=float, default=prefill_max_seconds)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--attention-kernel", default="auto", choices=("auto", "flashmla", "triton"),
+                   help="the sparse attention kernel (auto: FlashMLA on Hopper where installed)")
 
 
 def add_budget_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU calls of session 19 (carry .whl: the pytest and sgl-flash-mla wheels):
+#   bash bench/gpu_session_s19.sh $OUT ab    the CUDA tests of the one-row bf16 GEMV's fp32 / scaled callers and of
+#                                            the fused mHC boundaries, the graph check, then the 11-layer model at
+#                                            4K x 1 / x 32 with (DSV4_BF16_GEMV_ALL, DSV4_MHC_FUSED) = 00, 10, 11 (AB
+#                                            overrides the list), a timeline of three 4K x 1 steps on the last
+#   bash bench/gpu_session_s19.sh $OUT ab2   after the first call: the fused mHC boundary as the expand computing the
+#                                            next mix's partials alone (the finalize + collapse-norm fusion measured
+#                                            slower) and the q_lora norm + kv norm-RoPE in one launch (norm_pair); the
+#                                            CUDA tests, the graph check, probe_mhc's boundary part, then the 11-layer
+#                                            model with (GEMV_ALL, MHC_FUSED, attention kernel) in AB2
+set -uo pipefail
+OUT=${1:?output directory}
+WHICH=${2:-ab}
+mkdir -p "$OUT"
+source bench/_gpu_session.sh
+if [ "$WHICH" = ab ]; then
+  DSV4_BF16_GEMV_ALL=1 part 130 tests python3 -m pytest -q -p no:cacheprovider tests/test_bf16_gemv.py tests/test_pdl.py \
+    tests/test_side_stream.py tests/test_mhc_kernel.py -k "cuda or pdl or side or gemv"
+  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
+  DSV4_BF16_GEMV_ALL=1 graph_check
+  set -- ${AB:-00 10 11}
+  last=${@: -1}
+  for ab in "$@"; do
+    tl=""; [ "$ab" = "$last" ] && tl="--timeline 3"
+    DSV4_BF16_GEMV_ALL=${ab:0:1} DSV4_MHC_FUSED=${ab:1:1} part 125 "q_$ab" python3 bench/bench_quant_model.py --layers 11 \
+      --contexts 4096 --batches 1,32 --skip-kernels --steps 6 --prefill-max-seconds 5 --time-budget 105 $tl \
+      --out "$OUT/q_$ab.json"
+    echo "GEMV_ALL, MHC_FUSED = $ab:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$ab.log" | head -n 6 | cut -c1-250
+  done
+  grep -A 200 "span each adds" "$OUT/q_$last.log" | head -n 70 | cut -c1-160
+fi
+if [ "$WHICH" = ab2 ]; then
+  DSV4_BF16_GEMV_ALL=1 part 110 tests python3 -m pytest -q -p no:cacheprovider tests/test_bf16_gemv.py tests/test_pdl.py \
+    tests/test_mhc_kernel.py tests/test_norm_rope.py -k "cuda or pdl or gemv or norm_pair or norm_rope_matches"
+  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
+  DSV4_BF16_GEMV_ALL=1 graph_check
+  part 60 probe python3 bench/probe_mhc.py --parts boundary --tokens 1,4,15 --out "$OUT/probe_mhc.json"
+  grep "boundary" "$OUT/probe.log"
+  set -- ${AB2:-00a 10a 01a 11t 00a 11a}
+  i=0
+  for ab in "$@"; do
+    i=$((i + 1)); tl=""; out=/tmp/q_$i.json; [ "$i" = "$#" ] && tl="--timeline 3" && out=$OUT/q_$i.json
+    attn=auto; [ "${ab:2:1}" = t ] && attn=triton
+    DSV4_BF16_GEMV_ALL=${ab:0:1} DSV4_MHC_FUSED=${ab:1:1} part 100 "q_$i" python3 bench/bench_quant_model.py --layers 11 \
+      --contexts 4096 --batches 1,32 --skip-kernels --steps 10 --prefill-max-seconds 3 --time-budget 85 \
+      --attention-kernel $attn $tl --out "$out"
+    echo "GEMV_ALL, MHC_FUSED, attention = $ab:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$i.log" | head -n 5 | cut -c1-200
+    [ "$i" = "$#" ] || mv "$OUT/q_$i.log" /tmp/   # the files that come back are few: the last run's keep its log
+  done
+  grep -A 200 "span each adds" "$OUT/q_$#.log" | head -n 48 | cut -c1-150
+fi

@@ -8,7 +8,7 @@
 #                                            next mix's partials alone (the finalize + collapse-norm fusion measured
 #                                            slower) and the q_lora norm + kv norm-RoPE in one launch (norm_pair); the
 #                                            CUDA tests, the graph check, probe_mhc's boundary part, then the 11-layer
-#                                            model with (GEMV_ALL, MHC_FUSED, attention kernel) in AB2
+#                                            model with (GEMV_ALL, MHC_FUSED, NORM_PAIR, attention kernel) in AB2
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-ab}
@@ -37,15 +37,16 @@ if [ "$WHICH" = ab2 ]; then
   DSV4_BF16_GEMV_ALL=1 graph_check
   part 60 probe python3 bench/probe_mhc.py --parts boundary --tokens 1,4,15 --out "$OUT/probe_mhc.json"
   grep "boundary" "$OUT/probe.log"
-  set -- ${AB2:-00a 10a 01a 11t 00a 11a}
+  set -- ${AB2:-000a 100a 010a 001a 111t 000a 111a}   # DSV4_BF16_GEMV_ALL, DSV4_MHC_FUSED, DSV4_NORM_PAIR, attention
   i=0
   for ab in "$@"; do
     i=$((i + 1)); tl=""; out=/tmp/q_$i.json; [ "$i" = "$#" ] && tl="--timeline 3" && out=$OUT/q_$i.json
-    attn=auto; [ "${ab:2:1}" = t ] && attn=triton
-    DSV4_BF16_GEMV_ALL=${ab:0:1} DSV4_MHC_FUSED=${ab:1:1} part 100 "q_$i" python3 bench/bench_quant_model.py --layers 11 \
+    attn=auto; [ "${ab:3:1}" = t ] && attn=triton
+    DSV4_BF16_GEMV_ALL=${ab:0:1} DSV4_MHC_FUSED=${ab:1:1} DSV4_NORM_PAIR=${ab:2:1} part 100 "q_$i" \
+      python3 bench/bench_quant_model.py --layers 11 \
       --contexts 4096 --batches 1,32 --skip-kernels --steps 10 --prefill-max-seconds 3 --time-budget 85 \
       --attention-kernel $attn $tl --out "$out"
-    echo "GEMV_ALL, MHC_FUSED, attention = $ab:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$i.log" | head -n 5 | cut -c1-200
+    echo "GEMV_ALL, MHC_FUSED, NORM_PAIR, attention = $ab:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$i.log" | head -n 5 | cut -c1-200
     [ "$i" = "$#" ] || mv "$OUT/q_$i.log" /tmp/   # the files that come back are few: the last run's keep its log
   done
   grep -A 200 "span each adds" "$OUT/q_$#.log" | head -n 48 | cut -c1-150

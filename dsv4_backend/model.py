@@ -91,6 +91,11 @@ def _w8a16_kernel_applies(o: torch.Tensor, rows_per_group: int) -> bool:
     return w8a16_applies(o.reshape(o.shape[0], -1), rows_per_group)
 
 
+# An attention's q_lora norm and its kv norm + RoPE in one launch on CUDA (kernels/norm_rope.py,
+# norm_pair; the same bits as two). DSV4_NORM_PAIR=0 keeps two launches (A/B timing).
+USE_NORM_PAIR = os.environ.get("DSV4_NORM_PAIR", "1") != "0"
+
+
 def _norm_rope_kernel_applies(x: torch.Tensor) -> bool:
     return USE_NORM_ROPE_KERNEL and x.is_cuda and x.dtype in (torch.float32, torch.bfloat16)
 
@@ -292,7 +297,7 @@ class Attention(nn.Module):
                 raws = self._compressor_inputs(x)
                 head_w = self._indexer_head_weights(x) if index else None
         qa, kv = shared_input(x, self.wq_a, self.wkv)
-        if _norm_rope_kernel_applies(qa) and kv.dtype == qa.dtype:    # q_lora norm, kv norm + RoPE: one launch
+        if USE_NORM_PAIR and _norm_rope_kernel_applies(qa) and kv.dtype == qa.dtype:   # q_lora norm, kv norm + RoPE
             from .kernels.norm_rope import norm_pair
             qr, kv = norm_pair(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight, eps, positions,
                                self.rope.inv_freq_on(x.device))

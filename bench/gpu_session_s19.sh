@@ -9,6 +9,9 @@
 #                                            slower) and the q_lora norm + kv norm-RoPE in one launch (norm_pair); the
 #                                            CUDA tests, the graph check, probe_mhc's boundary part, then the 11-layer
 #                                            model with (GEMV_ALL, MHC_FUSED, NORM_PAIR, attention kernel) in AB2
+#   bash bench/gpu_session_s19.sh $OUT final the defaults after the A/B (all three on): the CUDA tests of the new kernels
+#                                            and PDL's decode equality, then the 11-layer model at 4K / 128K / 1M x 1 / 32
+#                                            with FlashMLA (auto), and at 4K / 1M x 1 with the Triton attention
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-ab}
@@ -50,4 +53,15 @@ if [ "$WHICH" = ab2 ]; then
     [ "$i" = "$#" ] || mv "$OUT/q_$i.log" /tmp/   # the files that come back are few: the last run's keep its log
   done
   grep -A 200 "span each adds" "$OUT/q_$#.log" | head -n 48 | cut -c1-150
+fi
+if [ "$WHICH" = final ]; then
+  part 120 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_norm_rope.py \
+    tests/test_pdl.py -k "cuda or norm_pair or norm_rope_matches or decode_with_pdl"
+  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
+  for attn in auto triton; do
+    b=1,32; c=4096,131072,1048576; t=110; [ $attn = triton ] && b=1 && c=4096,1048576 && t=80
+    part $((t + 20)) "q_$attn" python3 bench/bench_quant_model.py --layers 11 --contexts $c --batches $b \
+      --skip-kernels --steps 6 --prefill-max-seconds 3 --time-budget $t --attention-kernel $attn --out "$OUT/q_$attn.json"
+    echo "attention $attn:"; grep -A 8 "^decode" "$OUT/q_$attn.log" | cut -c1-150; grep "^per layer\|43-layer" "$OUT/q_$attn.log" | cut -c1-250
+  done
 fi

@@ -167,12 +167,12 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: Optional[torch.dty
 
 # A bf16 projection of one row on CUDA, at least this many output features, runs as one Triton
 # GEMV (kernels/bf16_gemv.py) instead of cuBLAS; DSV4_BF16_GEMV=0 keeps cuBLAS (for A/B timing).
-# DSV4_BF16_GEMV_ALL=1 also sends the one-row products cuBLAS still runs outside programmatic
-# dependent launch to it: the compressors' float32 projections (split-K GEMM + reduction) from
-# GEMV_MIN_FEATURES_FP32 rows, and the indexer's scaled head weights (model.Attention). Off by
-# default until measured on the GPU (written in session 18, when no machine could be had).
+# It also takes the one-row products cuBLAS would run outside programmatic dependent launch: the
+# compressors' float32 projections (split-K GEMM + reduction) from GEMV_MIN_FEATURES_FP32 rows, and
+# the indexer's scaled head weights (model.Attention); DSV4_BF16_GEMV_ALL=0 leaves those to cuBLAS
+# (H100, 11 Flash-width layers at 4K x 1: graph replay 2.55-2.57 -> 2.54 ms, docs/PERF.md session 19).
 USE_BF16_GEMV = os.environ.get("DSV4_BF16_GEMV", "1") != "0"
-USE_BF16_GEMV_ALL = os.environ.get("DSV4_BF16_GEMV_ALL", "0") != "0"
+USE_BF16_GEMV_ALL = os.environ.get("DSV4_BF16_GEMV_ALL", "1") != "0"
 GEMV_MIN_FEATURES = 1024
 GEMV_MIN_FEATURES_FP32 = 256
 

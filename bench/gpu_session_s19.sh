@@ -12,6 +12,7 @@
 #   bash bench/gpu_session_s19.sh $OUT final the defaults after the A/B (all three on): the CUDA tests of the new kernels
 #                                            and PDL's decode equality, then the 11-layer model at 4K / 128K / 1M x 1 / 32
 #                                            with FlashMLA (auto), and at 4K / 1M x 1 with the Triton attention
+#   bash bench/gpu_session_s19.sh $OUT tests the final call's CUDA tests alone (what the device time left allowed)
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-ab}
@@ -54,10 +55,12 @@ if [ "$WHICH" = ab2 ]; then
   done
   grep -A 200 "span each adds" "$OUT/q_$#.log" | head -n 48 | cut -c1-150
 fi
-if [ "$WHICH" = final ]; then
+if [ "$WHICH" = final ] || [ "$WHICH" = tests ]; then
   part 120 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_norm_rope.py \
     tests/test_pdl.py -k "cuda or norm_pair or norm_rope_matches or decode_with_pdl"
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
+fi
+if [ "$WHICH" = final ]; then
   for attn in auto triton; do
     b=1,32; c=4096,131072,1048576; t=110; [ $attn = triton ] && b=1 && c=4096,1048576 && t=80
     part $((t + 20)) "q_$attn" python3 bench/bench_quant_model.py --layers 11 --contexts $c --batches $b \

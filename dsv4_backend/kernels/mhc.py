@@ -112,6 +112,12 @@ def _mix_kernel(m_ptr, m_stride, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, 
     _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
 
 
+def _empty_mix(T: int, hc: int, device: torch.device) -> MixWeights:
+    return MixWeights(torch.empty(T, hc, dtype=torch.float32, device=device),
+                      torch.empty(T, hc, dtype=torch.float32, device=device),
+                      torch.empty(T, hc, hc, dtype=torch.float32, device=device))
+
+
 def mhc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
             sinkhorn_iters: int, eps: float, block_t: int = 16) -> MixWeights:
     """Sinkhorn mix weights from the scaled mix logits (fp32 arithmetic whatever m's dtype).
@@ -129,9 +135,7 @@ def mhc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
         raise ValueError(f"mhc_mix: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     check_device(m, scale, base)
     T = m.shape[0]
-    pre = torch.empty(T, hc, dtype=torch.float32, device=m.device)
-    post = torch.empty(T, hc, dtype=torch.float32, device=m.device)
-    C = torch.empty(T, hc, hc, dtype=torch.float32, device=m.device)
+    pre, post, C = _empty_mix(T, hc, m.device)
     if T:
         _mix_kernel[(triton.cdiv(T, block_t),)](
             m, m.stride(0), scale.contiguous(), base.contiguous(), pre, post, C, T, float(eps),
@@ -148,12 +152,24 @@ def _check_streams(X: torch.Tensor, what: str) -> None:
 
 
 @triton.jit
+def _store_partials(x, w, part_ptr, t64, t_ok, s, S, n, n_ok, N: tl.constexpr, DOT: tl.constexpr):
+    """Chunk s's partials of tokens t64 [BT]: the dots of x [BT, CHUNK] (fp32) with fn's tile w
+    [NP, CHUNK], then the sum of squares, at part[t, s]. DOT: one fp32 tl.dot (IEEE products and
+    sums, BT >= 16), else a broadcast product summed by tl.sum; either sums in some order."""
+    if DOT:
+        dots = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        dots = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out = part_ptr + (t64 * S + s) * (N + 1)                                 # [BT]
+    tl.store(out[:, None] + n[None, :], dots, mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out + N, tl.sum(x * x, axis=1), mask=t_ok)
+
+
+@triton.jit
 def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    # program (i, s): chunk s of K for tokens [i BLOCK_T, (i + 1) BLOCK_T); fn's tile is read once for them.
-    # DOT: the chunk's dots as one fp32 tl.dot (IEEE products and sums, BLOCK_T >= 16), else as a
-    # broadcast product summed by tl.sum; either sums the chunk's products in some order.
+    # program (i, s): chunk s of K for tokens [i BLOCK_T, (i + 1) BLOCK_T); fn's tile is read once for them
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     t64 = t.to(tl.int64)
@@ -165,13 +181,7 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: t
     x = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                 other=0.0).to(tl.float32)                                   # [BT, CHUNK]
     w = tl.load(fn_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [NP, CHUNK]
-    if DOT:
-        dots = tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        dots = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    out = part_ptr + (t64 * S + s) * (N + 1)                                 # [BT]
-    tl.store(out[:, None] + n[None, :], dots, mask=t_ok[:, None] & n_ok[None, :])
-    tl.store(out + N, tl.sum(x * x, axis=1), mask=t_ok)
+    _store_partials(x, w, part_ptr, t64, t_ok, s, S, n, n_ok, N, DOT)
 
 
 @triton.jit
@@ -303,9 +313,7 @@ def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"mhc_mix_from_streams: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     check_device(X, fn, scale, base)
     T = X.shape[0]
-    pre = torch.empty(T, hc, dtype=torch.float32, device=X.device)
-    post = torch.empty(T, hc, dtype=torch.float32, device=X.device)
-    C = torch.empty(T, hc, hc, dtype=torch.float32, device=X.device)
+    pre, post, C = _empty_mix(T, hc, X.device)
     if T:
         _launch_from_streams(X, fn, scale, base, pre, post, C, hc_eps, rms_eps, sinkhorn_iters, False, launch)
     return MixWeights(pre, post, C)
@@ -324,9 +332,7 @@ def mhc_mix_finalize(part: torch.Tensor, K: int, scale: torch.Tensor, base: torc
                          f"got {scale.numel()} and {base.numel()}")
     check_device(part, scale, base)
     T = part.shape[0]
-    pre = torch.empty(T, hc, dtype=torch.float32, device=part.device)
-    post = torch.empty(T, hc, dtype=torch.float32, device=part.device)
-    C = torch.empty(T, hc, hc, dtype=torch.float32, device=part.device)
+    pre, post, C = _empty_mix(T, hc, part.device)
     if T:
         _launch_finalize(part, K, scale, base, pre, post, C, hc_eps, rms_eps, sinkhorn_iters, False,
                          mix_launch(T, n_mix).finalize_warps)
@@ -437,13 +443,7 @@ def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_
     y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t64[:, None] * K + k * D + d[None, :], y, mask=t_ok[:, None])
     x = y.to(tl.float32)                                                    # the stream as stored
-    if DOT:
-        dots = tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        dots = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    out = part_ptr + (t64 * S + s) * (N + 1)                                 # [BT]
-    tl.store(out[:, None] + n[None, :], dots, mask=t_ok[:, None] & n_ok[None, :])
-    tl.store(out + N, tl.sum(x * x, axis=1), mask=t_ok)
+    _store_partials(x, w, part_ptr, t64, t_ok, s, S, n, n_ok, N, DOT)
 
 
 def expand_partials_apply(X: torch.Tensor, fn: torch.Tensor) -> bool:

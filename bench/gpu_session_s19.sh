@@ -3,7 +3,8 @@
 #   bash bench/gpu_session_s19.sh $OUT ab    the CUDA tests of the one-row bf16 GEMV's fp32 / scaled callers and of
 #                                            the fused mHC boundaries, the graph check, then the 11-layer model at
 #                                            4K x 1 / x 32 with (DSV4_BF16_GEMV_ALL, DSV4_MHC_FUSED) = 00, 10, 11 (AB
-#                                            overrides the list), a timeline of three 4K x 1 steps on the last
+#                                            overrides the list), a timeline of three 4K x 1 steps on the last (its
+#                                            13:10 UTC run had the finalize + collapse-norm fusion, since removed)
 #   bash bench/gpu_session_s19.sh $OUT ab2   after the first call: the fused mHC boundary as the expand computing the
 #                                            next mix's partials alone (the finalize + collapse-norm fusion measured
 #                                            slower) and the q_lora norm + kv norm-RoPE in one launch (norm_pair); the

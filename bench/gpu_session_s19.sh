@@ -14,6 +14,10 @@
 #                                            and PDL's decode equality, then the 11-layer model at 4K / 128K / 1M x 1 / 32
 #                                            with FlashMLA (auto), and at 4K / 1M x 1 with the Triton attention
 #   bash bench/gpu_session_s19.sh $OUT tests the final call's CUDA tests alone (what the device time left allowed)
+#   bash bench/gpu_session_s19.sh $OUT h200  (not run: for the next H200) issue 13's whole table as session 14 ran it, now
+#                                            with PDL, side streams and this session's launches: as many layers as fit
+#                                            beside 24 GiB of KV, kernels against their floors, 4K / 128K / 1M x 1 / 32 / max,
+#                                            the 128K prefill, per layer and the 43-layer step (derived), a 4K x 1 timeline
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-ab}
@@ -68,4 +72,9 @@ if [ "$WHICH" = final ]; then
       --skip-kernels --steps 6 --prefill-max-seconds 3 --time-budget $t --attention-kernel $attn --out "$OUT/q_$attn.json"
     echo "attention $attn:"; grep -A 8 "^decode" "$OUT/q_$attn.log" | cut -c1-150; grep "^per layer\|43-layer" "$OUT/q_$attn.log" | cut -c1-250
   done
+fi
+if [ "$WHICH" = h200 ]; then
+  part 450 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,8,64 --kernel-iters 5 --steps 4 \
+    --prefill-max-seconds 40 --timeline 3 --time-budget 410 --out "$OUT/quant_full.json"
+  grep -v "^\[\|^  *graph replay" "$OUT/qfull.log" | grep -v "^ \{4,\}[0-9.]* us  x" | tail -n 70 | cut -c1-220
 fi

@@ -30,7 +30,7 @@ device-to-device copy; FP8 peak: an 8192^3 ``torch._scaled_mm``):
 - prefill tokens/s at 128K (a real chunked prefill);
 - the per-layer cost at batch 1 (decode steps with all layers minus steps with the first half,
   each with CUDA graphs captured for that model, so the difference is CSA/HCA layers as in the
-  rest of Flash) beside its byte floor, and the whole 43-layer model's step derived from it,
+  rest of Flash; the two alternated over several rounds, their median and range) beside its byte floor, and the whole 43-layer model's step derived from it,
   labelled "(derived)": the measured step plus the missing layers at that per-layer cost, beside
   the 43-layer byte floor.
 
@@ -51,6 +51,7 @@ import gc
 import json
 import math
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -449,27 +450,57 @@ def check_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device) -> li
 
 # ---- per-layer cost --------------------------------------------------------------------------------
 
-def step_ms_with_layers(eng: Engine, layers: Optional[int], steps: int, batch: int) -> tuple[float, Optional[float]]:
-    """(mean decode step time, mean GPU time of its graph replay or None when eager) running the
-    first ``layers`` layers only, with CUDA graphs captured afresh for that model when the engine
-    uses graphs (eagerly otherwise)."""
+# The per-layer cost is the difference of all layers' and half the layers' batch-1 steps over the
+# other half. Measured one block after the other it moved by up to 0.02 ms a layer between
+# identical runs on an H100 (docs/PERF.md, session 19); alternated rounds share any drift, and
+# their median and range are reported.
+PER_LAYER_ROUNDS = 5
+
+
+def layer_prefix_rounds(eng: Engine, half: int, steps: int, rounds: int) -> list[dict[str, Optional[float]]]:
+    """Batch-1 decode of all layers and of the first ``half`` layers, alternated ``rounds`` times
+    (``steps`` steps each), so that a drift of the card's clocks or of the host lands in both: per
+    round the mean step time and the mean GPU time of its graph replay (None when eager) of each.
+    Each prefix runs its own CUDA graphs (captured once, before the first round) when the engine
+    uses graphs."""
     runner = eng.runner
     model, graphs = runner.model, runner.cuda_graphs
     full = model.layers
-    if layers is not None:
-        model.layers = nn.ModuleList(list(full)[:layers])
-    if graphs is not None:
-        runner.cuda_graphs = DecodeGraphs(runner, max_bs=max(batch, 1))
+    prefixes = [(full, None), (nn.ModuleList(list(full)[:half]), None)]
     try:
-        timed_decode_steps(eng, 2, batch)             # captures (or compiles) outside the timing
-        if runner.cuda_graphs is not None:
-            runner.cuda_graphs.stats()
-            runner.cuda_graphs.reset_stats()
-        ms = timed_decode_steps(eng, steps, batch).ms_per_step
-        st = runner.cuda_graphs.stats() if runner.cuda_graphs is not None else {}
-        return ms, (st["replay_gpu_ms"] if st.get("replays") else None)
+        if graphs is not None:
+            prefixes = [(layers, DecodeGraphs(runner, max_bs=1)) for layers, _ in prefixes]
+        for layers, g in prefixes:      # captures (or compiles) outside the timing
+            model.layers, runner.cuda_graphs = layers, g if graphs is not None else None
+            timed_decode_steps(eng, 2, 1)
+        out = []
+        for _ in range(rounds):
+            row: dict[str, Optional[float]] = {}
+            for name, (layers, g) in zip(("all", "half"), prefixes):
+                model.layers, runner.cuda_graphs = layers, g if graphs is not None else None
+                timed_decode_steps(eng, 1, 1)   # untimed: the overlap schedule prepared this step for the other prefix
+                if g is not None:
+                    g.reset_stats()
+                row[f"{name}_ms"] = timed_decode_steps(eng, steps, 1).ms_per_step
+                st = g.stats() if g is not None else {}
+                row[f"{name}_gpu_ms"] = st["replay_gpu_ms"] if st.get("replays") else None
+            out.append(row)
+        return out
     finally:
         model.layers, runner.cuda_graphs = full, graphs
+
+
+def per_layer_from_rounds(rounds: list[dict[str, Optional[float]]], layers: int) -> dict[str, Any]:
+    """The per-layer cost from ``layer_prefix_rounds``: each round's difference (of the replays' GPU
+    time where every round has it, else of the step times) over ``layers``, their median and their
+    range, and the medians of the four times."""
+    by_gpu = all(r["all_gpu_ms"] is not None and r["half_gpu_ms"] is not None for r in rounds)
+    key = "_gpu_ms" if by_gpu else "_ms"
+    each = sorted((r["all" + key] - r["half" + key]) / layers for r in rounds)
+    med = lambda v: float(statistics.median(v)) if v else None  # noqa: E731
+    return {"per_layer_ms": med(each), "per_layer_ms_range": (each[0], each[-1]), "rounds": len(rounds),
+            "by_gpu": by_gpu, **{k: med([r[k] for r in rounds if r[k] is not None])
+                                 for k in ("all_ms", "half_ms", "all_gpu_ms", "half_gpu_ms")}}
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -481,7 +512,8 @@ def engine_kwargs(args: argparse.Namespace, weights: Any, weight_bytes: int, tot
     steps' headroom per request: a context for the largest row; ``--kv-gb`` of KV pools beside
     ``weight_bytes`` on a GPU of ``total`` bytes (the CPU: a few contexts' worth of tokens)."""
     headroom = args.steps + args.warmup + 16
-    context_length = max(args.contexts + [args.prefill_context]) + headroom + 256
+    per_layer_tokens = 2 * PER_LAYER_ROUNDS * (args.steps + 1) + 16      # the per-layer rounds' request
+    context_length = max(args.contexts + [args.prefill_context]) + max(headroom, per_layer_tokens) + 256
     kw: dict[str, Any] = dict(device=args.device, dtype="bfloat16", skip_tokenizer_init=True, random_seed=args.seed,
                               max_running_requests=args.max_batch, chunked_prefill_size=args.prefill_chunk,
                               context_length=context_length, swa_ratio=0.1, weight_stream=weights,
@@ -650,16 +682,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx0 = args.contexts[0]
     rep["per_layer"] = None
     if n_layers >= 4 and guard.left > args.guard_margin:
-        rids = admit_synthetic(eng, ctx0, 1, 4 * args.steps + 8)
+        rounds = PER_LAYER_ROUNDS
+        rids = admit_synthetic(eng, ctx0, 1, 2 * rounds * (args.steps + 1) + 16)   # engine_kwargs leaves room
         try:
-            full_ms, full_gpu = step_ms_with_layers(eng, None, args.steps, 1)
-            half_ms, half_gpu = step_ms_with_layers(eng, half, args.steps, 1)
+            pl = per_layer_from_rounds(layer_prefix_rounds(eng, half, args.steps, rounds), n_layers - half)
         finally:
             finish_all(eng, rids)
         # graph steps: the difference of the two replays' GPU time (a step whose host work is
         # longer than its GPU work would make the difference of wall times understate a layer)
-        by_gpu = full_gpu is not None and half_gpu is not None
-        per_layer = ((full_gpu - half_gpu) if by_gpu else (full_ms - half_ms)) / (n_layers - half)
+        by_gpu, per_layer, (lo, hi) = pl["by_gpu"], pl["per_layer_ms"], pl["per_layer_ms_range"]
+        full_ms, half_ms, full_gpu, half_gpu = pl["all_ms"], pl["half_ms"], pl["all_gpu_ms"], pl["half_gpu_ms"]
         # the same difference of the two models' floors as of their steps
         layer_floor_ms = (step_floor_ms(cfg, 1, ctx0, bw) - step_floor_ms(layer_config(base, half), 1, ctx0, bw)) \
             / (n_layers - half)
@@ -671,15 +703,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rep["per_layer"] = {"context": ctx0, "step_ms_all_layers": full_ms, f"step_ms_{half}_layers": half_ms,
                             "replay_gpu_ms_all_layers": full_gpu, f"replay_gpu_ms_{half}_layers": half_gpu,
                             "per_layer_from": "graph replay GPU time" if by_gpu else "step time",
-                            "per_layer_ms": per_layer, "per_layer_floor_ms": layer_floor_ms,
+                            "per_layer_ms": per_layer, "per_layer_ms_range": [lo, hi], "rounds": rounds,
+                            "per_layer_floor_ms": layer_floor_ms,
                             "step_ms_batch1": step_ms, "derived_layers": L,
                             "derived_step_ms": derived, "derived_floor_ms": derived_floor}
         mode = "graph" if eng.runner.cuda_graphs is not None else "eager"
         gpu_text = (f"; their replays' GPU time {full_gpu:.2f} and {half_gpu:.2f} ms, the difference used"
                     if by_gpu else "")
-        print(f"\nper layer at batch 1, {fmt_tokens(ctx0)}: {per_layer:.3f} ms ({mode} steps: {n_layers} layers "
-              f"{full_ms:.2f} ms, {half} layers {half_ms:.2f} ms{gpu_text}), byte floor {layer_floor_ms:.3f} ms "
-              f"({per_layer / layer_floor_ms:.2f}x the floor)")
+        print(f"\nper layer at batch 1, {fmt_tokens(ctx0)}: {per_layer:.3f} ms, median of {rounds} alternated rounds "
+              f"(range {lo:.3f}-{hi:.3f}) ({mode} steps: {n_layers} layers {full_ms:.2f} ms, {half} layers "
+              f"{half_ms:.2f} ms{gpu_text}), byte floor {layer_floor_ms:.3f} ms ({per_layer / layer_floor_ms:.2f}x the floor)")
         print(f"{L}-layer step at batch 1, {fmt_tokens(ctx0)} (derived): {derived:.2f} ms = "
               f"{1e3 / derived:.1f} tok/s (derived); byte floor {derived_floor:.2f} ms (derived)")
     eng.shutdown()

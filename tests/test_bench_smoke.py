@@ -285,6 +285,25 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
     assert rep["prefill"]["status"] == "complete" and rep["prefill"]["tokens_done"] == 256
     pl = rep["per_layer"]
     assert pl["per_layer_floor_ms"] > 0 and pl["derived_layers"] == 4 and pl["derived_step_ms"] > 0
+    lo, hi = pl["per_layer_ms_range"]             # the median of the alternated rounds lies in their range
+    assert pl["rounds"] == bench_quant_model.PER_LAYER_ROUNDS and lo <= pl["per_layer_ms"] <= hi
+    assert pl["per_layer_from"] == "step time"    # eager on the CPU: no replay GPU time
+
+
+def test_per_layer_from_rounds():
+    """The per-layer figure is the median of the rounds' differences over the layers, from the
+    replays' GPU time when every round has it, else from the step times."""
+    from bench.bench_quant_model import per_layer_from_rounds
+    rounds = [dict(all_ms=3.0, half_ms=2.0, all_gpu_ms=2.6, half_gpu_ms=1.4),
+              dict(all_ms=3.1, half_ms=2.0, all_gpu_ms=2.7, half_gpu_ms=1.5),
+              dict(all_ms=2.9, half_ms=2.1, all_gpu_ms=2.6, half_gpu_ms=1.6)]
+    pl = per_layer_from_rounds(rounds, layers=6)
+    assert pl["by_gpu"] and pl["per_layer_ms"] == pytest.approx(0.2)        # (1.2, 1.2, 1.0) / 6
+    assert pl["per_layer_ms_range"] == pytest.approx((1.0 / 6, 0.2))
+    assert pl["all_gpu_ms"] == pytest.approx(2.6) and pl["half_ms"] == pytest.approx(2.0)
+    rounds[1]["half_gpu_ms"] = None
+    pl = per_layer_from_rounds(rounds, layers=6)
+    assert not pl["by_gpu"] and pl["per_layer_ms"] == pytest.approx(1.0 / 6)   # (1.0, 1.1, 0.8) / 6
 
 
 def test_bench_long_context_times_decodes_beside_a_prefill():

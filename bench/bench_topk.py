@@ -45,6 +45,8 @@ VARIANTS = {
     "radix/sparse512": TopKConfig(sparse=512),
     # the floor with a program per 1,024 elements (at b = 1 the floor launch before session 12)
     "radix/floor-1K": TopKConfig(floor_tile=1024, floor_segments=1 << 20),
+    # rows of up to 2,048 scores (CSA at contexts up to 8K) ranked all against all in one launch
+    "radix/rank-all-2K": TopKConfig(rank_all_max=2048),
 }
 DEFAULT = "radix"
 
@@ -145,8 +147,8 @@ def main() -> None:
         shapes = [(b, L, 512) for L in (1024, 8192, 32768, 262144) for b in (1, 2, 4, 8, 16, 32, 64)]
         variants = {n: VARIANTS[n] for n in (DEFAULT, "radix/no-floor")}
     else:
-        bs, Ls, ks = ([1, 32], [2048, 262144], [512]) if args.quick else \
-            ([1, 8, 32, 128], [2048, 32768, 262144], [512, 1024])
+        bs, Ls, ks = ([1, 32], [1024, 2048, 262144], [512]) if args.quick else \
+            ([1, 8, 32, 128], [1024, 2048, 32768, 262144], [512, 1024])
         shapes = [(b, L, k) for L in Ls for b in bs for k in ks]
         variants = VARIANTS
     if dev == "cuda":

@@ -14,6 +14,9 @@
 #                                            and PDL's decode equality, then the 11-layer model at 4K / 128K / 1M x 1 / 32
 #                                            with FlashMLA (auto), and at 4K / 1M x 1 with the Triton attention
 #   bash bench/gpu_session_s19.sh $OUT tests the final call's CUDA tests alone (what the device time left allowed)
+#   bash bench/gpu_session_s19.sh $OUT topk  (not run: for the next machine) bench_topk.py --quick with the all-pairs
+#                                            ranking of short rows (TopKConfig.rank_all_max, off until this decides)
+#                                            beside the radix path, then test_topk.py on CUDA
 #   bash bench/gpu_session_s19.sh $OUT h200  (not run: for the next H200) issue 13's whole table as session 14 ran it, now
 #                                            with PDL, side streams and this session's launches: as many layers as fit
 #                                            beside 24 GiB of KV, kernels against their floors, 4K / 128K / 1M x 1 / 32 / max,
@@ -77,4 +80,10 @@ if [ "$WHICH" = h200 ]; then
   part 450 qfull python3 bench/bench_quant_model.py --gemm-m 1,8192 --moe-tokens 1,8,64 --kernel-iters 5 --steps 4 \
     --prefill-max-seconds 40 --timeline 3 --time-budget 410 --out "$OUT/quant_full.json"
   grep -v "^\[\|^  *graph replay" "$OUT/qfull.log" | grep -v "^ \{4,\}[0-9.]* us  x" | tail -n 70 | cut -c1-220
+fi
+if [ "$WHICH" = topk ]; then
+  part 240 topk python3 bench/bench_topk.py --quick --out "$OUT"
+  tail -n 30 "$OUT/topk.log" | cut -c1-200
+  part 120 tests python3 -m pytest -q -p no:cacheprovider tests/test_topk.py
+  tail -n 3 "$OUT/tests.log"
 fi

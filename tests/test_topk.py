@@ -80,7 +80,8 @@ def test_matches_stable_sort(b, L, k):
     TopKConfig(block=256, num_warps=8, programs=3, floor_min_elements=0),
     TopKConfig(block=128, floor_tile=64, floor_segments=3, floor_min_elements=0),  # the floor: 3 segments of 4 tiles
     TopKConfig(),  # default tile: one tile per row here; no floor at this size
-], ids=["hist", "atomics", "no-floor", "few-programs", "floor-segments", "default"])
+    TopKConfig(rank_all_max=1024),  # a short row: every element ranked against the row, one launch
+], ids=["hist", "atomics", "no-floor", "few-programs", "floor-segments", "default", "rank-all"])
 def test_configs(config):
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
@@ -94,6 +95,22 @@ def test_fewer_than_k_finite_and_degenerate_rows():
     s[2] = 0.75  # all equal: the k lowest positions
     _check(s, 64, SMALL, seed)
     _check(s, 500, SMALL, seed)  # k == L: the whole row in order
+
+
+RANK_ALL = TopKConfig(rank_all_max=4096)
+
+
+@pytest.mark.parametrize("b,L,k", [(1, 300, 16), (2, 1000, 512), (3, 129, 128), (2, 50, 64), (1, 257, 257)])
+def test_rank_all_matches_stable_sort(b, L, k):
+    """The all-pairs path: ties, signed zeros, -inf tails, rows with fewer than k finite scores,
+    k above L, partial last blocks of 64 and 256."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    finite = torch.randint(1, L + 1, (b,), generator=g)
+    finite[0] = L
+    _check(_scores(b, L, g, finite=finite), k, RANK_ALL, seed)
+    s = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0, float("-inf"), 1.0, -1.0]])
+    assert topk_positions(s.to(DEV), 8, config=RANK_ALL).cpu().tolist() == [[2, 6, 0, 4, 1, 3, 7, 5]]
 
 
 def test_k_above_length_and_empty():

@@ -43,6 +43,8 @@ the same exactness checks): ``tl.histogram`` builds each bin from one warp ballo
 so every element costs about BITS * 2^BITS / 32 instructions; with it on every tile the passes
 were compute-bound (b=128, L=262144: 0.9 ms, 0.7 TB/s; 11-bit digits 5x slower), and
 ``tl.sort`` of the 1024 survivors in one program took ~25 us of a 41 us call at b=1.
+Short rows (``TopKConfig.rank_all_max``, off by default until timed) skip steps 1-3: every
+element's rank is counted against the whole row (L^2 compares, one launch) and the k best stored.
 ``method="torch"`` (one ``torch.topk`` on the packed key, the reference) and ``"torch2"``
 (top-k per segment of S positions, then top-k of those; exact since each of the k largest keys
 is in its segment's top k) are kept for comparison; ``bench/bench_topk.py`` measures all three.
@@ -89,6 +91,10 @@ class TopKConfig(NamedTuple):
     floor_tile: int = 4096
     floor_segments: int = 32
     segment: int = 8192  # "torch2" segment length
+    # rows of at most this many scores: every element ranked against the whole row in one launch
+    # (_rank_all_kernel, L^2 key compares a row) instead of the 7-9 launches of steps 1-4; 0: never.
+    # Off until timed on the GPU (bench/bench_topk.py, variant "radix/rank-all-2K").
+    rank_all_max: int = 0
 
 
 def kernels_wanted(scores: torch.Tensor) -> bool:
@@ -261,6 +267,39 @@ def _rank_kernel(cand_ptr, k, out_ptr, ob, BI: tl.constexpr, BJ: tl.constexpr, P
     tl.store(out_ptr + row * ob + rank, 4294967295 - (ki & 4294967295), mask=i < k)
 
 
+@triton.jit
+def _row_keys(base, offs, L):
+    """The packed keys of a row's positions offs (int64; _KEY_MIN past L)."""
+    ok = offs < L
+    key = (_ordered(tl.load(base + offs, mask=ok, other=0)).to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))
+    return tl.where(ok, key, _KEY_MIN)
+
+
+@triton.jit(do_not_specialize=["sb", "L", "kk", "ob"])
+def _rank_all_kernel(bits_ptr, sb, L, kk, out_ptr, ob, BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    # program (row, i-block): each of BI positions' rank = how many keys of the row are larger
+    # (keys are unique, so ranks are 0 .. L-1 once each); the kk best are stored at out[row, rank]
+    row = tl.program_id(0).to(tl.int64)
+    base = bits_ptr + row * sb
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    ki = _row_keys(base, i, L)
+    rank = tl.zeros((BI,), tl.int32)
+    for j0 in range(0, L, BJ):
+        kj = _row_keys(base, j0 + tl.arange(0, BJ), L)
+        rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), axis=1)
+    tl.store(out_ptr + row * ob + rank, i.to(tl.int64), mask=(i < L) & (rank < kk))
+
+
+def _rank_all(bits: torch.Tensor, kk: int) -> torch.Tensor:
+    b, L = bits.shape
+    out = torch.empty(b, kk, dtype=torch.int64, device=bits.device)
+    bi = 64
+    _rank_all_kernel[(b, triton.cdiv(L, bi))](bits, bits.stride(0), L, kk, out, out.stride(0), BI=bi, BJ=256,
+                                               num_warps=4, **pdl.args(bits.device))
+    return out
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -332,4 +371,6 @@ def topk_positions(scores: torch.Tensor, k: int, *,
         raise RuntimeError("the top-k kernels need a CUDA tensor, or TRITON_INTERPRET=1 on the CPU")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
+    if L <= config.rank_all_max:
+        return _rank_all(scores.view(torch.int32), kk)
     return _radix(scores.view(torch.int32), kk, config)

@@ -471,13 +471,13 @@ def layer_prefix_rounds(eng: Engine, half: int, steps: int, rounds: int) -> list
         if graphs is not None:
             prefixes = [(layers, DecodeGraphs(runner, max_bs=1)) for layers, _ in prefixes]
         for layers, g in prefixes:      # captures (or compiles) outside the timing
-            model.layers, runner.cuda_graphs = layers, g if graphs is not None else None
+            model.layers, runner.cuda_graphs = layers, g
             timed_decode_steps(eng, 2, 1)
         out = []
         for _ in range(rounds):
             row: dict[str, Optional[float]] = {}
             for name, (layers, g) in zip(("all", "half"), prefixes):
-                model.layers, runner.cuda_graphs = layers, g if graphs is not None else None
+                model.layers, runner.cuda_graphs = layers, g
                 timed_decode_steps(eng, 1, 1)   # untimed: the overlap schedule prepared this step for the other prefix
                 if g is not None:
                     g.reset_stats()

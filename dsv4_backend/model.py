@@ -297,7 +297,7 @@ class Attention(nn.Module):
                 raws = self._compressor_inputs(x)
                 head_w = self._indexer_head_weights(x) if index else None
         qa, kv = shared_input(x, self.wq_a, self.wkv)
-        if USE_NORM_PAIR and _norm_rope_kernel_applies(qa) and kv.dtype == qa.dtype:   # q_lora norm, kv norm + RoPE
+        if USE_NORM_PAIR and _norm_rope_kernel_applies(qa):    # q_lora norm, kv norm + RoPE: one launch
             from .kernels.norm_rope import norm_pair
             qr, kv = norm_pair(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight, eps, positions,
                                self.rope.inv_freq_on(x.device))
@@ -734,13 +734,12 @@ def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale:
 def hc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
                        next_fn: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``hc_expand``, and the split-K partials of the next mix (``next_fn``: its fn; None: no mix
-    follows) from the same launch where that mix would take them from the streams at a size below
-    the tl.dot partials'; else None for them."""
+    follows) from the same launch where ``mhc.expand_partials_apply`` says so; else None for them."""
     if (next_fn is not None and USE_MHC_FUSED and C.dtype == torch.float32 and _mhc_kernels_apply(X)
             and _mix_from_streams(X, next_fn)):
         from .kernels import mhc
-        if X.shape[0] < mhc.MIX_DOT_MIN_TOKENS and mhc.expand_partials_apply(X, next_fn):
-            return mhc.mhc_expand_partials(X.contiguous(), f, post, C, next_fn)
+        if mhc.expand_partials_apply(X, next_fn):
+            return mhc.mhc_expand_partials(X, f, post, C, next_fn)
     return hc_expand(X, f, post, C), None
 
 

@@ -118,6 +118,14 @@ def _empty_mix(T: int, hc: int, device: torch.device) -> MixWeights:
                       torch.empty(T, hc, hc, dtype=torch.float32, device=device))
 
 
+def _check_mix_params(scale: torch.Tensor, base: torch.Tensor, n_mix: int, sinkhorn_iters: int, what: str) -> None:
+    if scale.numel() != 3 or base.numel() != n_mix:
+        raise ValueError(f"{what}: scale must have 3 and base {n_mix} elements, "
+                         f"got {scale.numel()} and {base.numel()}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"{what}: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+
+
 def mhc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
             sinkhorn_iters: int, eps: float, block_t: int = 16) -> MixWeights:
     """Sinkhorn mix weights from the scaled mix logits (fp32 arithmetic whatever m's dtype).
@@ -128,11 +136,7 @@ def mhc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
     if m.dim() != 2 or m.shape[1] != n_mix or m.stride(1) != 1:
         raise ValueError(f"mhc_mix: m must be [T, {n_mix}] with a contiguous last dim, "
                          f"got {tuple(m.shape)} strides {m.stride()}")
-    if scale.numel() != 3 or base.numel() != n_mix:
-        raise ValueError(f"mhc_mix: scale must have 3 and base {n_mix} elements, "
-                         f"got {scale.numel()} and {base.numel()}")
-    if sinkhorn_iters < 1:
-        raise ValueError(f"mhc_mix: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    _check_mix_params(scale, base, n_mix, sinkhorn_iters, "mhc_mix")
     check_device(m, scale, base)
     T = m.shape[0]
     pre, post, C = _empty_mix(T, hc, m.device)
@@ -306,11 +310,7 @@ def mhc_mix_from_streams(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"mhc_mix_from_streams: streams must be [T, {hc}, D], got {tuple(X.shape)}")
     launch = mix_launch(X.shape[0], n_mix, chunk, block_t, num_warps, dot, finalize_warps)
     _check_stream_logits(X, fn, n_mix, launch.chunk, "mhc_mix_from_streams")
-    if scale.numel() != 3 or base.numel() != n_mix:
-        raise ValueError(f"mhc_mix_from_streams: scale must have 3 and base {n_mix} elements, "
-                         f"got {scale.numel()} and {base.numel()}")
-    if sinkhorn_iters < 1:
-        raise ValueError(f"mhc_mix_from_streams: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+    _check_mix_params(scale, base, n_mix, sinkhorn_iters, "mhc_mix_from_streams")
     check_device(X, fn, scale, base)
     T = X.shape[0]
     pre, post, C = _empty_mix(T, hc, X.device)
@@ -327,9 +327,7 @@ def mhc_mix_finalize(part: torch.Tensor, K: int, scale: torch.Tensor, base: torc
     if part.dim() != 3 or part.shape[2] != n_mix + 1 or part.dtype != torch.float32 or not part.is_contiguous():
         raise ValueError(f"mhc_mix_finalize: want contiguous fp32 partials [T, S, {n_mix + 1}], "
                          f"got {part.dtype} {tuple(part.shape)}")
-    if scale.numel() != 3 or base.numel() != n_mix:
-        raise ValueError(f"mhc_mix_finalize: scale must have 3 and base {n_mix} elements, "
-                         f"got {scale.numel()} and {base.numel()}")
+    _check_mix_params(scale, base, n_mix, sinkhorn_iters, "mhc_mix_finalize")
     check_device(part, scale, base)
     T = part.shape[0]
     pre, post, C = _empty_mix(T, hc, part.device)
@@ -446,11 +444,22 @@ def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_
     _store_partials(x, w, part_ptr, t64, t_ok, s, S, n, n_ok, N, DOT)
 
 
+def _check_expand_args(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor, what: str) -> None:
+    T, hc, D = X.shape
+    if f.shape != (T, D) or post.shape != (T, hc) or C.shape != (T, hc, hc):
+        raise ValueError(f"{what}: shapes X {tuple(X.shape)}, f {tuple(f.shape)}, "
+                         f"post {tuple(post.shape)}, C {tuple(C.shape)} do not agree")
+    if post.dtype != torch.float32 or C.dtype != torch.float32:
+        raise ValueError(f"{what}: post and C must be fp32, got {post.dtype}, {C.dtype}")
+
+
 def expand_partials_apply(X: torch.Tensor, fn: torch.Tensor) -> bool:
-    """Whether ``mhc_expand_partials`` takes streams X [T, hc, D] and the next mix's fn: each
-    split-K chunk must lie inside one stream."""
-    n_mix = fn.shape[0]
-    return X.dim() == 3 and X.shape[2] % mix_launch(X.shape[0], n_mix).chunk == 0
+    """Whether a boundary's expand should compute the next mix's partials (``mhc_expand_partials``)
+    for streams X [T, hc, D] and that mix's fn: below the tl.dot partials' token count (on the
+    H100 the fusion was measured at 1-15 tokens only, docs/PERF.md session 19), with each split-K
+    chunk inside one stream."""
+    T = X.shape[0]
+    return X.dim() == 3 and T < MIX_DOT_MIN_TOKENS and X.shape[2] % mix_launch(T, fn.shape[0]).chunk == 0
 
 
 def mhc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
@@ -468,11 +477,7 @@ def mhc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C:
     _check_stream_logits(X, fn, N, launch.chunk, "mhc_expand_partials")
     if D % launch.chunk:
         raise ValueError(f"mhc_expand_partials: D={D} must be a multiple of the chunk {launch.chunk}")
-    if f.shape != (T, D) or post.shape != (T, hc) or C.shape != (T, hc, hc):
-        raise ValueError(f"mhc_expand_partials: shapes X {tuple(X.shape)}, f {tuple(f.shape)}, "
-                         f"post {tuple(post.shape)}, C {tuple(C.shape)} do not agree")
-    if post.dtype != torch.float32 or C.dtype != torch.float32:
-        raise ValueError(f"mhc_expand_partials: post and C must be fp32, got {post.dtype}, {C.dtype}")
+    _check_expand_args(X, f, post, C, "mhc_expand_partials")
     check_device(X, f, post, C, fn)
     S = hc * D // launch.chunk
     out = torch.empty_like(X)
@@ -501,11 +506,7 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
     T, hc, D = X.shape
     if block_d is None:
         block_d = min(1024, triton.next_power_of_2(D))
-    if f.shape != (T, D) or post.shape != (T, hc) or C.shape != (T, hc, hc):
-        raise ValueError(f"mhc_expand: shapes X {tuple(X.shape)}, f {tuple(f.shape)}, "
-                         f"post {tuple(post.shape)}, C {tuple(C.shape)} do not agree")
-    if post.dtype != torch.float32 or C.dtype != torch.float32:
-        raise ValueError(f"mhc_expand: post and C must be fp32, got {post.dtype}, {C.dtype}")
+    _check_expand_args(X, f, post, C, "mhc_expand")
     check_device(X, f, post, C)
     out = torch.empty_like(X)
     if T:

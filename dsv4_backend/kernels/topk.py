@@ -134,6 +134,12 @@ def _ordered(bits):
 
 
 @triton.jit
+def _pack_key(ordered, offs):
+    """The packed int64 key of ordered score bits at positions offs (``packed_keys``)."""
+    return (ordered.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))
+
+
+@triton.jit
 def _floor(gmax_ptr, row, G: tl.constexpr, FLOOR: tl.constexpr):
     """v: at least G >= k elements of the row are >= v (ordered int32)."""
     if FLOOR:
@@ -240,7 +246,7 @@ def _compact_kernel(bits_ptr, sb, L, seg_len, b, k, hist_ptr, seg_hist_ptr, nseg
         ordered = _ordered(tl.load(base + offs, mask=offs < end, other=0))
         gt = (offs < end) & (ordered > t)
         eq = (offs < end) & (ordered == t)
-        key = (ordered.to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))
+        key = _pack_key(ordered, offs)
         n = tl.sum(gt.to(tl.int32), axis=0)
         if n > 0:
             slot = tl.atomic_add(count_ptr + row, n, sem="relaxed")
@@ -271,8 +277,7 @@ def _rank_kernel(cand_ptr, k, out_ptr, ob, BI: tl.constexpr, BJ: tl.constexpr, P
 def _row_keys(base, offs, L):
     """The packed keys of a row's positions offs (int64; _KEY_MIN past L)."""
     ok = offs < L
-    key = (_ordered(tl.load(base + offs, mask=ok, other=0)).to(tl.int64) << 32) | (4294967295 - offs.to(tl.int64))
-    return tl.where(ok, key, _KEY_MIN)
+    return tl.where(ok, _pack_key(_ordered(tl.load(base + offs, mask=ok, other=0)), offs), _KEY_MIN)
 
 
 @triton.jit(do_not_specialize=["sb", "L", "kk", "ob"])

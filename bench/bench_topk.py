@@ -35,20 +35,21 @@ from dsv4_backend.kernels.topk import TopKConfig, topk_positions, topk_reference
 VARIANTS = {
     "torch": TopKConfig(method="torch"),
     "torch2/16K": TopKConfig(method="torch2", segment=16384),
-    "radix": TopKConfig(),  # the default
-    "radix/2K-w8": TopKConfig(block=2048, num_warps=8),
-    "radix/8xSM": TopKConfig(programs=8 * 132),
-    "radix/2xSM": TopKConfig(programs=2 * 132),
-    "radix/no-floor": TopKConfig(floor=False),
-    "radix/hist-only": TopKConfig(sparse=0),
-    "radix/plain": TopKConfig(floor=False, sparse=0),  # no floor, always tl.histogram
-    "radix/sparse512": TopKConfig(sparse=512),
+    "default": TopKConfig(),  # short rows ranked all against all (rank_all_max), the radix path above
+    "radix": TopKConfig(rank_all_max=0),  # the radix path at every length
+    "radix/2K-w8": TopKConfig(block=2048, num_warps=8, rank_all_max=0),
+    "radix/8xSM": TopKConfig(programs=8 * 132, rank_all_max=0),
+    "radix/2xSM": TopKConfig(programs=2 * 132, rank_all_max=0),
+    "radix/no-floor": TopKConfig(floor=False, rank_all_max=0),
+    "radix/hist-only": TopKConfig(sparse=0, rank_all_max=0),
+    "radix/plain": TopKConfig(floor=False, sparse=0, rank_all_max=0),  # no floor, always tl.histogram
+    "radix/sparse512": TopKConfig(sparse=512, rank_all_max=0),
     # the floor with a program per 1,024 elements (at b = 1 the floor launch before session 12)
-    "radix/floor-1K": TopKConfig(floor_tile=1024, floor_segments=1 << 20),
-    # rows of up to 2,048 scores (CSA at contexts up to 8K) ranked all against all in one launch
-    "radix/rank-all-2K": TopKConfig(rank_all_max=2048),
+    "radix/floor-1K": TopKConfig(floor_tile=1024, floor_segments=1 << 20, rank_all_max=0),
+    # every row of up to 2,048 scores (CSA at contexts up to 8K) ranked all against all, whatever b
+    "rank-all-2K/any-b": TopKConfig(rank_all_compares=1 << 62),
 }
-DEFAULT = "radix"
+DEFAULT = "default"
 
 
 def applicable(name: str, L: int, k: int) -> bool:
@@ -145,7 +146,7 @@ def main() -> None:
                                   sparse=min(c.sparse, 16)) for n, c in VARIANTS.items()}
     elif args.floor_sweep:
         shapes = [(b, L, 512) for L in (1024, 8192, 32768, 262144) for b in (1, 2, 4, 8, 16, 32, 64)]
-        variants = {n: VARIANTS[n] for n in (DEFAULT, "radix/no-floor")}
+        variants = {n: VARIANTS[n] for n in ("radix", "radix/no-floor")}
     else:
         bs, Ls, ks = ([1, 32], [1024, 2048, 262144], [512]) if args.quick else \
             ([1, 8, 32, 128], [1024, 2048, 32768, 262144], [512, 1024])

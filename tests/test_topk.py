@@ -21,8 +21,9 @@ from dsv4_backend.kernels.indexer import topk_rows  # noqa: E402
 from dsv4_backend.kernels.topk import TopKConfig, topk_positions, topk_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# several tiles and segments per row even at L ~ 1000, and the floor (step 1) at these sizes too
-SMALL = TopKConfig(block=128, floor_min_elements=0)
+# several tiles and segments per row even at L ~ 1000, and the floor (step 1) at these sizes too;
+# rank_all_max=0 keeps these short rows on the radix path (the all-pairs path has its own tests)
+SMALL = TopKConfig(block=128, floor_min_elements=0, rank_all_max=0)
 
 
 def _seed() -> int:
@@ -74,14 +75,16 @@ def test_matches_stable_sort(b, L, k):
 
 
 @pytest.mark.parametrize("config", [
-    TopKConfig(block=128, sparse=0, floor_min_elements=0),  # every live tile through tl.histogram
-    TopKConfig(block=128, sparse=1 << 20, floor_min_elements=0),  # every live tile through atomics
-    TopKConfig(block=128, floor=False),
-    TopKConfig(block=256, num_warps=8, programs=3, floor_min_elements=0),
-    TopKConfig(block=128, floor_tile=64, floor_segments=3, floor_min_elements=0),  # the floor: 3 segments of 4 tiles
-    TopKConfig(),  # default tile: one tile per row here; no floor at this size
-    TopKConfig(rank_all_max=1024),  # a short row: every element ranked against the row, one launch
-], ids=["hist", "atomics", "no-floor", "few-programs", "floor-segments", "default", "rank-all"])
+    TopKConfig(block=128, sparse=0, floor_min_elements=0, rank_all_max=0),  # every live tile through tl.histogram
+    TopKConfig(block=128, sparse=1 << 20, floor_min_elements=0, rank_all_max=0),  # every live tile through atomics
+    TopKConfig(block=128, floor=False, rank_all_max=0),
+    TopKConfig(block=256, num_warps=8, programs=3, floor_min_elements=0, rank_all_max=0),
+    TopKConfig(block=128, floor_tile=64, floor_segments=3, floor_min_elements=0, rank_all_max=0),  # 3 segments of 4 tiles
+    TopKConfig(rank_all_max=0),  # the radix path's default tile: one tile per row here; no floor at this size
+    TopKConfig(),  # the default: a short row, every element ranked against the row in one launch
+    TopKConfig(rank_all_compares=3 * 600 * 600 - 1),  # one compare over the budget: the radix path
+], ids=["hist", "atomics", "no-floor", "few-programs", "floor-segments", "radix-default", "default",
+        "over-budget"])
 def test_configs(config):
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
@@ -111,6 +114,22 @@ def test_rank_all_matches_stable_sort(b, L, k):
     _check(_scores(b, L, g, finite=finite), k, RANK_ALL, seed)
     s = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0, float("-inf"), 1.0, -1.0]])
     assert topk_positions(s.to(DEV), 8, config=RANK_ALL).cpu().tolist() == [[2, 6, 0, 4, 1, 3, 7, 5]]
+
+
+def test_rank_all_takes_short_rows_within_its_compare_budget(monkeypatch):
+    """The default sends a row of at most rank_all_max scores to the all-pairs launch while the
+    launch's b * L^2 compares stay within rank_all_compares, and everything else to the radix path."""
+    calls = []
+    real = topk_module._rank_all
+    monkeypatch.setattr(topk_module, "_rank_all", lambda bits, kk: calls.append(tuple(bits.shape)) or real(bits, kk))
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    s = _scores(2, 300, g)
+    _check(s, 32, TopKConfig(), seed)
+    assert calls == [(2, 300)]
+    _check(s, 32, TopKConfig(rank_all_compares=2 * 300 * 300 - 1), seed)
+    _check(s, 32, TopKConfig(rank_all_max=299), seed)
+    assert calls == [(2, 300)]
 
 
 def test_k_above_length_and_empty():

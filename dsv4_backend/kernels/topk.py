@@ -43,8 +43,9 @@ the same exactness checks): ``tl.histogram`` builds each bin from one warp ballo
 so every element costs about BITS * 2^BITS / 32 instructions; with it on every tile the passes
 were compute-bound (b=128, L=262144: 0.9 ms, 0.7 TB/s; 11-bit digits 5x slower), and
 ``tl.sort`` of the 1024 survivors in one program took ~25 us of a 41 us call at b=1.
-Short rows (``TopKConfig.rank_all_max``, off by default until timed) skip steps 1-3: every
-element's rank is counted against the whole row (L^2 compares, one launch) and the k best stored.
+Short rows (``TopKConfig.rank_all_max``, 2,048, in launches of at most ``rank_all_compares``
+key compares) skip steps 1-4: every element's rank is counted against the whole row (L^2
+compares, one launch) and the k best stored at their ranks.
 ``method="torch"`` (one ``torch.topk`` on the packed key, the reference) and ``"torch2"``
 (top-k per segment of S positions, then top-k of those; exact since each of the k largest keys
 is in its segment's top k) are kept for comparison; ``bench/bench_topk.py`` measures all three.
@@ -91,10 +92,14 @@ class TopKConfig(NamedTuple):
     floor_tile: int = 4096
     floor_segments: int = 32
     segment: int = 8192  # "torch2" segment length
-    # rows of at most this many scores: every element ranked against the whole row in one launch
-    # (_rank_all_kernel, L^2 key compares a row) instead of the 7-9 launches of steps 1-4; 0: never.
-    # Off until timed on the GPU (bench/bench_topk.py, variant "radix/rank-all-2K").
-    rank_all_max: int = 0
+    # rows of at most rank_all_max scores, in launches of at most rank_all_compares key compares
+    # (b * L^2): every element ranked against the whole row in one launch (_rank_all_kernel)
+    # instead of the 7-9 launches of steps 1-4; rank_all_max = 0: never. H100, k = 512, graph
+    # replay (docs/PERF.md session 20): b = 1, L = 1,024 6.3 against 17.8 us; b = 1, L = 2,048
+    # 11.0 against 19.1; b = 32, L = 1,024 (2^25 compares) 17.3 against 20.1; b = 32, L = 2,048
+    # (2^27) 54.6 against 21.1. The budget, 2^24, keeps the launches that won by 2x or more.
+    rank_all_max: int = 2048
+    rank_all_compares: int = 1 << 24
 
 
 def kernels_wanted(scores: torch.Tensor) -> bool:
@@ -376,6 +381,6 @@ def topk_positions(scores: torch.Tensor, k: int, *,
         raise RuntimeError("the top-k kernels need a CUDA tensor, or TRITON_INTERPRET=1 on the CPU")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
-    if L <= config.rank_all_max:
+    if L <= config.rank_all_max and b * L * L <= config.rank_all_compares:
         return _rank_all(scores.view(torch.int32), kk)
     return _radix(scores.view(torch.int32), kk, config)

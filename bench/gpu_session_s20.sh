@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# GPU calls of session 20 (carry .whl: the pytest and sgl-flash-mla wheels):
+#   bash bench/gpu_session_s20.sh $OUT probe   the L2 prefetch probe (kernels/l2_prefetch.py: does a side-stream
+#                                              prefetch during a chain of small launches shorten the GEMV after it),
+#                                              session 19's untested CUDA cases, bench_topk --quick (rank-all rows)
+#   bash bench/gpu_session_s20.sh $OUT h200    issue 13's whole table (gpu_session_s19.sh h200)
+set -uo pipefail
+OUT=${1:?output directory}
+WHICH=${2:-probe}
+mkdir -p "$OUT"
+source bench/_gpu_session.sh
+if [ "$WHICH" = probe ]; then
+  part 150 l2 python3 bench/probe_l2_prefetch.py --out "$OUT/l2.json"
+  cat "$OUT/l2.log" | cut -c1-250
+  part 120 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_norm_rope.py \
+    tests/test_pdl.py tests/test_topk.py -k "cuda or norm_pair or norm_rope_matches or decode_with_pdl or rank_all"
+  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
+  part 200 topk python3 bench/bench_topk.py --quick --out "$OUT"
+  tail -n 30 "$OUT/topk.log" | cut -c1-200
+fi

@@ -3,6 +3,9 @@
 #   bash bench/gpu_session_s20.sh $OUT probe   the L2 prefetch probe (kernels/l2_prefetch.py: does a side-stream
 #                                              prefetch during a chain of small launches shorten the GEMV after it),
 #                                              session 19's untested CUDA cases, bench_topk --quick (rank-all rows)
+#   bash bench/gpu_session_s20.sh $OUT cuda    fp8_row.cu (the one-row FP8 GEMV in CUDA C): its CUDA tests, the probe's
+#                                              grid beside the Triton kernel on Flash's shapes, then the 11-layer model
+#                                              at 4K x 1 / x 32 with DSV4_FP8_ROW_CUDA = 0 and 1 (rank-all top-k in both)
 #   bash bench/gpu_session_s20.sh $OUT h200    issue 13's whole table (gpu_session_s19.sh h200)
 set -uo pipefail
 OUT=${1:?output directory}
@@ -17,4 +20,18 @@ if [ "$WHICH" = probe ]; then
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
   part 200 topk python3 bench/bench_topk.py --quick --out "$OUT"
   tail -n 30 "$OUT/topk.log" | cut -c1-200
+fi
+if [ "$WHICH" = cuda ]; then
+  DSV4_FP8_ROW_CUDA=1 part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_pdl.py -k "cuda or pdl"
+  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 20
+  part 200 probe python3 bench/probe_fp8_row_gemv.py --quick --cuda --skip-w8a16 --out "$OUT/probe_row.json"
+  grep -v "^      next" "$OUT/probe.log" | cut -c1-330
+  for c in ${CU:-0 1}; do
+    DSV4_FP8_ROW_CUDA=$c part 100 "q_$c" python3 bench/bench_quant_model.py --layers 11 --contexts 4096 --batches 1,32 \
+      --skip-kernels --steps 10 --prefill-max-seconds 3 --time-budget 85 --out "$OUT/q_$c.json"
+    echo "DSV4_FP8_ROW_CUDA=$c:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$c.log" | head -n 5 | cut -c1-220
+  done
+fi
+if [ "$WHICH" = h200 ]; then
+  bash bench/gpu_session_s19.sh "$OUT" h200
 fi

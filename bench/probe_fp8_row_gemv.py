@@ -9,7 +9,10 @@ warps x stages. ``wo_a`` (grouped, W8A16) is timed against the bf16 GEMV on its 
 weight, the path it replaces. Every output is checked against the old path's within twice the
 fp32 bound of the sums plus a bf16 step.
 
-    python3 bench/probe_fp8_row_gemv.py [--quick] [--out FILE.json]
+``--cuda`` adds ``fp8_row.cu`` (``CudaRowConfig``: its default rule and a grid of CTA shapes)
+beside the Triton kernel on every shape, under the same bound.
+
+    python3 bench/probe_fp8_row_gemv.py [--quick] [--cuda] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from probe_gemv_bf16 import graph_us  # noqa: E402
 
 from dsv4_backend.kernels.bf16_gemv import bf16_gemv  # noqa: E402
 from dsv4_backend.kernels.fp8_gemm import act_quant_fp8, fp8_block_gemm, pick_gemv_config  # noqa: E402
-from dsv4_backend.kernels.fp8_gemv import RowGemvConfig, W8A16Config, fp8_row_gemv, fp8_w8a16  # noqa: E402
+from dsv4_backend.kernels.fp8_gemv import (CudaRowConfig, RowGemvConfig, W8A16Config, cuda_row_config,  # noqa: E402
+                                           fp8_row_gemv, fp8_w8a16)
 from dsv4_backend.kernels.kv_store import sm_count  # noqa: E402
 
 # (name, N, K per group, groups): Flash's FP8 linears at one token, stacked as the engine runs them
@@ -49,9 +53,22 @@ def grid(quick: bool):
             itertools.product((4, 8, 16, 32), (1, 2, 4, 8), (2, 4, 8), (3, 4)) if 16 <= bn * bl * 4 // nw <= 256]
 
 
+def cuda_grid(R: int) -> list[CudaRowConfig]:
+    """CTA shapes of fp8_row.cu whose rows divide 128 and a group's R rows: 4 or 8 warps, 2-8
+    16-byte loads in flight a lane."""
+    out = []
+    for rw, rg, kw, u in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4), (1, 2, 4)):
+        c = CudaRowConfig(rw, rg, kw, u)
+        if c.warps in (4, 8) and 128 % c.rows == 0 and R % c.rows == 0 and 2 <= rw * u <= 8:
+            out.append(c)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="an 8-config grid instead of ~50")
+    ap.add_argument("--cuda", action="store_true", help="fp8_row.cu's grid beside the Triton kernel")
+    ap.add_argument("--skip-w8a16", action="store_true", help="no W8A16 rows at 2-64 activation rows")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     bw = measure_ceilings().copy_gbps
@@ -95,6 +112,20 @@ def main() -> None:
                 continue
             rows.append(dict(shape=name, kernel="row", config=None if cfg is None else list(cfg), us=us,
                              ratio=ratio, ok=ratio <= 1))
+        if args.cuda:
+            for cfg in [None] + cuda_grid(N // G):
+                cc = cfg or "cuda-default"
+                try:
+                    call = (lambda w, s, c=cfg or cuda_row_config(N, K, sms):
+                            fp8_row_gemv(x, w, s, mode=mode, groups=G, config=c))
+                    y = call(ws[0], ss[0])
+                    ratio = float(((y.float() - ref).abs() / bound).max())
+                    us = graph_us([lambda w=w, s=s: call(w, s) for w, s in zip(ws, ss)])
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name} cuda {cc}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                rows.append(dict(shape=name, kernel="cuda", config=None if cfg is None else list(cfg), us=us,
+                                 ratio=ratio, ok=ratio <= 1))
         for r in rows:
             r.update(floor_us=floor, pct_copy=100 * floor / r["us"])
         results.extend(rows)
@@ -107,9 +138,18 @@ def main() -> None:
               f"{max(r['ratio'] for r in row):.3f}", flush=True)
         for r in sorted(row, key=lambda r: r["us"])[1:5]:
             print(f"      next: {r['config']} {r['us']:6.2f} us", flush=True)
+        cu = [r for r in rows if r["kernel"] == "cuda"]
+        if cu:
+            cdef = next((r for r in cu if r["config"] is None), None)
+            line = [f"  fp8_row.cu: worst ratio to bound {max(r['ratio'] for r in cu):.3f}"]
+            if cdef:
+                line.append(f"default {cdef['us']:6.2f} ({cdef['pct_copy']:4.1f}%)")
+            line += [f"{r['config']} {r['us']:6.2f} ({r['pct_copy']:4.1f}%)" for r in sorted(cu, key=lambda r: r["us"])[:5]]
+            print(" | ".join(line), flush=True)
         del ws, ss
         torch.cuda.empty_cache()
-    results += w8a16_rows(bw, gen)
+    if not args.skip_w8a16:
+        results += w8a16_rows(bw, gen)
     if args.out:
         args.out.write_text(json.dumps(dict(copy_gbps=bw, rows=results), indent=1))
 

@@ -169,3 +169,67 @@ def test_quantised_wo_a_dispatch(monkeypatch):
     mag = torch.einsum("tgi,gri->tgr", xg.abs(), wg.abs()).reshape(T, -1)
     for z in (z_kernel, z_fold):
         assert_within(z.cpu(), y64, bound(y64, mag, Kg, torch.bfloat16), "wo_a")
+
+
+# ---- fp8_row.cu (CUDA only: NVRTC has no interpreter) ------------------------------------------
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8_row.cu needs CUDA")
+CUDA_CONFIGS = [fp8_gemv.CudaRowConfig(), fp8_gemv.CudaRowConfig(4, 8, 1, 2), fp8_gemv.CudaRowConfig(2, 2, 4, 2),
+                fp8_gemv.CudaRowConfig(4, 2, 4, 4), fp8_gemv.CudaRowConfig(1, 4, 2, 1)]
+
+
+@cuda_only
+@pytest.mark.parametrize("cfg", CUDA_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("N, K", [(256, 1536), (128, 512), (384, 4096)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_quant_mode_against_float64(N, K, cfg, out_dtype):
+    """fp8_row.cu's W8A8 product within the float64 bound (K = 512 and 1,536: fewer chunks than
+    the warps along K times the unroll, so some warps load nothing), and equal bit for bit to
+    the codes mode fed with act_quant_fp8's output (its in-kernel rounding is act-quant's)."""
+    g = torch.Generator().manual_seed(N + K)
+    w, ws = random_weight(N, K, g)
+    x = (torch.randn(1, K, generator=g) * torch.logspace(-5, 4, K // 128).repeat_interleave(128)).bfloat16()
+    x[0, 130:200] = 0.0
+    y = fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), mode="quant", out_dtype=out_dtype, config=cfg).cpu()
+    assert y.dtype == out_dtype and y.shape == (1, N)
+    q, s = act_quant_sim(x)
+    y64, mag = gemm_sim(q, s, w, ws)
+    assert_within(y, y64, bound(y64, mag, K, out_dtype), f"fp8_row.cu {cfg}")
+    xq, xs = act_quant_fp8(x.to(DEV))
+    codes = fp8_row_gemv(xq, w.to(DEV), ws.to(DEV), mode="codes", x_scale=xs, out_dtype=out_dtype, config=cfg)
+    assert torch.equal(codes.cpu(), y)
+    again = fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), mode="quant", out_dtype=out_dtype, config=cfg).cpu()
+    assert torch.equal(again, y)          # a fixed summation order
+
+
+@cuda_only
+@pytest.mark.parametrize("cfg", CUDA_CONFIGS[:3], ids=lambda c: "x".join(map(str, c)))
+def test_cuda_bf16_mode_grouped(cfg):
+    """W8A16, groups of 64 rows: the CUDA kernel against the float64 product of the folded weight."""
+    g = torch.Generator().manual_seed(7)
+    G, R, Kg = 4, 64, 1024
+    w, ws = random_weight(G * R, Kg, g)
+    x = torch.randn(1, G * Kg, generator=g).bfloat16()
+    y = fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), mode="bf16", groups=G, config=cfg).cpu()
+    wd = w.double() * ws.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    xg, wg = x.double().view(1, G, Kg), wd.view(G, R, Kg)
+    y64 = torch.einsum("tgi,gri->tgr", xg, wg).reshape(1, -1)
+    mag = torch.einsum("tgi,gri->tgr", xg.abs(), wg.abs()).reshape(1, -1)
+    assert_within(y, y64, bound(y64, mag, Kg, torch.bfloat16), f"grouped fp8_row.cu {cfg}")
+
+
+def test_cuda_kernel_dispatch_and_refusals(monkeypatch):
+    """USE_CUDA sends one-row products that fit to fp8_row.cu; what does not fit (K not a multiple
+    of 512, fp32 x, no CUDA) stays on the Triton kernel; an explicit CudaRowConfig that cannot
+    run is refused with the reason."""
+    g = torch.Generator().manual_seed(11)
+    w, ws = random_weight(64, 384, g)
+    x = torch.randn(1, 384, generator=g).bfloat16()
+    assert not fp8_gemv.cuda_row_applies(x.to(DEV), 384, "quant")            # K % 512
+    assert not fp8_gemv.cuda_row_applies(x.float().to(DEV), 1024, "quant")   # fp32 activations
+    assert fp8_gemv.cuda_row_applies(x.to(DEV), 1024, "quant") == (DEV.type == "cuda")
+    monkeypatch.setattr(fp8_gemv, "USE_CUDA", True)
+    y = fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV))                      # Triton: K = 384
+    assert torch.equal(y, fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), config=RowGemvConfig()))
+    with pytest.raises(ValueError, match="CUDA kernel takes"):
+        fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), config=fp8_gemv.CudaRowConfig())

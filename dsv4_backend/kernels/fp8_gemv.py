@@ -40,6 +40,8 @@ fp32 accumulation. Prefill chunks fold the weight to bf16 for cuBLAS (``model.At
 from __future__ import annotations
 
 import os
+from functools import lru_cache
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -141,11 +143,12 @@ _MODE_DTYPES = {"quant": (torch.bfloat16, torch.float32), "codes": (torch.float8
 
 def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mode: str = "quant",
                  x_scale: torch.Tensor | None = None, groups: int = 1, out_dtype: torch.dtype | None = None,
-                 config: RowGemvConfig | None = None) -> torch.Tensor:
+                 config: "RowGemvConfig | CudaRowConfig | None" = None) -> torch.Tensor:
     """``y [1, N]`` of one row x against e4m3 ``w [N, Kg]`` with fp32 power-of-two block scales
     ``w_scale [ceil(N / 128), ceil(Kg / 128)]``; x ``[1, groups * Kg]``. ``mode`` as in the module
     docstring (``x_scale`` fp32 ``[1, ceil(K / 128)]`` for "codes"). ``out_dtype``: bf16 or fp32
-    (default: x's dtype, bf16 for "codes")."""
+    (default: x's dtype, bf16 for "codes"). ``config``: a ``RowGemvConfig`` runs the Triton
+    kernel, a ``CudaRowConfig`` ``fp8_row.cu``; None picks (``USE_CUDA``, ``cuda_row_applies``)."""
     if mode not in MODES:
         raise ValueError(f"fp8_row_gemv: mode must be one of {sorted(MODES)}, got {mode!r}")
     N, Kg, nb = _check_weight(w, w_scale, "fp8_row_gemv")
@@ -162,6 +165,8 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
     check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
+    if isinstance(config, CudaRowConfig) or (config is None and USE_CUDA and cuda_row_applies(x, Kg, mode)):
+        return _row_gemv_cuda(x, w, w_scale, mode, x_scale, groups, out_dtype, config)
     cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
     R = N // groups
     if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
@@ -176,6 +181,81 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
         MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
         OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps, **pdl.args(x.device))
+    return y
+
+
+# ---- the same contract in CUDA C (fp8_row.cu) -------------------------------------------------
+
+CUDA_SOURCE = Path(__file__).with_name("fp8_row.cu")
+# DSV4_FP8_ROW_CUDA=1 sends one-row FP8 linears to fp8_row.cu (off until timed on the GPU)
+USE_CUDA = os.environ.get("DSV4_FP8_ROW_CUDA", "0") == "1"
+CUDA_CHUNK = 512          # weight bytes a warp reads from one row per step (32 lanes x 16)
+CUDA_SMEM_MAX = 48 * 1024  # the activations of a group, fp32, in shared memory
+
+
+class CudaRowConfig(NamedTuple):
+    rows_per_warp: int = 4   # rows whose 16-byte loads a lane keeps in flight together
+    row_groups: int = 4      # warps along N: a CTA owns row_groups x rows_per_warp rows
+    k_warps: int = 2         # warps along K, their sums added in order
+    unroll: int = 2          # 512-byte chunks a warp loads before it multiplies
+
+    @property
+    def rows(self) -> int:
+        return self.row_groups * self.rows_per_warp
+
+    @property
+    def warps(self) -> int:
+        return self.row_groups * self.k_warps
+
+
+def cuda_row_config(N: int, K: int, sms: int) -> CudaRowConfig:
+    """Launch shape by weight shape (to be set from ``bench/probe_fp8_row_gemv.py --cuda``):
+    16-row CTAs of 8 warps, two along K; short rows (K <= 1,024) one warp along K and 32 rows;
+    fewer than two CTAs an SM: 4-row CTAs of four warps along K."""
+    if K <= 1024:
+        return CudaRowConfig(4, 8, 1, 2)
+    if triton.cdiv(N, 16) < 2 * sms:
+        return CudaRowConfig(2, 2, 4, 2)
+    return CudaRowConfig()
+
+
+def cuda_row_applies(x: torch.Tensor, K: int, mode: str) -> bool:
+    """Whether ``fp8_row.cu`` can take a one-row product: CUDA (compiled, not interpreted), bf16
+    activations (or e4m3 codes), K a multiple of 512 whose fp32 activations fit shared memory."""
+    return (x.is_cuda and native() and (mode == "codes" or x.dtype == torch.bfloat16)
+            and K % CUDA_CHUNK == 0 and 4 * K + 4096 <= CUDA_SMEM_MAX)
+
+
+@lru_cache(maxsize=None)
+def _cuda_kernel(device_index: int, cfg: CudaRowConfig):
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(
+            CUDA_SOURCE.read_text(), "fp8_row_gemv_cu",
+            nvcc_options=[f"-DRW={cfg.rows_per_warp}", f"-DRG={cfg.row_groups}", f"-DKW={cfg.k_warps}",
+                          f"-DU={cfg.unroll}"])
+
+
+def _row_gemv_cuda(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, mode: str,
+                   x_scale: torch.Tensor | None, groups: int, out_dtype: torch.dtype,
+                   config: CudaRowConfig | None) -> torch.Tensor:
+    N, Kg = w.shape
+    nb = Kg // QBLOCK
+    if not cuda_row_applies(x, Kg, mode):
+        raise ValueError(f"fp8_row_gemv: the CUDA kernel takes bf16 x (or codes) on CUDA with K a multiple of "
+                         f"{CUDA_CHUNK} up to {(CUDA_SMEM_MAX - 4096) // 4}; got {x.dtype} on {x.device}, K {Kg}")
+    cfg = config or cuda_row_config(N, Kg, sm_count(x.device))
+    R = N // groups
+    if 128 % cfg.rows or R % cfg.rows:
+        raise ValueError(f"fp8_row_gemv: a CUDA CTA's {cfg.rows} rows must divide 128 and a group's {R} rows")
+    x = x.contiguous()
+    y = torch.empty(1, N, dtype=out_dtype, device=x.device)
+    if N == 0:
+        return y
+    xs = x_scale.contiguous() if x_scale is not None else w_scale       # (unread unless "codes")
+    pdl.launch_compiled(_cuda_kernel(x.device.index or 0, cfg), (N // cfg.rows, 1, 1), (32 * cfg.warps, 1, 1),
+                        [w.view(torch.uint8), w_scale, x.view(torch.uint8), xs, y, N, Kg, nb, w_scale.stride(0),
+                         R, MODES[mode], int(out_dtype == torch.bfloat16)],
+                        x.device, shared_mem=4 * (Kg + cfg.k_warps * cfg.rows))
     return y
 
 

@@ -106,18 +106,19 @@ def _c_arg(a):
 
 
 def launch_compiled(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
-                    device: torch.device) -> None:
+                    device: torch.device, shared_mem: int = 0) -> None:
     """Launch a ``torch.cuda._compile_kernel`` kernel on the current stream: with the PDL
     attribute through ``cuLaunchKernelEx`` when ``on(device)`` (the kernel must then begin with
     ``griddepcontrol.wait`` and ``launch_dependents``, as ``wait`` does), else as torch launches
-    it. Arguments: CUDA tensors (passed as pointers) and Python ints (C ints)."""
+    it. Arguments: CUDA tensors (passed as pointers) and Python ints (C ints); ``shared_mem``:
+    dynamic shared memory bytes (below 48 KiB)."""
     if not on(device):
-        kernel(grid=grid, block=block, args=args)
+        kernel(grid=grid, block=block, args=args, shared_mem=shared_mem)
         return
     from torch.cuda._utils import _get_gpu_runtime_library
     values = [_c_arg(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-    config = _LaunchConfig(*grid, *block, 0, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
+    config = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream),
                            ctypes.pointer(_PDL_ATTRIBUTE), 1)
     lib = _get_gpu_runtime_library()
     err = lib.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)

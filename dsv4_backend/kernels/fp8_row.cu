@@ -86,6 +86,13 @@ __device__ __forceinline__ float dot16(uint4 w, const float* a, float acc) {
     return acc;
 }
 
+// Where column k (a multiple of 4) of the activations sits in shared memory: inside its 512-column
+// chunk, float4 q = (k / 4) % 4 of lane l = (k / 16) % 32 at (32 q + l) x 4, so the warp's q-th
+// float4 loads in step 2 are 32 consecutive float4.
+__device__ __forceinline__ int a_at(int k) {
+    return (k & ~511) + ((((k >> 2) & 3) * 32 + ((k >> 4) & 31)) << 2);
+}
+
 // mode: 0 x bf16 rounded here to e4m3 per 128-block (W8A8), 1 x e4m3 codes with fp32 scales xs
 // (W8A8), 2 x bf16 as is (W8A16). y: bf16 (out_bf16) or fp32 [N]. K: a group's columns, a
 // multiple of 512; x [groups * K]; group_rows: rows per group (N without groups).
@@ -140,7 +147,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
             }
             scale *= exp2i(kx);
         }
-        *(float4*)(a + k) = make_float4(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale);
+        // stored lane-major inside each 512-column chunk (a_at), so that step 2's loads of
+        // the four float4 a lane needs are contiguous across the warp: no bank conflicts
+        *(float4*)(a + a_at(k)) = make_float4(v[0] * scale, v[1] * scale, v[2] * scale, v[3] * scale);
     }
     __syncthreads();
 
@@ -167,15 +176,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
         for (int u = 0; u < U; ++u) {
             const int jj = j + u * KW;
             if (jj < nchunk) {
-                // the lane's 16 activations, read as four float4 in a lane-rotated order (no bank
-                // conflicts between the lanes of a quarter warp)
+                // the lane's 16 activations (columns jj 512 + 16 lane + 0 .. 15)
                 float av[16];
-                const float* ap = a + ((size_t)jj << 9) + 16 * lane;
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
-                    const int qq = (q + (lane >> 1)) & 3;
-                    const float4 t = *(const float4*)(ap + 4 * qq);
-                    av[4 * qq] = t.x; av[4 * qq + 1] = t.y; av[4 * qq + 2] = t.z; av[4 * qq + 3] = t.w;
+                    const float4 t = *(const float4*)(a + a_at((jj << 9) + 16 * lane + 4 * q));
+                    av[4 * q] = t.x; av[4 * q + 1] = t.y; av[4 * q + 2] = t.z; av[4 * q + 3] = t.w;
                 }
 #pragma unroll
                 for (int r = 0; r < RW; ++r) acc[r] = dot16(wv[u][r], av, acc[r]);

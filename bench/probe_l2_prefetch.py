@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parent
 for p in (ROOT, ROOT.parent):
@@ -35,6 +34,7 @@ for p in (ROOT, ROOT.parent):
         sys.path.insert(0, str(p))
 
 from bench_kernels import measure_ceilings  # noqa: E402
+from probe_gemv_bf16 import graph_us  # noqa: E402
 
 from dsv4_backend.kernels.fp8_gemv import fp8_row_gemv  # noqa: E402
 
@@ -119,15 +119,8 @@ def _tick_kernel(x_ptr, BLOCK: tl.constexpr):
 
 
 def timed(body) -> float:
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPS):
-            body()
-    g.replay()
-    torch.cuda.synchronize()
-    return do_bench(g.replay, warmup=5, rep=60, return_mode="median") * 1e3 / REPS
+    """us per repetition of ``body`` from a graph of REPS of them (probe_gemv_bf16.graph_us)."""
+    return graph_us([body] * REPS)
 
 
 def main() -> None:

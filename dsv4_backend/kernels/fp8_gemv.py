@@ -165,17 +165,25 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
     check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
-    if isinstance(config, CudaRowConfig) or (config is None and USE_CUDA and cuda_row_applies(x, Kg, mode)):
-        return _row_gemv_cuda(x, w, w_scale, mode, x_scale, groups, out_dtype, config)
-    cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
     R = N // groups
-    if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
-        raise ValueError(f"fp8_row_gemv: block_n {cfg.block_n} must divide 128 and a group's {R} rows")
+    cuda = isinstance(config, CudaRowConfig) or (config is None and USE_CUDA and cuda_row_applies(x, Kg, mode))
+    if cuda:
+        cfg = _cuda_config(x, N, Kg, R, mode, config)
+    else:
+        cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
+        if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
+            raise ValueError(f"fp8_row_gemv: block_n {cfg.block_n} must divide 128 and a group's {R} rows")
     x = x.contiguous()
     y = torch.empty(1, N, dtype=out_dtype, device=x.device)
     if N == 0:
         return y
     xs = x_scale.contiguous() if x_scale is not None else w_scale       # (unread unless "codes")
+    if cuda:
+        pdl.launch_compiled(_cuda_kernel(x.device.index or 0, cfg), (N // cfg.rows, 1, 1), (32 * cfg.warps, 1, 1),
+                            [w.view(torch.uint8), w_scale, x.view(torch.uint8), xs, y, N, Kg, nb, w_scale.stride(0),
+                             R, MODES[mode], int(out_dtype == torch.bfloat16)],
+                            x.device, shared_mem=4 * (Kg + cfg.k_warps * cfg.rows))
+        return y
     _row_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
         N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
@@ -235,28 +243,16 @@ def _cuda_kernel(device_index: int, cfg: CudaRowConfig):
                           f"-DU={cfg.unroll}"])
 
 
-def _row_gemv_cuda(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, mode: str,
-                   x_scale: torch.Tensor | None, groups: int, out_dtype: torch.dtype,
-                   config: CudaRowConfig | None) -> torch.Tensor:
-    N, Kg = w.shape
-    nb = Kg // QBLOCK
-    if not cuda_row_applies(x, Kg, mode):
+def _cuda_config(x: torch.Tensor, N: int, K: int, R: int, mode: str,
+                 config: CudaRowConfig | None) -> CudaRowConfig:
+    """The launch shape of ``fp8_row.cu`` for a product it can take; ValueError naming why not."""
+    if not cuda_row_applies(x, K, mode):
         raise ValueError(f"fp8_row_gemv: the CUDA kernel takes bf16 x (or codes) on CUDA with K a multiple of "
-                         f"{CUDA_CHUNK} up to {(CUDA_SMEM_MAX - 4096) // 4}; got {x.dtype} on {x.device}, K {Kg}")
-    cfg = config or cuda_row_config(N, Kg, sm_count(x.device))
-    R = N // groups
+                         f"{CUDA_CHUNK} up to {(CUDA_SMEM_MAX - 4096) // 4}; got {x.dtype} on {x.device}, K {K}")
+    cfg = config or cuda_row_config(N, K, sm_count(x.device))
     if 128 % cfg.rows or R % cfg.rows:
         raise ValueError(f"fp8_row_gemv: a CUDA CTA's {cfg.rows} rows must divide 128 and a group's {R} rows")
-    x = x.contiguous()
-    y = torch.empty(1, N, dtype=out_dtype, device=x.device)
-    if N == 0:
-        return y
-    xs = x_scale.contiguous() if x_scale is not None else w_scale       # (unread unless "codes")
-    pdl.launch_compiled(_cuda_kernel(x.device.index or 0, cfg), (N // cfg.rows, 1, 1), (32 * cfg.warps, 1, 1),
-                        [w.view(torch.uint8), w_scale, x.view(torch.uint8), xs, y, N, Kg, nb, w_scale.stride(0),
-                         R, MODES[mode], int(out_dtype == torch.bfloat16)],
-                        x.device, shared_mem=4 * (Kg + cfg.k_warps * cfg.rows))
-    return y
+    return cfg
 
 
 # ---- W8A16 at a few rows (wo_a at decode batch sizes) ------------------------------------------

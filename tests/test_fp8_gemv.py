@@ -174,7 +174,7 @@ def test_quantised_wo_a_dispatch(monkeypatch):
 # ---- fp8_row.cu (CUDA only: NVRTC has no interpreter) ------------------------------------------
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8_row.cu needs CUDA")
-CUDA_CONFIGS = [fp8_gemv.CudaRowConfig(), fp8_gemv.CudaRowConfig(4, 8, 1, 2), fp8_gemv.CudaRowConfig(2, 2, 4, 2),
+CUDA_CONFIGS = [fp8_gemv.CudaRowConfig(), fp8_gemv.CudaRowConfig(1, 8, 1, 4), fp8_gemv.CudaRowConfig(2, 2, 4, 2),
                 fp8_gemv.CudaRowConfig(4, 2, 4, 4), fp8_gemv.CudaRowConfig(1, 4, 2, 1)]
 
 
@@ -219,9 +219,10 @@ def test_cuda_bf16_mode_grouped(cfg):
 
 
 def test_cuda_kernel_dispatch_and_refusals(monkeypatch):
-    """USE_CUDA sends one-row products that fit to fp8_row.cu; what does not fit (K not a multiple
-    of 512, fp32 x, no CUDA) stays on the Triton kernel; an explicit CudaRowConfig that cannot
-    run is refused with the reason."""
+    """With no config, one-row products that fp8_row.cu can take and was measured faster on go
+    there (ungrouped, K <= CUDA_MAX_K); the rest (K not a multiple of 512, fp32 x, grouped or long
+    rows, no CUDA) stay on the Triton kernel; an explicit CudaRowConfig that cannot run is refused
+    with the reason."""
     g = torch.Generator().manual_seed(11)
     w, ws = random_weight(64, 384, g)
     x = torch.randn(1, 384, generator=g).bfloat16()
@@ -229,7 +230,13 @@ def test_cuda_kernel_dispatch_and_refusals(monkeypatch):
     assert not fp8_gemv.cuda_row_applies(x.float().to(DEV), 1024, "quant")   # fp32 activations
     assert fp8_gemv.cuda_row_applies(x.to(DEV), 1024, "quant") == (DEV.type == "cuda")
     monkeypatch.setattr(fp8_gemv, "USE_CUDA", True)
+    on_cuda = DEV.type == "cuda"
+    assert fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, "quant", 1) == on_cuda
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 8192, "quant", 1)      # wo_b's rows
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, "bf16", 8)       # grouped wo_a
     y = fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV))                      # Triton: K = 384
     assert torch.equal(y, fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), config=RowGemvConfig()))
     with pytest.raises(ValueError, match="CUDA kernel takes"):
         fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), config=fp8_gemv.CudaRowConfig())
+    monkeypatch.setattr(fp8_gemv, "USE_CUDA", False)
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, "quant", 1)

@@ -148,7 +148,7 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     ``w_scale [ceil(N / 128), ceil(Kg / 128)]``; x ``[1, groups * Kg]``. ``mode`` as in the module
     docstring (``x_scale`` fp32 ``[1, ceil(K / 128)]`` for "codes"). ``out_dtype``: bf16 or fp32
     (default: x's dtype, bf16 for "codes"). ``config``: a ``RowGemvConfig`` runs the Triton
-    kernel, a ``CudaRowConfig`` ``fp8_row.cu``; None picks (``USE_CUDA``, ``cuda_row_applies``)."""
+    kernel, a ``CudaRowConfig`` ``fp8_row.cu``; None picks (``cuda_row_preferred``)."""
     if mode not in MODES:
         raise ValueError(f"fp8_row_gemv: mode must be one of {sorted(MODES)}, got {mode!r}")
     N, Kg, nb = _check_weight(w, w_scale, "fp8_row_gemv")
@@ -166,7 +166,7 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
     check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
     R = N // groups
-    cuda = isinstance(config, CudaRowConfig) or (config is None and USE_CUDA and cuda_row_applies(x, Kg, mode))
+    cuda = isinstance(config, CudaRowConfig) or (config is None and cuda_row_preferred(x, Kg, mode, groups))
     if cuda:
         cfg = _cuda_config(x, N, Kg, R, mode, config)
     else:
@@ -195,16 +195,17 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
 # ---- the same contract in CUDA C (fp8_row.cu) -------------------------------------------------
 
 CUDA_SOURCE = Path(__file__).with_name("fp8_row.cu")
-# DSV4_FP8_ROW_CUDA=1 sends one-row FP8 linears to fp8_row.cu (off until timed on the GPU)
-USE_CUDA = os.environ.get("DSV4_FP8_ROW_CUDA", "0") == "1"
+# DSV4_FP8_ROW_CUDA=0 keeps every one-row FP8 linear on the Triton kernel (A/B timing)
+USE_CUDA = os.environ.get("DSV4_FP8_ROW_CUDA", "1") != "0"
 CUDA_CHUNK = 512          # weight bytes a warp reads from one row per step (32 lanes x 16)
 CUDA_SMEM_MAX = 48 * 1024  # the activations of a group, fp32, in shared memory
+CUDA_MAX_K = 4096         # longer rows (wo_b) measured faster on the Triton kernel
 
 
 class CudaRowConfig(NamedTuple):
-    rows_per_warp: int = 4   # rows whose 16-byte loads a lane keeps in flight together
-    row_groups: int = 4      # warps along N: a CTA owns row_groups x rows_per_warp rows
-    k_warps: int = 2         # warps along K, their sums added in order
+    rows_per_warp: int = 2   # rows whose 16-byte loads a lane keeps in flight together
+    row_groups: int = 8      # warps along N: a CTA owns row_groups x rows_per_warp rows
+    k_warps: int = 1         # warps along K, their sums added in order
     unroll: int = 2          # 512-byte chunks a warp loads before it multiplies
 
     @property
@@ -217,13 +218,11 @@ class CudaRowConfig(NamedTuple):
 
 
 def cuda_row_config(N: int, K: int, sms: int) -> CudaRowConfig:
-    """Launch shape by weight shape (to be set from ``bench/probe_fp8_row_gemv.py --cuda``):
-    16-row CTAs of 8 warps, two along K; short rows (K <= 1,024) one warp along K and 32 rows;
-    fewer than two CTAs an SM: 4-row CTAs of four warps along K."""
-    if K <= 1024:
-        return CudaRowConfig(4, 8, 1, 2)
-    if triton.cdiv(N, 16) < 2 * sms:
-        return CudaRowConfig(2, 2, 4, 2)
+    """The H100 probe's best (``bench/probe_fp8_row_gemv.py --cuda``, docs/PERF.md session 20):
+    16-row CTAs of 8 warps, each warp two rows over all of K, two chunks a load step; where that
+    gives fewer CTAs than SMs (``wq_a + wkv``), 8-row CTAs, one row a warp, four chunks a step."""
+    if triton.cdiv(N, 16) < sms:
+        return CudaRowConfig(1, 8, 1, 4)
     return CudaRowConfig()
 
 
@@ -232,6 +231,14 @@ def cuda_row_applies(x: torch.Tensor, K: int, mode: str) -> bool:
     activations (or e4m3 codes), K a multiple of 512 whose fp32 activations fit shared memory."""
     return (x.is_cuda and native() and (mode == "codes" or x.dtype == torch.bfloat16)
             and K % CUDA_CHUNK == 0 and 4 * K + 4096 <= CUDA_SMEM_MAX)
+
+
+def cuda_row_preferred(x: torch.Tensor, K: int, mode: str, groups: int) -> bool:
+    """Whether a one-row product with no explicit config goes to ``fp8_row.cu``: where it can, on
+    ungrouped weights of rows up to CUDA_MAX_K (H100, session 20: ``wq_b (+ indexer)``, ``wq_a +
+    wkv`` and the shared expert faster by 0.8-2.3 us each; grouped ``wo_a`` and ``wo_b`` (K = 8,192)
+    0.6-1.2 us slower, so they stay on the Triton kernel)."""
+    return USE_CUDA and groups == 1 and K <= CUDA_MAX_K and cuda_row_applies(x, K, mode)
 
 
 @lru_cache(maxsize=None)

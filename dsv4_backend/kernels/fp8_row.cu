@@ -9,14 +9,15 @@
 //   1. its warps write a[0 .. K) of its group to shared memory, one 128-block per warp at a time
 //      (mode 0 rounds x to e4m3 with act_quant's power-of-two scale, as the Triton kernel does);
 //   2. warp (g, kw) streams rows g RW .. g RW + RW - 1 over the 512-byte chunks j = kw, kw + KW,
-//      ...: each lane loads 16 weight bytes of every row for U chunks at once (U RW 16-byte loads
-//      in flight), decodes pairs with the hardware's e4m3x2 -> f16x2 conversion (exact) and
-//      accumulates fp32 products (each exact: a 4-bit by an at most 8-bit significand);
+//      ...: each lane loads 16 weight bytes of every row for U chunks a step (U RW 16-byte loads),
+//      the next step's loads issued before this step's are used (the first step's before the PDL
+//      wait and step 1 with EARLY), decodes pairs with the hardware's e4m3x2 -> f16x2 conversion
+//      (exact) and accumulates fp32 products (each exact: a 4-bit by an at most 8-bit significand);
 //   3. each row's lane sums are reduced across the warp, then across the KW warps in kw order.
 // Every term is the Triton kernel's; only the order of the fp32 sums differs (both within
 // tests/test_fp8_gemv.py's bound), and the order is fixed, so a run repeats bit for bit.
 //
-// Compiled at run time by NVRTC (torch.cuda._compile_kernel) with -DRW, -DRG, -DKW, -DU: no
+// Compiled at run time by NVRTC (torch.cuda._compile_kernel) with -DRW, -DRG, -DKW, -DU, -DEARLY: no
 // headers, plain C types.
 
 typedef unsigned int u32;
@@ -33,6 +34,9 @@ typedef unsigned short u16;
 #endif
 #ifndef U
 #define U 2
+#endif
+#ifndef EARLY
+#define EARLY 1  // the first weight loads issued before the PDL wait and the activations' set-up
 #endif
 #define WARPS (RG * KW)
 #define ROWS (RG * RW)
@@ -93,6 +97,20 @@ __device__ __forceinline__ int a_at(int k) {
     return (k & ~511) + ((((k >> 2) & 3) * 32 + ((k >> 4) & 31)) << 2);
 }
 
+// The U x RW 16-byte loads of one step: chunks j, j + KW, ... of the warp's RW rows (zeros, and no
+// load, past the last chunk).
+__device__ __forceinline__ void load_step(uint4 (&wv)[U][RW], const unsigned char* wrow, int j, int K,
+                                          int nchunk) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int jj = j + u * KW;
+#pragma unroll
+        for (int r = 0; r < RW; ++r)
+            wv[u][r] = jj < nchunk ? load_stream((const uint4*)(wrow + (size_t)r * K + ((size_t)jj << 9)))
+                                   : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // mode: 0 x bf16 rounded here to e4m3 per 128-block (W8A8), 1 x e4m3 codes with fp32 scales xs
 // (W8A8), 2 x bf16 as is (W8A16). y: bf16 (out_bf16) or fp32 [N]. K: a group's columns, a
 // multiple of 512; x [groups * K]; group_rows: rows per group (N without groups).
@@ -103,16 +121,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
     extern __shared__ float smem[];
     float* a = smem;                      // [K]: the group's activations times the weight scales
     float* red = smem + K;                // [KW][ROWS]: per-warp row sums
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = blockIdx.x * ROWS;
+    const int group = row0 / group_rows;
+    const float* sw = ws + (size_t)(row0 >> 7) * ws_sn;
+    const int g = warp / KW, kw = warp % KW;
+    const int nchunk = K >> 9;
+    const unsigned char* wrow = w + (size_t)(row0 + g * RW) * K + 16 * lane;
+    uint4 cur[U][RW];
+#if EARLY
+    // the weights are written by no kernel of a step, so their first loads may precede the wait:
+    // they stream while the kernel before drains and while step 1 runs
+    load_step(cur, wrow, kw, K, nchunk);
+#endif
 #if __CUDA_ARCH__ >= 900
     // Programmatic dependent launch (kernels/pdl.py): wait for the kernel before this one (it
     // writes x), then let the next one be scheduled. A no-op without the PDL attribute.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = blockIdx.x * ROWS;
-    const int group = row0 / group_rows;
-    const float* sw = ws + (size_t)(row0 >> 7) * ws_sn;
+#if !EARLY
+    load_step(cur, wrow, kw, K, nchunk);
+#endif
 
     // 1. a[k] for k in [0, K): warp per 128-block, lane per 4 elements
     for (int kb = warp; kb < (K >> 7); kb += WARPS) {
@@ -153,25 +183,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
     }
     __syncthreads();
 
-    // 2. stream the rows
-    const int g = warp / KW, kw = warp % KW;
-    const int r0 = row0 + g * RW;
-    const int nchunk = K >> 9;
+    // 2. stream the rows: the next step's loads in flight while this step's are multiplied
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) acc[r] = 0.f;
-    const unsigned char* wrow = w + (size_t)r0 * K + 16 * lane;
     for (int j = kw; j < nchunk; j += KW * U) {
-        uint4 wv[U][RW];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int jj = j + u * KW;
-#pragma unroll
-            for (int r = 0; r < RW; ++r)
-                wv[u][r] = (jj < nchunk && r0 + r < N)
-                    ? load_stream((const uint4*)(wrow + (size_t)r * K + ((size_t)jj << 9)))
-                    : make_uint4(0u, 0u, 0u, 0u);
-        }
+        uint4 nxt[U][RW];
+        load_step(nxt, wrow, j + KW * U, K, nchunk);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int jj = j + u * KW;
@@ -184,8 +202,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
                     av[4 * q] = t.x; av[4 * q + 1] = t.y; av[4 * q + 2] = t.z; av[4 * q + 3] = t.w;
                 }
 #pragma unroll
-                for (int r = 0; r < RW; ++r) acc[r] = dot16(wv[u][r], av, acc[r]);
+                for (int r = 0; r < RW; ++r) acc[r] = dot16(cur[u][r], av, acc[r]);
             }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int r = 0; r < RW; ++r) cur[u][r] = nxt[u][r];
         }
     }
 

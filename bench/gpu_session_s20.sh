@@ -8,8 +8,8 @@
 #                                              at 4K x 1 / x 32 with DSV4_FP8_ROW_CUDA = 0 and 1 (rank-all top-k in both)
 #   bash bench/gpu_session_s20.sh $OUT cuda2   after the probe: fp8_row.cu where it won (ungrouped, K <= 4,096) with the
 #                                              probe's launch shapes, on by default: the CUDA tests, then the model A/B
-#   bash bench/gpu_session_s20.sh $OUT cuda3   fp8_row.cu double-buffered, first loads before the PDL wait: its CUDA tests,
-#                                              the probe's small grid, the model at 4K x 1 / 32 (its defaults)
+#   bash bench/gpu_session_s20.sh $OUT cuda3   fp8_row.cu pipelined (CudaRowConfig.pipelined: double-buffered steps, first
+#                                              loads before the PDL wait): its CUDA tests, the probe's small grid
 #   bash bench/gpu_session_s20.sh $OUT h200    issue 13's whole table (gpu_session_s19.sh h200)
 set -uo pipefail
 OUT=${1:?output directory}
@@ -43,9 +43,6 @@ if [ "$WHICH" = cuda3 ]; then
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 10
   part 90 probe python3 bench/probe_fp8_row_gemv.py --quick --cuda --cuda-grid small --skip-w8a16 --out "$OUT/probe_row.json"
   grep -v "^      next" "$OUT/probe.log" | cut -c1-330
-  part 100 q_1 python3 bench/bench_quant_model.py --layers 11 --contexts 4096 --batches 1,32 \
-    --skip-kernels --steps 10 --prefill-max-seconds 3 --time-budget 85 --out "$OUT/q_1.json"
-  grep "^ *4K\|graph replay\|^per layer" "$OUT/q_1.log" | head -n 5 | cut -c1-220
 fi
 if [ "$WHICH" = h200 ]; then
   bash bench/gpu_session_s19.sh "$OUT" h200

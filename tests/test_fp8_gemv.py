@@ -221,8 +221,8 @@ def test_cuda_bf16_mode_grouped(cfg):
 
 def test_cuda_kernel_dispatch_and_refusals(monkeypatch):
     """With no config, one-row products that fp8_row.cu can take and was measured faster on go
-    there (ungrouped, K <= CUDA_MAX_K); the rest (K not a multiple of 512, fp32 x, grouped or long
-    rows, no CUDA) stay on the Triton kernel; an explicit CudaRowConfig that cannot run is refused
+    there (ungrouped, K <= CUDA_MAX_K, N in whole CTAs); the rest (K not a multiple of 512, fp32 x,
+    grouped or long rows, no CUDA) stay on the Triton kernel; an explicit CudaRowConfig that cannot run is refused
     with the reason."""
     g = torch.Generator().manual_seed(11)
     w, ws = random_weight(64, 384, g)
@@ -232,12 +232,13 @@ def test_cuda_kernel_dispatch_and_refusals(monkeypatch):
     assert fp8_gemv.cuda_row_applies(x.to(DEV), 1024, "quant") == (DEV.type == "cuda")
     monkeypatch.setattr(fp8_gemv, "USE_CUDA", True)
     on_cuda = DEV.type == "cuda"
-    assert fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, "quant", 1) == on_cuda
-    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 8192, "quant", 1)      # wo_b's rows
-    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, "bf16", 8)       # grouped wo_a
+    assert fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, 4096, "quant", 1) == on_cuda
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, 8192, "quant", 1)      # wo_b's rows
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 8192, 4096, "bf16", 8)       # grouped wo_a
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4100, 4096, "quant", 1)      # N not whole CTAs
     y = fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV))                      # Triton: K = 384
     assert torch.equal(y, fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), config=RowGemvConfig()))
     with pytest.raises(ValueError, match="CUDA kernel takes"):
         fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV), config=fp8_gemv.CudaRowConfig())
     monkeypatch.setattr(fp8_gemv, "USE_CUDA", False)
-    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, "quant", 1)
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, 4096, "quant", 1)

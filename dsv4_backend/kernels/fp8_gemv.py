@@ -29,6 +29,10 @@ is representable unless it falls below fp32's normal range); the kernel folds th
 the activation before the product. Only the fp32 sums round, in another order than the
 per-block sums of ``fp8_block_gemm`` (bound in ``tests/test_fp8_gemv.py``).
 
+``fp8_row.cu`` computes the same contract in CUDA C with more loads in flight a warp (the Triton
+kernel is bound by its own latency: it reads a weight no faster from L2 than from HBM); it takes
+the products it was measured faster on (``cuda_row_preferred``; docs/kernels.md section 12).
+
 Grouped (``groups`` > 1, ``wo_a``): W ``[G R, Kg]``; group g's R rows multiply x's columns
 ``g Kg .. (g + 1) Kg``. ``block_n`` divides 128 (a program's rows share one scale row) and R.
 
@@ -166,7 +170,7 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
     check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
     R = N // groups
-    cuda = isinstance(config, CudaRowConfig) or (config is None and cuda_row_preferred(x, Kg, mode, groups))
+    cuda = isinstance(config, CudaRowConfig) or (config is None and cuda_row_preferred(x, N, Kg, mode, groups))
     if cuda:
         cfg = _cuda_config(x, N, Kg, R, mode, config)
     else:
@@ -234,12 +238,13 @@ def cuda_row_applies(x: torch.Tensor, K: int, mode: str) -> bool:
             and K % CUDA_CHUNK == 0 and 4 * K + 4096 <= CUDA_SMEM_MAX)
 
 
-def cuda_row_preferred(x: torch.Tensor, K: int, mode: str, groups: int) -> bool:
+def cuda_row_preferred(x: torch.Tensor, N: int, K: int, mode: str, groups: int) -> bool:
     """Whether a one-row product with no explicit config goes to ``fp8_row.cu``: where it can, on
-    ungrouped weights of rows up to CUDA_MAX_K (H100, session 20: ``wq_b (+ indexer)``, ``wq_a +
-    wkv`` and the shared expert faster by 0.8-2.3 us each; grouped ``wo_a`` and ``wo_b`` (K = 8,192)
-    0.6-1.2 us slower, so they stay on the Triton kernel)."""
-    return USE_CUDA and groups == 1 and K <= CUDA_MAX_K and cuda_row_applies(x, K, mode)
+    ungrouped weights of rows up to CUDA_MAX_K whose N the launch rule's CTAs tile (H100, session
+    20: ``wq_b (+ indexer)``, ``wq_a + wkv`` and the shared expert faster by 0.8-2.3 us each;
+    grouped ``wo_a`` and ``wo_b`` (K = 8,192) 0.6-1.2 us slower, so they stay on Triton)."""
+    return (USE_CUDA and groups == 1 and K <= CUDA_MAX_K and cuda_row_applies(x, K, mode)
+            and N % cuda_row_config(N, K, sm_count(x.device)).rows == 0)
 
 
 @lru_cache(maxsize=None)

@@ -8,8 +8,6 @@
 #                                              at 4K x 1 / x 32 with DSV4_FP8_ROW_CUDA = 0 and 1 (rank-all top-k in both)
 #   bash bench/gpu_session_s20.sh $OUT cuda2   after the probe: fp8_row.cu where it won (ungrouped, K <= 4,096) with the
 #                                              probe's launch shapes, on by default: the CUDA tests, then the model A/B
-#   bash bench/gpu_session_s20.sh $OUT cuda3   fp8_row.cu pipelined (CudaRowConfig.pipelined: double-buffered steps, first
-#                                              loads before the PDL wait): its CUDA tests, the probe's small grid
 #   bash bench/gpu_session_s20.sh $OUT h200    issue 13's whole table (gpu_session_s19.sh h200)
 set -uo pipefail
 OUT=${1:?output directory}
@@ -37,12 +35,6 @@ if [ "$WHICH" = cuda ] || [ "$WHICH" = cuda2 ]; then
       --skip-kernels --steps 10 --prefill-max-seconds 3 --time-budget 85 --out "$OUT/q_$c.json"
     echo "DSV4_FP8_ROW_CUDA=$c:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$c.log" | head -n 5 | cut -c1-220
   done
-fi
-if [ "$WHICH" = cuda3 ]; then
-  part 60 tests python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py -k cuda
-  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 10
-  part 90 probe python3 bench/probe_fp8_row_gemv.py --quick --cuda --cuda-grid small --skip-w8a16 --out "$OUT/probe_row.json"
-  grep -v "^      next" "$OUT/probe.log" | cut -c1-330
 fi
 if [ "$WHICH" = h200 ]; then
   bash bench/gpu_session_s19.sh "$OUT" h200

@@ -64,11 +64,9 @@ def cuda_grid(R: int) -> list[CudaRowConfig]:
     return out
 
 
-# --cuda-grid small: the shapes the first grid (docs/PERF.md session 20) ranked first, plain and
-# pipelined
-SMALL_GRID = [CudaRowConfig(2, 8, 1, 2), CudaRowConfig(2, 8, 1, 2, True), CudaRowConfig(1, 8, 1, 4),
-              CudaRowConfig(1, 8, 1, 4, True), CudaRowConfig(4, 8, 1, 2, True), CudaRowConfig(2, 8, 1, 4, True),
-              CudaRowConfig(1, 8, 1, 2, True), CudaRowConfig(2, 4, 2, 2, True)]
+# --cuda-grid small: the shapes the first grid (docs/PERF.md session 20) ranked first
+SMALL_GRID = [CudaRowConfig(2, 8, 1, 2), CudaRowConfig(1, 8, 1, 4), CudaRowConfig(4, 8, 1, 2), CudaRowConfig(2, 8, 1, 4),
+              CudaRowConfig(1, 8, 1, 2), CudaRowConfig(2, 4, 2, 2)]
 
 
 def main() -> None:

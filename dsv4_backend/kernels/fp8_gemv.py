@@ -211,7 +211,6 @@ class CudaRowConfig(NamedTuple):
     row_groups: int = 8      # warps along N: a CTA owns row_groups x rows_per_warp rows
     k_warps: int = 1         # warps along K, their sums added in order
     unroll: int = 2          # 512-byte chunks a warp loads before it multiplies
-    pipelined: bool = False  # the next step's loads in flight, the first's before the PDL wait (not yet timed)
 
     @property
     def rows(self) -> int:
@@ -253,7 +252,7 @@ def _cuda_kernel(device_index: int, cfg: CudaRowConfig):
         return torch.cuda._compile_kernel(
             CUDA_SOURCE.read_text(), "fp8_row_gemv_cu",
             nvcc_options=[f"-DRW={cfg.rows_per_warp}", f"-DRG={cfg.row_groups}", f"-DKW={cfg.k_warps}",
-                          f"-DU={cfg.unroll}", f"-DPIPE={int(cfg.pipelined)}"])
+                          f"-DU={cfg.unroll}"])
 
 
 def _cuda_config(x: torch.Tensor, N: int, K: int, R: int, mode: str,

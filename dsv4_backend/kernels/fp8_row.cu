@@ -9,15 +9,14 @@
 //   1. its warps write a[0 .. K) of its group to shared memory, one 128-block per warp at a time
 //      (mode 0 rounds x to e4m3 with act_quant's power-of-two scale, as the Triton kernel does);
 //   2. warp (g, kw) streams rows g RW .. g RW + RW - 1 over the 512-byte chunks j = kw, kw + KW,
-//      ...: each lane loads 16 weight bytes of every row for U chunks a step (U RW 16-byte loads
-//      in flight; with PIPE the next step's are issued before this step's are used, the first
-//      step's before the PDL wait and step 1), decodes pairs with the hardware's e4m3x2 -> f16x2 conversion
-//      (exact) and accumulates fp32 products (each exact: a 4-bit by an at most 8-bit significand);
+//      ...: each lane loads 16 weight bytes of every row for U chunks at once (U RW 16-byte loads
+//      in flight), decodes pairs with the hardware's e4m3x2 -> f16x2 conversion (exact) and
+//      accumulates fp32 products (each exact: a 4-bit by an at most 8-bit significand);
 //   3. each row's lane sums are reduced across the warp, then across the KW warps in kw order.
 // Every term is the Triton kernel's; only the order of the fp32 sums differs (both within
 // tests/test_fp8_gemv.py's bound), and the order is fixed, so a run repeats bit for bit.
 //
-// Compiled at run time by NVRTC (torch.cuda._compile_kernel) with -DRW, -DRG, -DKW, -DU, -DPIPE: no
+// Compiled at run time by NVRTC (torch.cuda._compile_kernel) with -DRW, -DRG, -DKW, -DU: no
 // headers, plain C types.
 
 typedef unsigned int u32;
@@ -34,9 +33,6 @@ typedef unsigned short u16;
 #endif
 #ifndef U
 #define U 2
-#endif
-#ifndef PIPE
-#define PIPE 0  // 1: double-buffered steps, the first step's loads before the PDL wait and step 1
 #endif
 #define WARPS (RG * KW)
 #define ROWS (RG * RW)
@@ -97,40 +93,6 @@ __device__ __forceinline__ int a_at(int k) {
     return (k & ~511) + ((((k >> 2) & 3) * 32 + ((k >> 4) & 31)) << 2);
 }
 
-// The U x RW 16-byte loads of one step: chunks j, j + KW, ... of the warp's RW rows (zeros, and no
-// load, past the last chunk).
-__device__ __forceinline__ void load_step(uint4 (&wv)[U][RW], const unsigned char* wrow, int j, int K,
-                                          int nchunk) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int jj = j + u * KW;
-#pragma unroll
-        for (int r = 0; r < RW; ++r)
-            wv[u][r] = jj < nchunk ? load_stream((const uint4*)(wrow + (size_t)r * K + ((size_t)jj << 9)))
-                                   : make_uint4(0u, 0u, 0u, 0u);
-    }
-}
-
-// acc[r] += the step's weights (chunks j, j + KW, ... of row r) times their activations
-__device__ __forceinline__ void mul_step(const uint4 (&wv)[U][RW], const float* a, int j, int lane, int nchunk,
-                                         float (&acc)[RW]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int jj = j + u * KW;
-        if (jj < nchunk) {
-            // the lane's 16 activations (columns jj 512 + 16 lane + 0 .. 15)
-            float av[16];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float4 t = *(const float4*)(a + a_at((jj << 9) + 16 * lane + 4 * q));
-                av[4 * q] = t.x; av[4 * q + 1] = t.y; av[4 * q + 2] = t.z; av[4 * q + 3] = t.w;
-            }
-#pragma unroll
-            for (int r = 0; r < RW; ++r) acc[r] = dot16(wv[u][r], av, acc[r]);
-        }
-    }
-}
-
 // mode: 0 x bf16 rounded here to e4m3 per 128-block (W8A8), 1 x e4m3 codes with fp32 scales xs
 // (W8A8), 2 x bf16 as is (W8A16). y: bf16 (out_bf16) or fp32 [N]. K: a group's columns, a
 // multiple of 512; x [groups * K]; group_rows: rows per group (N without groups).
@@ -141,25 +103,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
     extern __shared__ float smem[];
     float* a = smem;                      // [K]: the group's activations times the weight scales
     float* red = smem + K;                // [KW][ROWS]: per-warp row sums
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = blockIdx.x * ROWS;
-    const int group = row0 / group_rows;
-    const float* sw = ws + (size_t)(row0 >> 7) * ws_sn;
-    const int g = warp / KW, kw = warp % KW;
-    const int nchunk = K >> 9;
-    const unsigned char* wrow = w + (size_t)(row0 + g * RW) * K + 16 * lane;
-#if PIPE
-    // the weights are written by no kernel of a step, so their first loads may precede the wait:
-    // they stream while the kernel before drains and while step 1 runs
-    uint4 cur[U][RW];
-    load_step(cur, wrow, kw, K, nchunk);
-#endif
 #if __CUDA_ARCH__ >= 900
     // Programmatic dependent launch (kernels/pdl.py): wait for the kernel before this one (it
     // writes x), then let the next one be scheduled. A no-op without the PDL attribute.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = blockIdx.x * ROWS;
+    const int group = row0 / group_rows;
+    const float* sw = ws + (size_t)(row0 >> 7) * ws_sn;
 
     // 1. a[k] for k in [0, K): warp per 128-block, lane per 4 elements
     for (int kb = warp; kb < (K >> 7); kb += WARPS) {
@@ -201,24 +154,39 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
     __syncthreads();
 
     // 2. stream the rows
+    const int g = warp / KW, kw = warp % KW;
+    const int r0 = row0 + g * RW;
+    const int nchunk = K >> 9;
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) acc[r] = 0.f;
+    const unsigned char* wrow = w + (size_t)r0 * K + 16 * lane;
     for (int j = kw; j < nchunk; j += KW * U) {
-#if PIPE   // the next step's loads in flight while this step's are multiplied
-        uint4 nxt[U][RW];
-        load_step(nxt, wrow, j + KW * U, K, nchunk);
-        mul_step(cur, a, j, lane, nchunk, acc);
+        uint4 wv[U][RW];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+            const int jj = j + u * KW;
 #pragma unroll
-            for (int r = 0; r < RW; ++r) cur[u][r] = nxt[u][r];
+            for (int r = 0; r < RW; ++r)
+                wv[u][r] = (jj < nchunk && r0 + r < N)
+                    ? load_stream((const uint4*)(wrow + (size_t)r * K + ((size_t)jj << 9)))
+                    : make_uint4(0u, 0u, 0u, 0u);
         }
-#else
-        uint4 cur[U][RW];
-        load_step(cur, wrow, j, K, nchunk);
-        mul_step(cur, a, j, lane, nchunk, acc);
-#endif
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int jj = j + u * KW;
+            if (jj < nchunk) {
+                // the lane's 16 activations (columns jj 512 + 16 lane + 0 .. 15)
+                float av[16];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float4 t = *(const float4*)(a + a_at((jj << 9) + 16 * lane + 4 * q));
+                    av[4 * q] = t.x; av[4 * q + 1] = t.y; av[4 * q + 2] = t.z; av[4 * q + 3] = t.w;
+                }
+#pragma unroll
+                for (int r = 0; r < RW; ++r) acc[r] = dot16(wv[u][r], av, acc[r]);
+            }
+        }
     }
 
     // 3. reduce: across the warp, then across its KW warps in order

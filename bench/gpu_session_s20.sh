@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU calls of session 20 (carry .whl: the pytest and sgl-flash-mla wheels):
-#   bash bench/gpu_session_s20.sh $OUT probe   the L2 prefetch probe (kernels/l2_prefetch.py: does a side-stream
+#   bash bench/gpu_session_s20.sh $OUT probe   the L2 prefetch probe (bench/probe_l2_prefetch.py: does a side-stream
 #                                              prefetch during a chain of small launches shorten the GEMV after it),
 #                                              session 19's untested CUDA cases, bench_topk --quick (rank-all rows)
-#   bash bench/gpu_session_s20.sh $OUT cuda    fp8_row.cu (the one-row FP8 GEMV in CUDA C): its CUDA tests, the probe's
+#   bash bench/gpu_session_s20.sh $OUT cuda    fp8_row.cu (the one-row FP8 GEMV in CUDA C; its first rule): CUDA tests, the probe's
 #                                              grid beside the Triton kernel on Flash's shapes, then the 11-layer model
 #                                              at 4K x 1 / x 32 with DSV4_FP8_ROW_CUDA = 0 and 1 (rank-all top-k in both)
 #   bash bench/gpu_session_s20.sh $OUT cuda2   after the probe: fp8_row.cu where it won (ungrouped, K <= 4,096) with the

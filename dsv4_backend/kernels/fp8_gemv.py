@@ -31,7 +31,7 @@ per-block sums of ``fp8_block_gemm`` (bound in ``tests/test_fp8_gemv.py``).
 
 ``fp8_row.cu`` computes the same contract in CUDA C with more loads in flight a warp (the Triton
 kernel is bound by its own latency: it reads a weight no faster from L2 than from HBM); it takes
-the products it was measured faster on (``cuda_row_preferred``; docs/kernels.md section 12).
+the products it was measured faster on (``_preferred_config``; docs/kernels.md section 12).
 
 Grouped (``groups`` > 1, ``wo_a``): W ``[G R, Kg]``; group g's R rows multiply x's columns
 ``g Kg .. (g + 1) Kg``. ``block_n`` divides 128 (a program's rows share one scale row) and R.
@@ -152,7 +152,7 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     ``w_scale [ceil(N / 128), ceil(Kg / 128)]``; x ``[1, groups * Kg]``. ``mode`` as in the module
     docstring (``x_scale`` fp32 ``[1, ceil(K / 128)]`` for "codes"). ``out_dtype``: bf16 or fp32
     (default: x's dtype, bf16 for "codes"). ``config``: a ``RowGemvConfig`` runs the Triton
-    kernel, a ``CudaRowConfig`` ``fp8_row.cu``; None picks (``cuda_row_preferred``)."""
+    kernel, a ``CudaRowConfig`` ``fp8_row.cu``; None picks (``_preferred_config``)."""
     if mode not in MODES:
         raise ValueError(f"fp8_row_gemv: mode must be one of {sorted(MODES)}, got {mode!r}")
     N, Kg, nb = _check_weight(w, w_scale, "fp8_row_gemv")
@@ -170,10 +170,8 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
     check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
     R = N // groups
-    cuda = isinstance(config, CudaRowConfig) or (config is None and cuda_row_preferred(x, N, Kg, mode, groups))
-    if cuda:
-        cfg = _cuda_config(x, N, Kg, R, mode, config)
-    else:
+    cuda = _cuda_config(x, N, Kg, R, mode, groups, config)
+    if cuda is None:
         cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
         if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
             raise ValueError(f"fp8_row_gemv: block_n {cfg.block_n} must divide 128 and a group's {R} rows")
@@ -182,11 +180,11 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
     if N == 0:
         return y
     xs = x_scale.contiguous() if x_scale is not None else w_scale       # (unread unless "codes")
-    if cuda:
-        pdl.launch_compiled(_cuda_kernel(x.device.index or 0, cfg), (N // cfg.rows, 1, 1), (32 * cfg.warps, 1, 1),
+    if cuda is not None:
+        pdl.launch_compiled(_cuda_kernel(x.device.index or 0, cuda), (N // cuda.rows, 1, 1), (32 * cuda.warps, 1, 1),
                             [w.view(torch.uint8), w_scale, x.view(torch.uint8), xs, y, N, Kg, nb, w_scale.stride(0),
                              R, MODES[mode], int(out_dtype == torch.bfloat16)],
-                            x.device, shared_mem=4 * (Kg + cfg.k_warps * cfg.rows))
+                            x.device, shared_mem=4 * (Kg + cuda.k_warps * cuda.rows))
         return y
     _row_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
@@ -237,13 +235,21 @@ def cuda_row_applies(x: torch.Tensor, K: int, mode: str) -> bool:
             and K % CUDA_CHUNK == 0 and 4 * K + 4096 <= CUDA_SMEM_MAX)
 
 
+def _preferred_config(x: torch.Tensor, N: int, K: int, mode: str, groups: int) -> CudaRowConfig | None:
+    """The launch shape of a one-row product with no explicit config that goes to ``fp8_row.cu``,
+    or None for the Triton kernel: where it can run, on ungrouped weights of rows up to CUDA_MAX_K
+    whose N the launch rule's CTAs tile (H100, session 20: ``wq_b (+ indexer)``, ``wq_a + wkv`` and
+    the shared expert faster by 0.8-2.3 us each; grouped ``wo_a`` and ``wo_b`` (K = 8,192) 0.6-1.2
+    us slower, so they stay on Triton)."""
+    if not (USE_CUDA and groups == 1 and K <= CUDA_MAX_K and cuda_row_applies(x, K, mode)):
+        return None
+    cfg = cuda_row_config(N, K, sm_count(x.device))
+    return cfg if N % cfg.rows == 0 else None
+
+
 def cuda_row_preferred(x: torch.Tensor, N: int, K: int, mode: str, groups: int) -> bool:
-    """Whether a one-row product with no explicit config goes to ``fp8_row.cu``: where it can, on
-    ungrouped weights of rows up to CUDA_MAX_K whose N the launch rule's CTAs tile (H100, session
-    20: ``wq_b (+ indexer)``, ``wq_a + wkv`` and the shared expert faster by 0.8-2.3 us each;
-    grouped ``wo_a`` and ``wo_b`` (K = 8,192) 0.6-1.2 us slower, so they stay on Triton)."""
-    return (USE_CUDA and groups == 1 and K <= CUDA_MAX_K and cuda_row_applies(x, K, mode)
-            and N % cuda_row_config(N, K, sm_count(x.device)).rows == 0)
+    """Whether a one-row product with no explicit config goes to ``fp8_row.cu`` (``_preferred_config``)."""
+    return _preferred_config(x, N, K, mode, groups) is not None
 
 
 @lru_cache(maxsize=None)
@@ -255,16 +261,20 @@ def _cuda_kernel(device_index: int, cfg: CudaRowConfig):
                           f"-DU={cfg.unroll}"])
 
 
-def _cuda_config(x: torch.Tensor, N: int, K: int, R: int, mode: str,
-                 config: CudaRowConfig | None) -> CudaRowConfig:
-    """The launch shape of ``fp8_row.cu`` for a product it can take; ValueError naming why not."""
+def _cuda_config(x: torch.Tensor, N: int, K: int, R: int, mode: str, groups: int,
+                 config: "RowGemvConfig | CudaRowConfig | None") -> CudaRowConfig | None:
+    """``fp8_row.cu``'s launch shape for this product, or None for the Triton kernel: an explicit
+    ``CudaRowConfig`` (checked: ValueError naming why it cannot run), else the preferred rule's."""
+    if config is None:
+        return _preferred_config(x, N, K, mode, groups)
+    if not isinstance(config, CudaRowConfig):
+        return None
     if not cuda_row_applies(x, K, mode):
         raise ValueError(f"fp8_row_gemv: the CUDA kernel takes bf16 x (or codes) on CUDA with K a multiple of "
                          f"{CUDA_CHUNK} up to {(CUDA_SMEM_MAX - 4096) // 4}; got {x.dtype} on {x.device}, K {K}")
-    cfg = config or cuda_row_config(N, K, sm_count(x.device))
-    if 128 % cfg.rows or R % cfg.rows:
-        raise ValueError(f"fp8_row_gemv: a CUDA CTA's {cfg.rows} rows must divide 128 and a group's {R} rows")
-    return cfg
+    if 128 % config.rows or R % config.rows:
+        raise ValueError(f"fp8_row_gemv: a CUDA CTA's {config.rows} rows must divide 128 and a group's {R} rows")
+    return config
 
 
 # ---- W8A16 at a few rows (wo_a at decode batch sizes) ------------------------------------------

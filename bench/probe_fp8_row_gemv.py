@@ -64,16 +64,10 @@ def cuda_grid(R: int) -> list[CudaRowConfig]:
     return out
 
 
-# --cuda-grid small: the shapes the first grid (docs/PERF.md session 20) ranked first
-SMALL_GRID = [CudaRowConfig(2, 8, 1, 2), CudaRowConfig(1, 8, 1, 4), CudaRowConfig(4, 8, 1, 2), CudaRowConfig(2, 8, 1, 4),
-              CudaRowConfig(1, 8, 1, 2), CudaRowConfig(2, 4, 2, 2)]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="an 8-config grid instead of ~50")
     ap.add_argument("--cuda", action="store_true", help="fp8_row.cu's grid beside the Triton kernel")
-    ap.add_argument("--cuda-grid", choices=("full", "small"), default="full")
     ap.add_argument("--skip-w8a16", action="store_true", help="no W8A16 rows at 2-64 activation rows")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -119,8 +113,7 @@ def main() -> None:
             rows.append(dict(shape=name, kernel="row", config=None if cfg is None else list(cfg), us=us,
                              ratio=ratio, ok=ratio <= 1))
         if args.cuda:
-            grid_ = cuda_grid(N // G) if args.cuda_grid == "full" else [c for c in SMALL_GRID if (N // G) % c.rows == 0]
-            for cfg in [None] + grid_:
+            for cfg in [None] + cuda_grid(N // G):
                 cc = cfg or "cuda-default"
                 try:
                     call = (lambda w, s, c=cfg or cuda_row_config(N, K, sms):

@@ -60,7 +60,7 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
         if kind == "graph":   # how far this kernel pushes the GPU's end of work (idle before it included)
             a = added[e.get("name", "?")[:90]]
             a[0] += 1
-            a[1] += e["ts"] + e["dur"] - (e["ts"] if end is None else min(end, e["ts"] + e["dur"]))
+            a[1] += max(0.0, e["ts"] + e["dur"] - (e["ts"] if end is None else end))
         end = max(end or e["ts"], e["ts"] + e["dur"])
         last = e.get("name", "?")[:60]
     span = (end - gpu[0]["ts"]) if gpu else 0.0

@@ -32,20 +32,25 @@ if str(ROOT) not in sys.path:
 
 from dsv4_backend.kernels.topk import TopKConfig, topk_positions, topk_reference  # noqa: E402
 
+def radix(**kw) -> TopKConfig:
+    """The radix path at every row length (the all-pairs ranking of short rows off)."""
+    return TopKConfig(rank_all_max=0, **kw)
+
+
 VARIANTS = {
     "torch": TopKConfig(method="torch"),
     "torch2/16K": TopKConfig(method="torch2", segment=16384),
     "default": TopKConfig(),  # short rows ranked all against all (rank_all_max), the radix path above
-    "radix": TopKConfig(rank_all_max=0),  # the radix path at every length
-    "radix/2K-w8": TopKConfig(block=2048, num_warps=8, rank_all_max=0),
-    "radix/8xSM": TopKConfig(programs=8 * 132, rank_all_max=0),
-    "radix/2xSM": TopKConfig(programs=2 * 132, rank_all_max=0),
-    "radix/no-floor": TopKConfig(floor=False, rank_all_max=0),
-    "radix/hist-only": TopKConfig(sparse=0, rank_all_max=0),
-    "radix/plain": TopKConfig(floor=False, sparse=0, rank_all_max=0),  # no floor, always tl.histogram
-    "radix/sparse512": TopKConfig(sparse=512, rank_all_max=0),
+    "radix": radix(),  # the radix path at every length
+    "radix/2K-w8": radix(block=2048, num_warps=8),
+    "radix/8xSM": radix(programs=8 * 132),
+    "radix/2xSM": radix(programs=2 * 132),
+    "radix/no-floor": radix(floor=False),
+    "radix/hist-only": radix(sparse=0),
+    "radix/plain": radix(floor=False, sparse=0),  # no floor, always tl.histogram
+    "radix/sparse512": radix(sparse=512),
     # the floor with a program per 1,024 elements (at b = 1 the floor launch before session 12)
-    "radix/floor-1K": TopKConfig(floor_tile=1024, floor_segments=1 << 20, rank_all_max=0),
+    "radix/floor-1K": radix(floor_tile=1024, floor_segments=1 << 20),
     # every row of up to 2,048 scores (CSA at contexts up to 8K) ranked all against all, whatever b
     "rank-all-2K/any-b": TopKConfig(rank_all_compares=1 << 62),
 }

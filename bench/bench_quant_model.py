@@ -667,7 +667,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rep["decode"] = decode_rows(eng, args, guard, headroom, bw, floor)
     if args.timeline and device.type == "cuda":
-        from bench.step_timeline import print_timeline, profile_steps
+        from bench.step_timeline import print_sequence, print_timeline, profile_steps
         rep["timeline"] = {}
         for ctx in args.contexts:
             if guard.left <= args.guard_margin + 10:
@@ -675,6 +675,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rep["timeline"][ctx] = profile_steps(eng, ctx, 1, args.timeline)
             print(f"\nbatch 1 at {fmt_tokens(ctx)}:")
             print_timeline(rep["timeline"][ctx])
+            print_sequence(rep["timeline"][ctx], count=10_000)
     rep["prefill"] = prefill_row(eng, args, guard)
 
     # per-layer cost and the derived 43-layer step

@@ -42,6 +42,7 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
     eager_names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     graph_names: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     added: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])   # graph kernels: span they add
+    by_launch: dict[Any, list[tuple[str, float, float, float]]] = defaultdict(list)   # a replay's kernels
     gaps: list[tuple[float, str, str]] = []
     end, last = None, ""
     for e in gpu:
@@ -60,7 +61,9 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
         if kind == "graph":   # how far this kernel pushes the GPU's end of work (idle before it included)
             a = added[e.get("name", "?")[:90]]
             a[0] += 1
-            a[1] += max(0.0, e["ts"] + e["dur"] - (e["ts"] if end is None else end))
+            push = max(0.0, e["ts"] + e["dur"] - (e["ts"] if end is None else end))
+            a[1] += push
+            by_launch[corr].append((e.get("name", "?")[:60], e["ts"], e["dur"], push))
         end = max(end or e["ts"], e["ts"] + e["dur"])
         last = e.get("name", "?")[:60]
     span = (end - gpu[0]["ts"]) if gpu else 0.0
@@ -81,7 +84,17 @@ def summarize(trace: dict[str, Any], steps: int, wall_s: float, top: int = 12) -
         # the graph's share of the span and, unlike the durations, do not overlap under PDL
         "graph_kernels_by_added_span": _by_time(added, steps, len(added)),
         "classified": bool(launched_by),
+        # the last replay's kernels in order: (name, start us from the replay's first kernel, duration, span added)
+        "last_replay_sequence": _sequence(by_launch),
     }
+
+
+def _sequence(by_launch: dict[Any, list[tuple[str, float, float, float]]]) -> list[tuple[str, float, float, float]]:
+    if not by_launch:
+        return []
+    kernels = max(by_launch.values(), key=lambda ks: ks[0][1])   # the replay that started last
+    t0 = kernels[0][1]
+    return [(name, round(ts - t0, 2), round(dur, 2), round(push, 2)) for name, ts, dur, push in kernels]
 
 
 def _by_time(names: dict[str, list[float]], steps: int, top: int) -> list[tuple[str, float, float]]:
@@ -119,6 +132,15 @@ def profile_steps(eng: Any, context: int, batch: int, steps: int = 6, warmup: in
 # Under PDL (dsv4_backend/kernels/pdl.py) a kernel starts before the one it follows has finished and
 # waits: the profiler's durations then overlap, and only the GPU span is the step's cost.
 _PDL_NOTE = " (PDL on: each duration includes its wait for the kernel before, so they overlap)"
+
+
+def print_sequence(rep: dict[str, Any], first: int = 0, count: int = 120, indent: str = "  ") -> None:
+    """Kernels ``first .. first + count - 1`` of the last profiled replay, in launch order."""
+    seq = rep.get("last_replay_sequence", [])
+    print(f"{indent}the last replay's kernels {first}..{min(len(seq), first + count) - 1} of {len(seq)} "
+          "(start us, duration us, span added us):")
+    for i, (name, start, dur, push) in enumerate(seq[first:first + count], first):
+        print(f"{indent}  {i:4d} {start:9.2f} {dur:8.2f} {push:7.2f}  {name}")
 
 
 def print_timeline(rep: dict[str, Any], indent: str = "  ") -> None:

@@ -64,3 +64,13 @@ def test_added_span_counts_overlapping_kernels_once():
     added = {n: ms * 1e3 for n, _, ms in rep["graph_kernels_by_added_span"]}
     assert added == pytest.approx({"a": 10.0, "b": 4.0, "c": 0.0, "d": 8.0})
     assert sum(added.values()) == pytest.approx(rep["gpu_span_ms_per_step"] * 1e3)
+
+
+def test_last_replay_sequence_in_launch_order():
+    """The last replay's kernels, in order, with their start from the replay's first kernel and the span each adds."""
+    rep = summarize(_trace(), steps=2, wall_s=2e-4)
+    assert rep["last_replay_sequence"] == [("head", 0.0, 20.0, 28.0)]   # replay 4 started last; 8 us idle before it
+    t = _trace()
+    t["traceEvents"] = [e for e in t["traceEvents"] if e.get("name") != "head"]
+    assert summarize(t, steps=1, wall_s=1e-4)["last_replay_sequence"] == [("layer_a", 0.0, 50.0, 50.0),
+                                                                          ("layer_b", 50.0, 30.0, 30.0)]

@@ -3,6 +3,11 @@
 #   bash bench/gpu_session_s21.sh $OUT timeline   the 11-layer model at 4K x 1 with today's defaults and a timeline of
 #                                                 three steps, the last replay's kernels in order (which launches a
 #                                                 layer still chains, and what each adds to the span)
+#   bash bench/gpu_session_s21.sh $OUT early      DSV4_PDL_EARLY (kernels/pdl.py): every PDL kernel lets the next be
+#                                                 scheduled before its own wait, and the FP8 row GEMVs ask L2 for
+#                                                 their rows before theirs: CUDA tests with it on, the graph check,
+#                                                 then the 11-layer model at 4K x 1 / x 32 with it 0 / 1 / 0 / 1
+#                                                 (EARLY overrides the list), a timeline of the last
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-timeline}
@@ -13,4 +18,19 @@ if [ "$WHICH" = timeline ]; then
     --prefill-max-seconds 3 --time-budget 120 --timeline 3 --out "$OUT/q.json"
   grep "^ *4K\|graph replay\|^per layer" "$OUT/q.log" | head -n 5 | cut -c1-220
   grep -A 60 "span each adds" "$OUT/q.log" | head -n 45 | cut -c1-150
+fi
+if [ "$WHICH" = early ]; then
+  DSV4_PDL_EARLY=1 part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py tests/test_fp8_gemv.py \
+    tests/test_fp4_mma.py -k "cuda or pdl or mma"
+  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 20
+  DSV4_PDL_EARLY=1 graph_check
+  set -- ${EARLY:-0 1 0 1}
+  i=0
+  for e in "$@"; do
+    i=$((i + 1)); tl=""; [ "$i" = "$#" ] && tl="--timeline 3"
+    DSV4_PDL_EARLY=$e part 110 "q_$i" python3 bench/bench_quant_model.py --layers 11 --contexts 4096 --batches 1,32 \
+      --skip-kernels --steps 10 --prefill-max-seconds 3 --time-budget 95 $tl --out "$OUT/q_$i.json"
+    echo "DSV4_PDL_EARLY=$e:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$i.log" | head -n 5 | cut -c1-220
+  done
+  grep -A 60 "span each adds" "$OUT/q_$#.log" | head -n 45 | cut -c1-150
 fi

@@ -6,7 +6,7 @@
 #   bash bench/gpu_session_s21.sh $OUT early      DSV4_PDL_EARLY (kernels/pdl.py): every PDL kernel lets the next be
 #                                                 scheduled before its own wait, and the FP8 row GEMVs ask L2 for
 #                                                 their rows before theirs: CUDA tests with it on, the graph check,
-#                                                 then the 11-layer model at 4K x 1 / x 32 with it 0 / 1 / 0 / 1
+#                                                 then the 11-layer model at 4K x 1 / x 32 with it 1 / 0 / 1
 #                                                 (EARLY overrides the list), a timeline of the last
 set -uo pipefail
 OUT=${1:?output directory}
@@ -24,7 +24,7 @@ if [ "$WHICH" = early ]; then
     tests/test_fp4_mma.py -k "cuda or pdl or mma"
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 20
   DSV4_PDL_EARLY=1 graph_check
-  set -- ${EARLY:-0 1 0 1}
+  set -- ${EARLY:-1 0 1}
   i=0
   for e in "$@"; do
     i=$((i + 1)); tl=""; [ "$i" = "$#" ] && tl="--timeline 3"

@@ -397,12 +397,20 @@ class Gate(nn.Module):
         else:
             self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> expert ids [T, k] and routing weights [T, k] (normalised, times the scaling factor)."""
-        if USE_GATE_KERNEL and x.is_cuda and x.shape[0] <= GATE_KERNEL_MAX_TOKENS and not self._forward_hooks:
+    def kernel_applies(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` runs the gate kernels (``kernels/moe_gate.py``) on ``x``."""
+        return USE_GATE_KERNEL and x.is_cuda and x.shape[0] <= GATE_KERNEL_MAX_TOKENS and not self._forward_hooks
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, quantize: bool = False) -> tuple[torch.Tensor, ...]:
+        """-> expert ids [T, k] and routing weights [T, k] (normalised, times the scaling factor);
+        ``quantize`` (the kernels only, ``kernel_applies``): also ``act_quant_fp8(x)``, from the same launch."""
+        if self.kernel_applies(x):
             from .kernels.moe_gate import moe_gate
             return moe_gate(x.contiguous(), self.weight, self.bias, self.topk, self.scale,
-                            getattr(self, "tid2eid", None) if self.bias is None else None, input_ids)
+                            getattr(self, "tid2eid", None) if self.bias is None else None, input_ids,
+                            quantize=quantize)
+        if quantize:
+            raise ValueError("Gate.forward: quantize needs the gate kernels (Gate.kernel_applies)")
         h = x.to(hi_dtype(x.dtype))
         s = F.softplus(F.linear(h, self.weight.to(h.dtype))).sqrt()
         if self.bias is None:
@@ -447,6 +455,11 @@ class MoE(nn.Module):
             ex.w2.weight.data = self._w2[e]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        shared = self._shared_fp8_fused(x) if self.fp4 is not None else None
+        if (shared is not None and USE_GATE_QUANT and self.expert_range is None
+                and self.gate.kernel_applies(x)):    # the experts' act-quant of x from the gate's launch
+            ids, w, xq, xs = self.gate(x, input_ids, quantize=True)
+            return self.fp4.forward(x, ids, w, self.limit, shared, x_quant=(xq, xs))
         ids, w = self.gate(x, input_ids)                                    # [T, k]
         if self.expert_range is not None:     # local ids; -1: another rank's expert (skipped)
             lo, hi = self.expert_range
@@ -456,7 +469,6 @@ class MoE(nn.Module):
             se = self.shared_experts
             return moe_bf16_decode(x, ids, w, self._w13, self._w2, se.w1.row_stack.weight, se.w2.weight, self.limit)
         if self.fp4 is not None:
-            shared = self._shared_fp8_fused(x)
             if shared is not None:    # the shared expert inside the routed kernels' launches
                 return self.fp4.forward(x, ids, w, self.limit, shared)
             return self.shared_experts(x) + self.fp4.forward(x, ids, w, self.limit)
@@ -589,6 +601,9 @@ USE_MOE_DECODE_KERNEL = os.environ.get("DSV4_MOE_DECODE_KERNEL", "1") != "0"
 # this many tokens, on CUDA; DSV4_GATE_KERNEL=0 keeps the torch ops.
 USE_GATE_KERNEL = os.environ.get("DSV4_GATE_KERNEL", "1") != "0"
 GATE_KERNEL_MAX_TOKENS = 64
+# With the FP4 MMA experts and their fused shared expert, the gate's launch also rounds x to e4m3
+# for them (moe_gate(quantize=True)); DSV4_GATE_QUANT=0 leaves it to fp4_moe_mma's own act-quant.
+USE_GATE_QUANT = os.environ.get("DSV4_GATE_QUANT", "1") != "0"
 MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "24"))
 # A quantised MoE's shared expert runs inside the FP4 experts' decode launches (one act-quant of
 # x, its SwiGLU in the routed SwiGLU + act-quant kernel, its down projection summed in the routed

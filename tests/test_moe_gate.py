@@ -100,3 +100,35 @@ def test_bad_inputs():
         moe_gate(x, torch.zeros(4, 8, device=DEV), None, 2, 1.0)
     with pytest.raises(ValueError, match="share D"):
         moe_gate(x, torch.zeros(4, 9, device=DEV), torch.zeros(4, device=DEV), 2, 1.0)
+
+
+@pytest.mark.parametrize("D", [512, 200])     # whole 128-blocks, and a 72-wide tail block
+def test_quantize_is_act_quant_and_changes_no_route(D):
+    """``quantize=True``: the extra programs' codes and scales equal ``act_quant_fp8(x)`` bit for bit
+    (the same rounding per 128-block), and the ids and weights equal the two-output launch's."""
+    from dsv4_backend.kernels.fp8_gemm import act_quant_fp8
+    T, E, topk = 3, 16, 4
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(T, D, generator=g) * torch.linspace(1e-3, 1e3, D)).to(torch.bfloat16).to(DEV)
+    weight = (torch.randn(E, D, generator=g) * 0.3).to(torch.bfloat16).to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.1).float().to(DEV)
+    ids, w, xq, xs = moe_gate(x, weight, bias, topk, 1.5, quantize=True)
+    ids0, w0 = moe_gate(x, weight, bias, topk, 1.5)
+    assert torch.equal(ids, ids0) and torch.equal(w, w0)
+    q_ref, s_ref = act_quant_fp8(x)
+    assert xq.dtype == torch.float8_e4m3fn and xq.shape == (T, D) and xs.shape == (T, -(-D // 128))
+    assert torch.equal(xq.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(xs, s_ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP4 MMA experts need CUDA")
+def test_engine_with_gate_quant_equals_without(tmp_path, monkeypatch):
+    """An FP8/FP4 Engine (FP4 MMA experts, fused shared expert, decode graphs) gives the same
+    greedy tokens and logprobs whether the experts' act-quant comes from the gate's launch or
+    from their own: the same codes, so the same bits."""
+    from cuda_decode import greedy_decode, write_fp8_checkpoint
+    from dsv4_backend import model
+    path = write_fp8_checkpoint(tmp_path)
+    monkeypatch.setattr(model, "USE_GATE_QUANT", False)
+    want = greedy_decode(path)
+    monkeypatch.setattr(model, "USE_GATE_QUANT", True)
+    assert greedy_decode(path) == want

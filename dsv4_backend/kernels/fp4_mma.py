@@ -290,7 +290,8 @@ class SharedFp8(NamedTuple):
 
 def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: Fp4MmaPack,
                 w2: Fp4MmaPack, limit: float, gate_up: MmaConfig | None = None,
-                down: MmaConfig | None = None, shared: SharedFp8 | None = None) -> torch.Tensor:
+                down: MmaConfig | None = None, shared: SharedFp8 | None = None,
+                x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``fp4_moe``'s contract over packed weights (CUDA): x ``[T, D]`` bf16, ids ``[T, k]``,
     weights fp32 ``[T, k]`` -> ``[T, D]`` bf16. act-quant, the gate-up GEMV, SwiGLU + act-quant and
     the combine of ``fp4_moe_decode`` around the two MMA GEMVs; long inputs run in slices of
@@ -302,6 +303,9 @@ def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     for w2 itself) and its down partials are summed in the routed combine: five launches
     fewer than the shared expert alone (act-quant twice, split sums twice, the SwiGLU's torch ops).
 
+    ``x_quant``: ``act_quant_fp8(x)`` when the caller has it (``moe_gate(quantize=True)``), else
+    computed here.
+
     From ``fp4_moe_prefill.PREFILL_MIN_TOKENS`` tokens (no shared expert, no explicit configs,
     outside a graph capture) the experts run as bf16 grouped GEMMs instead (``fp4_moe_prefill``)."""
     T, k = ids.shape
@@ -311,11 +315,13 @@ def fp4_moe_mma(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: 
     per_call = max(1, PART_BYTES_MAX // (4 * k * max(w13.n, w2.n)))
     if T > per_call:
         return torch.cat([fp4_moe_mma(x[t:t + per_call], ids[t:t + per_call], weights[t:t + per_call],
-                                      w13, w2, limit, gate_up, down, shared) for t in range(0, T, per_call)])
+                                      w13, w2, limit, gate_up, down, shared,
+                                      None if x_quant is None else (x_quant[0][t:t + per_call], x_quant[1][t:t + per_call]))
+                          for t in range(0, T, per_call)])
     picked = pick_mma_configs(T * k)
     gate_up, down = gate_up or picked[0], down or picked[1]
     flat = ids.reshape(-1).contiguous()
-    xq, xs = act_quant_fp8(x)
+    xq, xs = act_quant_fp8(x) if x_quant is None else x_quant
     sh = None
     if shared is not None:    # its three launches beside the routed ones (side_stream.SHARED_EXPERT)
         branch = SideBranch(x.device, side_stream.SHARED_EXPERT)

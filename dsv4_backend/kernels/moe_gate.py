@@ -25,14 +25,40 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_backend.kernels._common import native, quant_block_e4m3
 from dsv4_backend.kernels.fp8_gemm import _num_sms
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 
 @triton.jit
-def _scores_kernel(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _scores_kernel(x_ptr, w_ptr, s_ptr, q_ptr, qs_ptr, E, D, x_sr, w_sr, E_BLOCKS, NB,
+                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    if QUANT:
+        if tl.program_id(1) >= E_BLOCKS:    # the programs past the experts' round x to e4m3, one 128-block each
+            _act_quant_block(x_ptr, x_sr, q_ptr, qs_ptr, D, NB, tl.program_id(1) - E_BLOCKS, NATIVE)
+        else:
+            _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E, BLOCK_D)
+    else:
+        _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E, BLOCK_D)
+
+
+@triton.jit
+def _act_quant_block(x_ptr, x_sr, q_ptr, qs_ptr, D, NB, kb, NATIVE: tl.constexpr):
+    """``act_quant_fp8`` of token t's 128-block kb: the same rounding, one row of its [8, 128] tile."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = kb * 128 + tl.arange(0, 128)
+    ok = cols < D
+    x = tl.load(x_ptr + t * x_sr + cols, mask=ok, other=0.0).to(tl.float32)
+    codes, scale = quant_block_e4m3(tl.expand_dims(x, 0), NATIVE)
+    tl.store(q_ptr + t * D + cols, tl.reshape(codes, [128]), mask=ok)
+    tl.store(qs_ptr + t * NB + kb + tl.arange(0, 1), scale)
+
+
+@triton.jit
+def _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < E
@@ -96,11 +122,12 @@ def scores_block_e(T: int, E: int, num_sms: int) -> int:
 
 def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], topk: int, scale: float,
              tid2eid: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
-             block_e: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             block_e: Optional[int] = None, quantize: bool = False) -> tuple[torch.Tensor, ...]:
     """Expert ids int64 [T, topk] and routing weights fp32 [T, topk] of ``x [T, D]`` against the
     gate ``weight [E, D]``: top-k of ``sqrt(softplus(x W^T)) + bias``, or, with ``tid2eid [V,
     topk]`` (a hash-routed layer, ``bias`` None), ``tid2eid[input_ids]``. ``block_e``: experts per
-    scores program (None: ``scores_block_e``)."""
+    scores program (None: ``scores_block_e``). ``quantize``: also ``act_quant_fp8(x)`` (the experts'
+    input, bit for bit), from extra programs of the scores launch: returns (ids, w, xq, xs)."""
     T, D = x.shape
     E = weight.shape[0]
     if weight.shape[1] != D or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -112,12 +139,18 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     s = torch.empty(T, E, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, topk, dtype=torch.int64, device=x.device)
     w = torch.empty(T, topk, dtype=torch.float32, device=x.device)
+    nb = triton.cdiv(D, 128)
+    quant = (torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device),
+             torch.empty(T, nb, dtype=torch.float32, device=x.device)) if quantize else ()
     if T == 0:
-        return ids, w
+        return (ids, w) + quant
     if block_e is None:
         block_e = scores_block_e(T, E, _num_sms(x.device))
-    _scores_kernel[(T, triton.cdiv(E, block_e))](x, weight, s, E, D, x.stride(0), weight.stride(0),
-                                                 BLOCK_E=block_e, BLOCK_D=512, num_warps=4, **pdl.args(x.device))
+    e_blocks = triton.cdiv(E, block_e)
+    xq, xs = quant if quantize else (s, s)    # (unused without quantize)
+    _scores_kernel[(T, e_blocks + (nb if quantize else 0))](
+        x, weight, s, xq.view(torch.uint8) if quantize else xq, xs, E, D, x.stride(0), weight.stride(0), e_blocks, nb,
+        BLOCK_E=block_e, BLOCK_D=512, QUANT=quantize, NATIVE=native(), num_warps=4, **pdl.args(x.device))
     hashed = tid2eid is not None
     dummy = s
     _select_kernel[(T,)](s, bias if bias is not None else dummy,
@@ -125,4 +158,4 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
                          input_ids.contiguous() if hashed else dummy, ids, w, E, float(scale),
                          TOPK=topk, KP=triton.next_power_of_2(topk), EP=triton.next_power_of_2(E), HASH=hashed,
                          num_warps=4, **pdl.args(s.device))
-    return ids, w
+    return (ids, w) + quant

@@ -299,14 +299,16 @@ class Fp4ExpertStack:
         return True
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float,
-                shared: Any = None) -> torch.Tensor:
+                shared: Any = None, x_quant: Any = None) -> torch.Tensor:
         """Routed experts: ``x [T, D]``, ``ids [T, k]``, ``weights [T, k]`` -> ``[T, D]`` in x's dtype;
-        with ``shared`` (an ``fp4_mma.SharedFp8``, MMA packs only) the shared expert's output added."""
-        if shared is not None and self.mma is None:
-            raise ValueError("Fp4ExpertStack.forward: a fused shared expert needs the MMA packs (pack_for_mma)")
+        with ``shared`` (an ``fp4_mma.SharedFp8``, MMA packs only) the shared expert's output added;
+        ``x_quant``: ``act_quant_fp8(x)`` already computed (MMA packs only)."""
+        if (shared is not None or x_quant is not None) and self.mma is None:
+            raise ValueError("Fp4ExpertStack.forward: a fused shared expert or a given act-quant needs the MMA "
+                             "packs (pack_for_mma)")
         if self.mma is not None:
             return _kernel("fp4_mma", "fp4_moe_mma")(x.to(torch.bfloat16), ids, weights.to(torch.float32),
-                                                     *self.mma, limit, shared=shared).to(x.dtype)
+                                                     *self.mma, limit, shared=shared, x_quant=x_quant).to(x.dtype)
         fn = _kernel("fp4_moe", "fp4_moe") if x.is_cuda and x.dtype == torch.bfloat16 else None
         if fn is not None:
             return fn(x, ids, weights.to(torch.float32), self.w13, self.w13_scale, self.w2, self.w2_scale, limit)

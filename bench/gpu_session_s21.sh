@@ -6,10 +6,11 @@
 #   bash bench/gpu_session_s21.sh $OUT early      DSV4_PDL_EARLY (kernels/pdl.py): every PDL kernel lets the next be
 #                                                 scheduled before its own wait, and the FP8 row GEMVs ask L2 for
 #                                                 their rows before theirs; DSV4_GATE_QUANT (the experts' act-quant
-#                                                 in the gate's launch): CUDA tests with EARLY on, then the 11-layer
-#                                                 model at 4K x 1 with (EARLY, GATE_QUANT, attention) = 01a 11a 00a
-#                                                 11t 11a (a: auto = FlashMLA, t: Triton; EARLY overrides the list),
-#                                                 a timeline of the last
+#                                                 in the gate's launch), DSV4_C4_PAIR (a CSA layer's compressors in
+#                                                 two launches): CUDA tests with EARLY on, then the 11-layer model at
+#                                                 4K x 1 with (EARLY, GATE_QUANT, C4_PAIR, attention) = 011a 111a 000a
+#                                                 111t 111a (a: auto = FlashMLA, t: Triton; EARLY overrides the
+#                                                 list), a timeline of the last
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-timeline}
@@ -23,17 +24,17 @@ if [ "$WHICH" = timeline ]; then
 fi
 if [ "$WHICH" = early ]; then
   DSV4_PDL_EARLY=1 part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py tests/test_fp8_gemv.py \
-    tests/test_fp4_mma.py tests/test_moe_gate.py -k "cuda or pdl or mma or engine"
+    tests/test_fp4_mma.py tests/test_moe_gate.py tests/test_kernels.py -k "cuda or pdl or mma or engine or pair"
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 20
-  set -- ${EARLY:-01a 11a 00a 11t 11a}   # DSV4_PDL_EARLY, DSV4_GATE_QUANT, attention kernel (auto, triton)
+  set -- ${EARLY:-011a 111a 000a 111t 111a}   # DSV4_PDL_EARLY, DSV4_GATE_QUANT, DSV4_C4_PAIR, attention (auto, triton)
   i=0
   for e in "$@"; do
     i=$((i + 1)); tl=""; [ "$i" = "$#" ] && tl="--timeline 3"
-    attn=auto; [ "${e:2:1}" = t ] && attn=triton
-    DSV4_PDL_EARLY=${e:0:1} DSV4_GATE_QUANT=${e:1:1} part 95 "q_$i" python3 bench/bench_quant_model.py --layers 11 \
+    attn=auto; [ "${e:3:1}" = t ] && attn=triton
+    DSV4_PDL_EARLY=${e:0:1} DSV4_GATE_QUANT=${e:1:1} DSV4_C4_PAIR=${e:2:1} part 95 "q_$i" python3 bench/bench_quant_model.py --layers 11 \
       --contexts 4096 --batches 1 --skip-kernels --steps 10 --prefill-max-seconds 3 --time-budget 80 $tl \
       --attention-kernel $attn --out "$OUT/q_$i.json"
-    echo "DSV4_PDL_EARLY, DSV4_GATE_QUANT, attention = $e:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$i.log" | head -n 5 | cut -c1-220
+    echo "DSV4_PDL_EARLY, DSV4_GATE_QUANT, DSV4_C4_PAIR, attention = $e:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$i.log" | head -n 5 | cut -c1-220
   done
   grep -A 60 "span each adds" "$OUT/q_$#.log" | head -n 45 | cut -c1-150
 fi

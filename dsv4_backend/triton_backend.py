@@ -58,6 +58,10 @@ from .config import DSV4Config
 from .model import AttentionInputs, CompressorInput, hadamard_matrix
 from .online_history import record_online_history
 
+# A CSA layer's attention and indexer compressors in one ring-write and one compress launch
+# (``_compress_c4_pair``) instead of two each; DSV4_C4_PAIR=0 keeps four launches (A/B timing).
+USE_C4_PAIR = os.environ.get("DSV4_C4_PAIR", "1") != "0"
+
 logger = logging.getLogger(__name__)
 
 
@@ -406,11 +410,15 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         extra_pool = extra_rows = None
         if ratio == 4:
             ring = plan.rings[4]
-            self._compress(plan, 4, layer, layer.compressor, inputs.compressor, ring, pools.c4_ring[layer_id],
-                           pools.c4_kv[layer_id], None, hisparse_layer=None if self.hisparse is None else layer_id)
-            self._compress(plan, 4, layer, layer.indexer.compressor, inputs.indexer.compressor, ring,
-                           pools.c4_indexer_ring[layer_id], pools.c4_indexer[layer_id],
-                           hadamard_matrix(128, torch.float32, inputs.q.device))
+            hadamard = hadamard_matrix(128, torch.float32, inputs.q.device)
+            if self.hisparse is None and self._c4_pair_applies(layer, layer_id):
+                self._compress_c4_pair(plan, layer, layer_id, inputs, hadamard)
+            else:
+                self._compress(plan, 4, layer, layer.compressor, inputs.compressor, ring, pools.c4_ring[layer_id],
+                               pools.c4_kv[layer_id], None,
+                               hisparse_layer=None if self.hisparse is None else layer_id)
+                self._compress(plan, 4, layer, layer.indexer.compressor, inputs.indexer.compressor, ring,
+                               pools.c4_indexer_ring[layer_id], pools.c4_indexer[layer_id], hadamard)
             extra_pool, extra_rows = pools.c4_kv[layer_id], self._select(layer_id, inputs, plan)
             if self.hisparse is not None:
                 return self._hisparse_attention(layer_id, layer, inputs, meta, plan, extra_rows)
@@ -496,6 +504,35 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                 run(pool, rp.dest_rows)
             else:
                 self.hisparse.write_rows(hisparse_layer, rp.dest_rows, run)
+
+    def _c4_pair_applies(self, layer: Any, layer_id: int) -> bool:
+        """Whether a CSA layer's two compressors run as one ring write and one compress launch:
+        ``USE_C4_PAIR``, rings of one dtype and norms of one epsilon (as in every DeepSeek-V4 config)."""
+        a, b = layer.compressor, layer.indexer.compressor
+        return (USE_C4_PAIR and a.norm.eps == b.norm.eps
+                and self.pools.c4_ring[layer_id].dtype == self.pools.c4_indexer_ring[layer_id].dtype)
+
+    def _compress_c4_pair(self, plan: _StepPlan, layer: Any, layer_id: int, inputs: AttentionInputs,
+                          hadamard: torch.Tensor) -> None:
+        """``_compress`` of the attention and the indexer compressor (one ring plan) in two launches
+        instead of four: ``ring_write_pair`` and ``compress_c4_pair``, the same programs' work."""
+        K, pools, rp = _kernels(), self.pools, plan.rings[4]
+        a, b = layer.compressor, layer.indexer.compressor
+        raw_a, raw_b = inputs.compressor, inputs.indexer.compressor
+        ring_a, ring_b = pools.c4_ring[layer_id], pools.c4_indexer_ring[layer_id]
+        n_events = int(rp.dest_rows.numel())
+        buf_a, buf_b = ring_a, ring_b     # static decode: sources are ring slots (see _compress)
+        if rp.gather is not None and n_events:
+            buf_a = torch.cat([ring_a[rp.gather], torch.cat([raw_a.c, raw_a.z], dim=-1).to(ring_a.dtype)])
+            buf_b = torch.cat([ring_b[rp.gather], torch.cat([raw_b.c, raw_b.z], dim=-1).to(ring_b.dtype)])
+        if rp.ring_token.numel():
+            K.ring_write_pair((ring_a, ring_b), rp.ring_slot, (raw_a.c, raw_b.c), (raw_a.z, raw_b.z), rp.ring_token)
+        if n_events:
+            cos, sin = self._cos_sin(plan, 4, layer.rope, rp.first_pos)
+            K.compress_c4_pair(K.C4Target(pools.c4_kv[layer_id], buf_a, a.ape, a.norm.weight),
+                               K.C4Target(pools.c4_indexer[layer_id], buf_b, b.ape, b.norm.weight, hadamard),
+                               K.CompressEvents(rp.dest_rows, rp.sources, cos, sin), eps=a.norm.eps,
+                               round_bf16=self.round_bf16)
 
     def _compress_online_kernel(self, plan: _StepPlan, layer: Any, layer_id: int, raw: CompressorInput,
                                 meta: ForwardMetadata, op: _OnlinePlan) -> None:

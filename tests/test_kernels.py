@@ -177,6 +177,54 @@ def test_ring_write_is_cat_gather_index_put(ring_dtype, gather):
         ring_write(got, dev(slots[:2]), dev(c), dev(z), dev(tokens))
 
 
+@pytest.mark.parametrize("ring_dtype", [torch.float32, torch.bfloat16])
+def test_ring_write_pair_is_two_ring_writes(ring_dtype):
+    """A CSA layer's two rings written in one launch: the bytes of two ring_write launches."""
+    from dsv4_backend.kernels.compressor import ring_write_pair
+    gen = torch.Generator().manual_seed(4)
+    dev = lambda t: t.to(DEV)  # noqa: E731
+    ya, yb = torch.randn(3, 2 * 96, generator=gen) * 5, torch.randn(3, 2 * 32, generator=gen) * 5
+    ra, rb = torch.randn(9, 2 * 96, generator=gen).to(ring_dtype), torch.randn(9, 2 * 32, generator=gen).to(ring_dtype)
+    slots, tokens = torch.tensor([6, 0, 3]), torch.tensor([2, 0, 1])
+    want_a, want_b, got_a, got_b = dev(ra), dev(rb), dev(ra), dev(rb)
+    ring_write(want_a, dev(slots), dev(ya)[:, :96], dev(ya)[:, 96:], dev(tokens))
+    ring_write(want_b, dev(slots), dev(yb)[:, :32], dev(yb)[:, 32:], dev(tokens))
+    ring_write_pair((got_a, got_b), dev(slots), (dev(ya)[:, :96], dev(yb)[:, :32]), (dev(ya)[:, 96:], dev(yb)[:, 32:]),
+                    dev(tokens))
+    bits = (lambda t: t.view(torch.int16)) if ring_dtype == torch.bfloat16 else (lambda t: t)
+    assert torch.equal(bits(got_a), bits(want_a)) and torch.equal(bits(got_b), bits(want_b))
+    with pytest.raises(ValueError, match="one dtype"):
+        ring_write_pair((got_a, got_b.float() if ring_dtype == torch.bfloat16 else got_b.bfloat16()), dev(slots),
+                        (dev(ya)[:, :96], dev(yb)[:, :32]), (dev(ya)[:, 96:], dev(yb)[:, 32:]), dev(tokens))
+
+
+def test_compress_c4_pair_is_two_fused_launches():
+    """Both C4 compressors of a CSA layer over one event list in one launch: the pools the two
+    compress launches write, byte for byte (each program runs its own launch's code), masked events
+    (dest -1, as in a decode graph) writing nothing."""
+    from dsv4_backend.kernels.compressor import C4Target, compress_c4_pair
+    g = _gen(21)
+    e = 4
+    src = torch.randint(0, 50, (e, 8), generator=g)
+    src[0, :4] = -1
+    events = CompressEvents(torch.tensor([5, -1, 70, 127]).to(DEV), src.to(DEV), *_cos_sin(e, g))
+    targets = []
+    for d, row_bytes in ((512, 584), (128, 132)):
+        state = (torch.randn(50, 4 * d, generator=g) * 2).to(DEV)
+        ape = torch.randn(4, 2 * d, generator=g).to(DEV)
+        w = (torch.rand(d, generator=g) + 0.5).to(DEV)
+        targets.append(C4Target(_poisoned_pool(2, 64 * row_bytes, g), state, ape, w,
+                                R.hadamard_matrix(128, device=DEV) if d == 128 else None))
+    want = [t.pool.clone() for t in targets]
+    for t, pool in zip(targets, want):
+        compress(pool, events, t.state, t.ape, t.norm_weight, 4, hadamard=t.hadamard)
+    compress_c4_pair(*targets, events)
+    for t, pool in zip(targets, want):
+        assert torch.equal(t.pool, pool)
+    with pytest.raises(ValueError, match="Hadamard"):
+        compress_c4_pair(targets[1], targets[0], events)
+
+
 def test_online_c128_matches_ring_pooling():
     g = _gen(20)
     d = 128

@@ -13,7 +13,8 @@ from typing import Any
 _EXPORTS = {
     "kv_store": "kv_store", "kv_store_rows": "kv_store", "finish_rows": "kv_store",
     "compress": "compressor", "compress_pool": "compressor", "CompressEvents": "compressor",
-    "online_c128_update": "compressor", "ring_write": "compressor",
+    "online_c128_update": "compressor", "ring_write": "compressor", "ring_write_pair": "compressor",
+    "compress_c4_pair": "compressor", "C4Target": "compressor",
     "indexer_scores": "indexer", "indexer_topk": "indexer", "topk_rows": "indexer",
     "IndexerConfig": "indexer", "IndexerTopK": "indexer",
     "sparse_decode": "sparse_attention", "DecodeAttentionConfig": "sparse_attention",

@@ -295,6 +295,80 @@ def compress_c4_fused(pool: torch.Tensor, events: CompressEvents, state: torch.T
     return out
 
 
+# ---- a CSA layer's two C4 compressors in one launch ---------------------------------------------
+
+class C4Target(NamedTuple):
+    """One C4 compressor of a CSA layer: where its rows go and what it pools (``compress``'s
+    arguments). ``hadamard`` given: the indexer's (d = 128), else the attention's (d = 512)."""
+    pool: torch.Tensor
+    state: torch.Tensor
+    ape: torch.Tensor
+    norm_weight: torch.Tensor
+    hadamard: torch.Tensor | None = None
+
+
+@triton.jit
+def _fused_c4_pair_kernel(a_state, a_state_stride, a_ape, a_ape_stride, a_w, a_pool, a_P, a_page_stride,
+                          b_state, b_state_stride, b_ape, b_ape_stride, b_w, b_pool, b_P, b_page_stride, b_had,
+                          src_ptr, src_stride, cos_ptr, sin_ptr, cs_stride, dest_ptr, E, A_PROGRAMS, eps,
+                          A_EVENTS: tl.constexpr, B_EVENTS: tl.constexpr, ROUND_BF16: tl.constexpr,
+                          NATIVE: tl.constexpr, PDL: tl.constexpr):
+    """Programs ``0 .. A_PROGRAMS - 1``: ``_fused_c4_kernel``'s attention programs (d = 512); the
+    rest its indexer programs (d = 128): the same events, each program the code of its own launch."""
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    pid = tl.program_id(0)
+    if pid < A_PROGRAMS:
+        first = pid.to(tl.int64) * A_EVENTS
+        if any_written(dest_ptr, first, E, A_EVENTS):
+            _fused_c4_events(a_state, a_state_stride, src_ptr, src_stride, a_ape, a_ape_stride, a_w, cos_ptr,
+                             sin_ptr, cs_stride, dest_ptr, E, a_pool, a_P, a_page_stride, a_w, a_state, 0,
+                             eps, first, 512, 8, A_EVENTS, ROUND_BF16, False, False, NATIVE)
+    else:
+        first = (pid - A_PROGRAMS).to(tl.int64) * B_EVENTS
+        if any_written(dest_ptr, first, E, B_EVENTS):
+            _fused_c4_events(b_state, b_state_stride, src_ptr, src_stride, b_ape, b_ape_stride, b_w, cos_ptr,
+                             sin_ptr, cs_stride, dest_ptr, E, b_pool, b_P, b_page_stride, b_had, b_state, 0,
+                             eps, first, 128, 2, B_EVENTS, ROUND_BF16, True, False, NATIVE)
+
+
+def compress_c4_pair(attention: C4Target, indexer: C4Target, events: CompressEvents, eps: float = 1e-6,
+                     round_bf16: bool = True) -> None:
+    """``compress`` of a CSA layer's attention and indexer compressors over the same events (one
+    ring plan) in one launch: the programs and bytes of the two ``compress_c4_fused`` launches
+    (their default launch shapes; no dequantised ``out``)."""
+    if attention.hadamard is not None or indexer.hadamard is None:
+        raise ValueError("compress_c4_pair: the attention target takes no Hadamard matrix, the indexer's does")
+    e = events.sources.shape[0]
+    for t, d in ((attention, 512), (indexer, 128)):
+        _check_pool_args(t.state, events.sources, t.ape, 4, d)
+        if t.norm_weight.shape != (d,):
+            raise ValueError(f"norm_weight must be [{d}], got {tuple(t.norm_weight.shape)}")
+        check_device(t.pool, t.state, t.norm_weight, events.dest_rows, events.cos, events.sin)
+    if events.dest_rows.shape != (e,) or events.cos.shape != (e, 32) or events.sin.shape != (e, 32):
+        raise ValueError(f"dest_rows [E] and cos/sin [E, 32] expected for E={e}; got "
+                         f"{tuple(events.dest_rows.shape)}, {tuple(events.cos.shape)}, {tuple(events.sin.shape)}")
+    if e == 0:
+        return
+    if FUSED_DEFAULT.num_warps != FUSED_INDEXER_DEFAULT.num_warps:
+        raise ValueError("compress_c4_pair: the two launch shapes differ in warps")
+    sms = sm_count(attention.state.device)
+    per = [cfg.events if e >= cfg.events * sms else 1 for cfg in (FUSED_DEFAULT, FUSED_INDEXER_DEFAULT)]
+    a_P, a_ps, _ = pool_args(attention.pool, None, attention.norm_weight)
+    b_P, b_ps, b_had = pool_args(indexer.pool, indexer.hadamard, indexer.norm_weight)
+    a_programs = triton.cdiv(e, per[0])
+    a_ape, b_ape = attention.ape.float().contiguous(), indexer.ape.float().contiguous()
+    sources = events.sources.to(torch.int32).contiguous()
+    _fused_c4_pair_kernel[(a_programs + triton.cdiv(e, per[1]),)](
+        attention.state, attention.state.stride(0), a_ape, a_ape.stride(0), attention.norm_weight.contiguous(),
+        attention.pool, a_P, a_ps,
+        indexer.state, indexer.state.stride(0), b_ape, b_ape.stride(0), indexer.norm_weight.contiguous(),
+        indexer.pool, b_P, b_ps, b_had,
+        sources, sources.stride(0), events.cos.float().contiguous(), events.sin.float().contiguous(), 32,
+        events.dest_rows.contiguous(), e, a_programs, eps,
+        A_EVENTS=per[0], B_EVENTS=per[1], ROUND_BF16=round_bf16, NATIVE=native(),
+        num_warps=FUSED_DEFAULT.num_warps, **pdl.args(attention.state.device))
+
+
 def compress(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor, ape: torch.Tensor,
              norm_weight: torch.Tensor, ratio: int, eps: float = 1e-6, round_bf16: bool = True,
              hadamard: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -330,8 +404,16 @@ def compress(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor, ap
 def _ring_write_kernel(ring_ptr, ring_stride, slot_ptr, tok_ptr, c_ptr, c_stride, z_ptr, z_stride, N,
                        HAS_TOK: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    _ring_write_block(ring_ptr, ring_stride, slot_ptr, tok_ptr, c_ptr, c_stride, z_ptr, z_stride, N,
+                      tl.program_id(1), HAS_TOK, BF16, BLOCK, NATIVE)
+
+
+@triton.jit
+def _ring_write_block(ring_ptr, ring_stride, slot_ptr, tok_ptr, c_ptr, c_stride, z_ptr, z_stride, N, block,
+                      HAS_TOK: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+    """Columns ``block BLOCK ..`` of write ``program_id(0)``: its token's C and Z into its slot."""
     w = tl.program_id(0)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col = block * BLOCK + tl.arange(0, BLOCK)
     ok = col < N
     if HAS_TOK:
         t = tl.load(tok_ptr + w).to(tl.int64)
@@ -347,12 +429,23 @@ def _ring_write_kernel(ring_ptr, ring_stride, slot_ptr, tok_ptr, c_ptr, c_stride
     tl.store(dest + N + col, zv.to(ty), mask=ok)
 
 
-def ring_write(ring: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, z: torch.Tensor,
-               tokens: torch.Tensor | None = None) -> None:
-    """``ring[slots[w]] = [c[t] | z[t]]`` in the ring's dtype with ``t = tokens[w]`` (None: t = w):
-    the tokens' raw (C, Z) into their ring slots in one launch, for the torch ops ``cat``,
-    gather and ``index_put_`` (c, z may be column views of one stacked projection). Slots
-    must be distinct (as a step's tokens' are); the cast rounds to nearest as ``Tensor.to``."""
+@triton.jit
+def _ring_write_pair_kernel(a_ptr, a_stride, ac_ptr, ac_stride, az_ptr, az_stride, NA, A_BLOCKS,
+                            b_ptr, b_stride, bc_ptr, bc_stride, bz_ptr, bz_stride, NB,
+                            slot_ptr, tok_ptr, HAS_TOK: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
+                            NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    block = tl.program_id(1)
+    if block < A_BLOCKS:
+        _ring_write_block(a_ptr, a_stride, slot_ptr, tok_ptr, ac_ptr, ac_stride, az_ptr, az_stride, NA, block,
+                          HAS_TOK, BF16, BLOCK, NATIVE)
+    else:
+        _ring_write_block(b_ptr, b_stride, slot_ptr, tok_ptr, bc_ptr, bc_stride, bz_ptr, bz_stride, NB,
+                          block - A_BLOCKS, HAS_TOK, BF16, BLOCK, NATIVE)
+
+
+def _check_ring_write(ring: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, z: torch.Tensor,
+                      tokens: torch.Tensor | None) -> int:
     N = c.shape[-1]
     if c.dim() != 2 or z.shape != c.shape or c.stride(1) != 1 or z.stride(1) != 1:
         raise ValueError(f"ring_write: c, z must be [T, n] with unit column stride, got {tuple(c.shape)} "
@@ -363,6 +456,37 @@ def ring_write(ring: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, z: torc
     if (tokens.numel() if tokens is not None else c.shape[0]) != W:
         raise ValueError(f"ring_write: {W} slots for {c.shape[0] if tokens is None else tokens.numel()} tokens")
     check_device(ring, slots, c, z)
+    return N
+
+
+def ring_write_pair(rings: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+                    cs: tuple[torch.Tensor, torch.Tensor], zs: tuple[torch.Tensor, torch.Tensor],
+                    tokens: torch.Tensor | None = None) -> None:
+    """``ring_write`` into two rings of one dtype (a CSA layer's attention and indexer compressors)
+    at the same slots, in one launch: the same programs' stores as two ``ring_write`` launches."""
+    (ra, rb), (ca, cb), (za, zb) = rings, cs, zs
+    na, nb = _check_ring_write(ra, slots, ca, za, tokens), _check_ring_write(rb, slots, cb, zb, tokens)
+    if ra.dtype != rb.dtype:
+        raise ValueError(f"ring_write_pair: rings of one dtype, got {ra.dtype} and {rb.dtype}")
+    W = slots.numel()
+    if W:
+        block = min(1024, triton.next_power_of_2(max(na, nb)))
+        a_blocks = triton.cdiv(na, block)
+        _ring_write_pair_kernel[(W, a_blocks + triton.cdiv(nb, block))](
+            ra, ra.stride(0), ca, ca.stride(0), za, za.stride(0), na, a_blocks,
+            rb, rb.stride(0), cb, cb.stride(0), zb, zb.stride(0), nb,
+            slots, tokens if tokens is not None else slots, HAS_TOK=tokens is not None,
+            BF16=ra.dtype == torch.bfloat16, BLOCK=block, NATIVE=native(), num_warps=4, **pdl.args(ra.device))
+
+
+def ring_write(ring: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, z: torch.Tensor,
+               tokens: torch.Tensor | None = None) -> None:
+    """``ring[slots[w]] = [c[t] | z[t]]`` in the ring's dtype with ``t = tokens[w]`` (None: t = w):
+    the tokens' raw (C, Z) into their ring slots in one launch, for the torch ops ``cat``,
+    gather and ``index_put_`` (c, z may be column views of one stacked projection). Slots
+    must be distinct (as a step's tokens' are); the cast rounds to nearest as ``Tensor.to``."""
+    N = _check_ring_write(ring, slots, c, z, tokens)
+    W = slots.numel()
     if W:
         block = min(1024, triton.next_power_of_2(N))
         _ring_write_kernel[(W, triton.cdiv(N, block))](

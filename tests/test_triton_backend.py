@@ -181,7 +181,8 @@ class LockStep(AttentionBackend):
         # attention half: the pools already hold the layer's writes (torch's), so neither the
         # store nor the compression runs
         _copy_pools(self.test.pools, self.ref.pools)
-        with _without(test, _compress=lambda *a, **k: None, _compress_online_kernel=lambda *a, **k: None), \
+        with _without(test, _compress=lambda *a, **k: None, _compress_c4_pair=lambda *a, **k: None,
+                      _compress_online_kernel=lambda *a, **k: None), \
                 _kv_store_off():
             o_test = test.forward(layer_id, layer, inputs, meta)
         assert torch.isfinite(o_test).all()

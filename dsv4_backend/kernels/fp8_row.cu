@@ -115,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     {
         const unsigned long long base = (unsigned long long)(w + (size_t)row0 * K);
-        const int bytes = (N - row0 < ROWS ? N - row0 : ROWS) * K;
+        const int bytes = ROWS * K;
         for (int off = threadIdx.x * 4096; off < bytes; off += WARPS * 32 * 4096) {
             const int n = bytes - off < 4096 ? bytes - off : 4096;
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + off), "r"(n) : "memory");

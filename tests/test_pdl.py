@@ -7,7 +7,6 @@ Engine's greedy tokens and logprobs (bf16 and FP8/FP4 checkpoints: every decode 
 PDL runs in them). The NVRTC FP4 MMA kernel, launched through ``pdl.launch_compiled``, inside the
 decode MoE (act-quant -> MMA -> SwiGLU -> MMA -> combine, the shared expert beside it): equal with
 and without PDL, eager and replayed on a new input each time. CUDA (sm_90+) only: on the CPU and under the interpreter PDL is off.
-Run with ``DSV4_PDL_EARLY=1`` these check the early scheduling (``pdl.EARLY``) the same way.
 """
 
 from __future__ import annotations
@@ -18,20 +17,8 @@ import torch
 from cuda_decode import greedy_decode, write_fp8_checkpoint
 from dsv4_backend.kernels import pdl
 
-needs_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
-                                  reason="PDL needs an sm_90+ GPU")
-
-
-def test_early_scheduling_options(monkeypatch):
-    """DSV4_PDL_EARLY: the NVRTC kernels get -DPDL_EARLY and a row GEMV program prefetches its rows
-    in 4 KiB pieces (a power of two of them, covering its bytes); off: neither."""
-    monkeypatch.setattr(pdl, "EARLY", False)
-    assert pdl.nvcc_options() == [] and pdl.prefetch_pieces(16 * 8192) == 0
-    monkeypatch.setattr(pdl, "EARLY", True)
-    assert pdl.nvcc_options() == ["-DPDL_EARLY"]
-    assert pdl.prefetch_pieces(16 * 8192) == 32          # wo_b's 16 rows of 8,192 bytes
-    assert pdl.prefetch_pieces(32 * 1024 + 1) == 16      # 9 pieces, rounded up to a power of two
-    assert pdl.prefetch_pieces(100) == 1
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                                reason="PDL needs an sm_90+ GPU")
 
 
 def _fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +36,6 @@ def _chain(x: torch.Tensor, weights) -> list[torch.Tensor]:
     return outs
 
 
-@needs_hopper
 def test_row_gemv_chain_with_pdl_equals_without(monkeypatch):
     g = torch.Generator().manual_seed(5)
     dims = [4096, 8192, 1024, 4096, 2048, 4096, 512, 4096]      # wide and narrow steps in turn
@@ -76,7 +62,6 @@ def test_row_gemv_chain_with_pdl_equals_without(monkeypatch):
             assert torch.equal(a, b)
 
 
-@needs_hopper
 @pytest.mark.parametrize("T", [1, 8])
 def test_fp4_mma_moe_with_pdl_equals_without(T, monkeypatch):
     from dsv4_backend.kernels import fp4_mma as F
@@ -113,7 +98,6 @@ def _greedy(monkeypatch, on: bool, model_path=None) -> tuple[list, list]:
     return greedy_decode(model_path)
 
 
-@needs_hopper
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "fp8-fp4"])
 def test_decode_with_pdl_equals_without(quantized, monkeypatch, request):
     path = request.getfixturevalue("fp8_dir") if quantized else None

@@ -185,13 +185,8 @@ extern "C" __global__ void __launch_bounds__(128) fp4_mma_gemv(
     // Programmatic dependent launch (kernels/pdl.py): wait for the kernel before this one (it
     // writes ids and the activations), then let the next one be scheduled. A no-op when the
     // launch carried no PDL attribute.
-#ifdef PDL_EARLY    // pdl.EARLY: the next kernel may be scheduled before this one's wait
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#else
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.y, split = blockIdx.z;

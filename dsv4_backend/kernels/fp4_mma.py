@@ -210,7 +210,7 @@ def _kernel(device_index: int, prefetch: int, groups: int):
     groups per pass (compiled once per process)."""
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(SOURCE.read_text(), "fp4_mma_gemv",
-                                          nvcc_options=[f"-DPREFETCH={prefetch}", f"-DNB={groups}", *pdl.nvcc_options()])
+                                          nvcc_options=[f"-DPREFETCH={prefetch}", f"-DNB={groups}"])
 
 
 class MmaConfig(NamedTuple):

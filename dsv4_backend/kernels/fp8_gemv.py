@@ -55,7 +55,6 @@ import triton.language as tl
 from dsv4_backend.kernels._common import check_device, e4m3_decode, native, quant_block_e4m3, round_bf16
 from dsv4_backend.kernels.kv_store import sm_count
 from dsv4_backend.kernels import pdl
-from dsv4_backend.kernels.pdl import prefetch_l2 as pdl_prefetch_l2
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 QBLOCK = 128
@@ -91,13 +90,10 @@ def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
 @triton.jit
 def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH: tl.constexpr = 0):
+                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation access (pdl.py)
     # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
     n0 = tl.program_id(0) * BLOCK_N
-    if PREFETCH > 0:    # the program's rows (contiguous, written by no kernel) to L2 while the kernels before run
-        pdl_prefetch_l2(w_ptr + n0.to(tl.int64) * K, tl.minimum(N - n0, BLOCK_N) * K, PDL, PREFETCH)
-    pdl_wait(PDL)    # before any activation access (pdl.py)
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     group = n0 // GROUP_ROWS
@@ -194,8 +190,7 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
         N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
         MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
-        OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps,
-        PREFETCH=pdl.prefetch_pieces(cfg.block_n * Kg) if pdl.on(x.device) else 0, **pdl.args(x.device))
+        OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps, **pdl.args(x.device))
     return y
 
 
@@ -263,7 +258,7 @@ def _cuda_kernel(device_index: int, cfg: CudaRowConfig):
         return torch.cuda._compile_kernel(
             CUDA_SOURCE.read_text(), "fp8_row_gemv_cu",
             nvcc_options=[f"-DRW={cfg.rows_per_warp}", f"-DRG={cfg.row_groups}", f"-DKW={cfg.k_warps}",
-                          f"-DU={cfg.unroll}", *pdl.nvcc_options()])
+                          f"-DU={cfg.unroll}"])
 
 
 def _cuda_config(x: torch.Tensor, N: int, K: int, R: int, mode: str, groups: int,

@@ -103,30 +103,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_row_gemv_cu(
     extern __shared__ float smem[];
     float* a = smem;                      // [K]: the group's activations times the weight scales
     float* red = smem + K;                // [KW][ROWS]: per-warp row sums
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = blockIdx.x * ROWS;
 #if __CUDA_ARCH__ >= 900
     // Programmatic dependent launch (kernels/pdl.py): wait for the kernel before this one (it
-    // writes x), and let the next one be scheduled. A no-op without the PDL attribute.
-#ifdef PDL_EARLY
-    // pdl.EARLY: the next kernel may be scheduled at once; while the kernels before this one still
-    // run, ask L2 for this CTA's rows (contiguous; no kernel of a step writes a weight), 4 KiB a
-    // bulk instruction, one lane each.
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    {
-        const unsigned long long base = (unsigned long long)(w + (size_t)row0 * K);
-        const int bytes = ROWS * K;
-        for (int off = threadIdx.x * 4096; off < bytes; off += WARPS * 32 * 4096) {
-            const int n = bytes - off < 4096 ? bytes - off : 4096;
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + off), "r"(n) : "memory");
-        }
-    }
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#else
+    // writes x), then let the next one be scheduled. A no-op without the PDL attribute.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-#endif
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = blockIdx.x * ROWS;
     const int group = row0 / group_rows;
     const float* sw = ws + (size_t)(row0 >> 7) * ws_sn;
 

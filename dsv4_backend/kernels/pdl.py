@@ -47,20 +47,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from dsv4_backend.kernels._common import native
 
 ENABLED = os.environ.get("DSV4_PDL", "1") != "0"
-# DSV4_PDL_EARLY=1: every PDL kernel lets the next one be scheduled before its own wait, so a chain
-# of small launches can have several kernels resident and waiting, and a weight-streaming kernel
-# can prefetch its weight to L2 (``prefetch_l2``) while the launches before it still run.
-EARLY = os.environ.get("DSV4_PDL_EARLY", "0") == "1"
-_EARLY = tl.constexpr(EARLY)
-PREFETCH_PIECE = 4096    # bytes of one bulk L2 prefetch instruction (``prefetch_l2``)
-_PIECE = tl.constexpr(PREFETCH_PIECE)
-
-
-def prefetch_pieces(nbytes: int) -> int:
-    """``prefetch_l2``'s PIECES for a program's ``nbytes`` (a power of two), 0 when off."""
-    if not EARLY:
-        return 0
-    return triton.next_power_of_2(triton.cdiv(nbytes, PREFETCH_PIECE))
 
 
 @lru_cache(maxsize=None)
@@ -71,11 +57,6 @@ def _hopper_or_later(index: int) -> bool:
 def on(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` use PDL (the ``PDL`` constexpr of their ``wait``)."""
     return ENABLED and device.type == "cuda" and native() and _hopper_or_later(device.index or 0)
-
-
-def nvcc_options() -> list[str]:
-    """The NVRTC kernels' PDL defines: ``-DPDL_EARLY`` under ``EARLY`` (launch_dependents before the wait)."""
-    return ["-DPDL_EARLY"] if EARLY else []
 
 
 def args(device: torch.device) -> dict:
@@ -90,28 +71,8 @@ def wait(PDL: tl.constexpr):
     """Wait for the kernel before this one in the stream to complete, then let the next one be
     scheduled. A no-op unless ``PDL`` (the value of ``on(device)`` at the launch)."""
     if PDL:
-        if _EARLY:
-            gdc_launch_dependents()
-            gdc_wait()
-        else:
-            gdc_wait()
-            gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(base, nbytes, PDL: tl.constexpr, PIECES: tl.constexpr):
-    """Before ``wait``: ask L2 for ``nbytes`` (a multiple of 16, at most PIECES x PREFETCH_PIECE)
-    from ``base`` (16-byte aligned), bytes no kernel of the step writes (a weight), one
-    ``cp.async.bulk.prefetch.L2`` per 4 KiB piece. Only with early scheduling (``EARLY``), when the
-    kernels before this one may still be running; else a no-op."""
-    if PDL:
-        if _EARLY:
-            off = tl.arange(0, PIECES).to(tl.int64) * _PIECE
-            size = tl.maximum(tl.minimum(nbytes - off, _PIECE), 0)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [base.to(tl.pointer_type(tl.int8)) + off, size.to(tl.int32)], dtype=tl.int32,
-                is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 # ---- NVRTC kernels (torch.cuda._compile_kernel) ---------------------------------------------

@@ -326,9 +326,10 @@ class Attention(nn.Module):
         ix = self.indexer
         scale = ix.head_dim ** -0.5 * ix.n_heads ** -0.5
         w = ix.weights_proj.weight
-        if USE_BF16_GEMV_ALL and gemv_applies(x, w, x.dtype, least=1):    # one row: product and scale, one launch
+        if USE_BF16_GEMV_ALL and gemv_applies(x, w, x.dtype, least=1):
+            # one row: product and scale in one launch, the bf16 values stored as the fp32 the indexer reads
             from .kernels.bf16_gemv import bf16_gemv
-            return bf16_gemv(x.reshape(1, -1), w, scale=scale).view(*x.shape[:-1], w.shape[0])
+            return bf16_gemv(x.reshape(1, -1), w, scale=scale, out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
         return ix.weights_proj(x) * scale
 
     def _indexer_inputs(self, x: torch.Tensor, iq: torch.Tensor, w: torch.Tensor, comp: CompressorInput,

@@ -71,21 +71,20 @@ def _gemv_kernel(x_ptr, w_ptr, w_sr, y_ptr, N, K, GROUP_ROWS, scale,
         x = tl.load(xg + k0 + kk, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
-    if OUT_FP32:
-        tl.store(y_ptr + n, y, mask=n_ok)
-    else:
+    if SCALED:    # the bf16 product times scale, rounded to bf16 again (stored exactly in either dtype)
+        y = round_bf16(round_bf16(y, NATIVE) * scale, NATIVE)
+    elif not OUT_FP32:
         y = round_bf16(y, NATIVE)   # rounded here: the interpreter's cast truncates
-        if SCALED:
-            y = round_bf16(y * scale, NATIVE)
-        tl.store(y_ptr + n, y.to(tl.bfloat16), mask=n_ok)
+    tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvConfig | None = None,
               out_dtype: torch.dtype = torch.bfloat16, scale: float | None = None) -> torch.Tensor:
     """``x @ w^T`` for one row (``groups`` = 1), or the grouped product (x ``[1, groups * Kg]``, w
     ``[groups * R, Kg]`` -> ``[1, groups * R]``: group g's rows times x's g-th Kg columns), bf16
-    in, fp32 sums, out in ``out_dtype`` (bf16 or float32). w: row-contiguous. ``scale`` (bf16
-    out only): the bf16 result times it, rounded to bf16 again."""
+    in, fp32 sums, out in ``out_dtype`` (bf16 or float32). w: row-contiguous. ``scale``: the bf16
+    result times it, rounded to bf16 again (in a float32 output too: the same values, no cast
+    launch for a caller that wants them in fp32)."""
     if x.dim() != 2 or w.dim() != 2 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise ValueError(f"bf16_gemv: x and w must be 2-D bf16, got {x.dtype} {tuple(x.shape)} and "
                          f"{w.dtype} {tuple(w.shape)}")
@@ -98,8 +97,6 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, groups: int = 1, config: GemvCon
         raise ValueError("bf16_gemv: w needs contiguous rows")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"bf16_gemv: out_dtype must be bf16 or float32, got {out_dtype}")
-    if scale is not None and out_dtype != torch.bfloat16:
-        raise ValueError("bf16_gemv: scale is for a bf16 output")
     check_device(x, w)
     if config is None:
         config = gemv_config(N, sm_count(x.device))

@@ -10,7 +10,13 @@
 #                                                 two launches): CUDA tests with EARLY on, then the 11-layer model at
 #                                                 4K x 1 with (EARLY, GATE_QUANT, C4_PAIR, attention) = 000a 011a 111a
 #                                                 (a: auto = FlashMLA, t: Triton; EARLY overrides the
-#                                                 list), a timeline of the last
+#                                                 list), a timeline of the last (18:26 UTC; DSV4_PDL_EARLY measured
+#                                                 slower and removed in 062be75: the flag does nothing since)
+#   bash bench/gpu_session_s21.sh $OUT next       (not run: for the next machine) the CUDA tests of this session's
+#                                                 launch cuts (gate act-quant, paired C4 compressors, the scaled
+#                                                 bf16 GEMV's fp32 output), then the 11-layer model at the defaults
+#                                                 at 4K / 1M x 1 / 32 with a timeline, and with the Triton attention;
+#                                                 on an H200, issue 13's whole table after them (gpu_session_s19.sh h200)
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-timeline}
@@ -37,4 +43,16 @@ if [ "$WHICH" = early ]; then
     echo "DSV4_PDL_EARLY, DSV4_GATE_QUANT, DSV4_C4_PAIR, attention = $e:"; grep "^ *4K\|graph replay\|^per layer" "$OUT/q_$i.log" | head -n 5 | cut -c1-220
   done
   grep -A 60 "span each adds" "$OUT/q_$#.log" | head -n 45 | cut -c1-150
+fi
+if [ "$WHICH" = next ]; then
+  part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_bf16_gemv.py tests/test_moe_gate.py \
+    tests/test_kernels.py tests/test_pdl.py tests/test_side_stream.py -k "cuda or pdl or engine or pair or scaled or side"
+  tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 20
+  for a in auto triton; do
+    tl=""; [ $a = auto ] && tl="--timeline 3"
+    part 150 "q_$a" python3 bench/bench_quant_model.py --layers 11 --contexts 4096,1048576 --batches 1,32 --skip-kernels \
+      --steps 6 --prefill-max-seconds 3 --time-budget 130 --attention-kernel $a $tl --out "$OUT/q_$a.json"
+    echo "attention $a:"; grep -A 8 "^decode" "$OUT/q_$a.log" | head -n 9 | cut -c1-200; grep "^per layer\|43-layer" "$OUT/q_$a.log" | head -n 2
+  done
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash bench/gpu_session_s19.sh "$OUT" h200; fi
 fi

@@ -14,7 +14,8 @@
 #                                                 slower and removed in 062be75: the flag does nothing since)
 #   bash bench/gpu_session_s21.sh $OUT next       (not run: for the next machine) the CUDA tests of this session's
 #                                                 launch cuts (gate act-quant, paired C4 compressors, the scaled
-#                                                 bf16 GEMV's fp32 output), then the 11-layer model at the defaults
+#                                                 bf16 GEMV's fp32 output), wo_a -> wo_b chained as in the model
+#                                                 (probe_fp8_row_gemv.py --chain), then the 11-layer model at the defaults
 #                                                 at 4K / 1M x 1 / 32 with a timeline, and with the Triton attention;
 #                                                 on an H200, issue 13's whole table after them (gpu_session_s19.sh h200)
 set -uo pipefail
@@ -48,6 +49,8 @@ if [ "$WHICH" = next ]; then
   part 150 tests python3 -m pytest -q -p no:cacheprovider tests/test_bf16_gemv.py tests/test_moe_gate.py \
     tests/test_kernels.py tests/test_pdl.py tests/test_side_stream.py -k "cuda or pdl or engine or pair or scaled or side"
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -n 20
+  part 120 chain python3 bench/probe_fp8_row_gemv.py --chain --out "$OUT/chain.json"
+  cat "$OUT/chain.log" | cut -c1-160
   for a in auto triton; do
     tl=""; [ $a = auto ] && tl="--timeline 3"
     part 150 "q_$a" python3 bench/bench_quant_model.py --layers 11 --contexts 4096,1048576 --batches 1,32 --skip-kernels \

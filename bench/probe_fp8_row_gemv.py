@@ -12,7 +12,11 @@ fp32 bound of the sums plus a bf16 step.
 ``--cuda`` adds ``fp8_row.cu`` (``CudaRowConfig``: its default rule and a grid of CTA shapes)
 beside the Triton kernel on every shape, under the same bound.
 
-    python3 bench/probe_fp8_row_gemv.py [--quick] [--cuda] [--out FILE.json]
+``--chain`` times ``wo_a -> wo_b`` as the model runs them (``wo_b`` reads ``wo_a``'s output; 8
+pairs over 8 weight copies in one graph) for several kernel choices of each, beside each alone: in
+the model ``wo_b`` took 24 us after ``wo_a`` against 17 us alone (docs/PERF.md, session 21).
+
+    python3 bench/probe_fp8_row_gemv.py [--quick] [--cuda] [--chain] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -69,12 +73,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="an 8-config grid instead of ~50")
     ap.add_argument("--cuda", action="store_true", help="fp8_row.cu's grid beside the Triton kernel")
     ap.add_argument("--skip-w8a16", action="store_true", help="no W8A16 rows at 2-64 activation rows")
+    ap.add_argument("--chain", action="store_true", help="only wo_a -> wo_b as the model chains them")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     bw = measure_ceilings().copy_gbps
     sms = sm_count(torch.device("cuda"))
     print(f"copy {bw:.0f} GB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.chain:
+        rows = chain_rows(bw, gen)
+        if args.out:
+            args.out.write_text(json.dumps(dict(copy_gbps=bw, chain=rows), indent=1))
+        return
     results = []
     for name, N, K, G in SHAPES:
         ws = [(torch.randn(N, K, device="cuda", generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -152,6 +162,46 @@ def main() -> None:
         results += w8a16_rows(bw, gen)
     if args.out:
         args.out.write_text(json.dumps(dict(copy_gbps=bw, rows=results), indent=1))
+
+
+def chain_rows(bw: float, gen: torch.Generator) -> list[dict]:
+    """``wo_a`` (W8A16, 8 groups) then ``wo_b`` on its output, us a pair and each alone, for the
+    Triton kernel's default and a few ``fp8_row.cu`` shapes of each."""
+    (_, Na, Ka, G), (_, Nb, Kb, _) = SHAPES[0], SHAPES[4]
+    weight = lambda n, k: ((torch.randn(n, k, device="cuda", generator=gen) * 40).clamp(-448, 448)  # noqa: E731
+                           .to(torch.float8_e4m3fn),
+                           torch.pow(2.0, torch.randint(-12, -4, (-(-n // 128), -(-k // 128)), device="cuda",
+                                                        generator=gen).float()))
+    wa = [weight(Na, Ka) for _ in range(COPIES)]
+    wb = [weight(Nb, Kb) for _ in range(COPIES)]
+    o = (torch.randn(1, Ka * G, device="cuda", generator=gen) * 2).bfloat16()
+    za = fp8_row_gemv(o, *wa[0], mode="bf16", groups=G)
+    choices_a = [None, CudaRowConfig(2, 8, 1, 2), CudaRowConfig(4, 8, 1, 2)]
+    choices_b = [None, CudaRowConfig(2, 8, 1, 2), CudaRowConfig(1, 8, 2, 4), CudaRowConfig(2, 8, 2, 2),
+                 CudaRowConfig(4, 4, 2, 2)]
+    floor_a = (Na * Ka + wa[0][1].numel() * 4) / bw / 1e3
+    floor_b = (Nb * Kb + wb[0][1].numel() * 4) / bw / 1e3
+    rows = []
+
+    def timed(what, calls, floor):
+        try:
+            us = graph_us(calls)
+        except Exception as e:  # noqa: BLE001 (a launch shape that cannot run is reported)
+            print(f"  {what}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            return
+        rows.append(dict(what=what, us=us, floor_us=floor))
+        print(f"  {what:58s} {us:7.2f} us (floor {floor:6.2f})", flush=True)
+
+    for ca in choices_a:
+        timed(f"wo_a alone {ca}", [lambda w=w: fp8_row_gemv(o, *w, mode="bf16", groups=G, config=ca) for w in wa],
+              floor_a)
+    for cb in choices_b:
+        timed(f"wo_b alone {cb}", [lambda w=w: fp8_row_gemv(za, *w, config=cb) for w in wb], floor_b)
+    for ca, cb in itertools.product(choices_a, choices_b):
+        timed(f"wo_a {ca} -> wo_b {cb}",
+              [lambda a=a, b=b: fp8_row_gemv(fp8_row_gemv(o, *a, mode="bf16", groups=G, config=ca), *b, config=cb)
+               for a, b in zip(wa, wb)], floor_a + floor_b)
+    return rows
 
 
 def w8a16_rows(bw: float, gen: torch.Generator) -> list[dict]:

@@ -213,6 +213,13 @@ class AttentionBackend(ABC):
     def forward(self, layer_id: int, layer: Any, inputs: AttentionInputs, meta: ForwardMetadata) -> torch.Tensor:
         """One attention layer: writes the step's rows, compresses, attends; -> o [T, H, 512]."""
 
+    def swa_store(self, layer_id: int, meta: ForwardMetadata) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(pool, slots)`` where the model's kv norm + RoPE launch may write the step's KV rows
+        itself (``kernels.norm_rope.norm_pair``'s store: ``kv_store_rows``' bytes), or None: the
+        backend stores ``inputs.kv`` in ``forward``. A backend that returns a target skips its
+        store for inputs with ``kv_stored``."""
+        return None
+
 
 def _to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor field of a metadata dataclass (nested, dict values too) to ``device``."""

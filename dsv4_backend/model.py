@@ -94,6 +94,10 @@ def _w8a16_kernel_applies(o: torch.Tensor, rows_per_group: int) -> bool:
 # An attention's q_lora norm and its kv norm + RoPE in one launch on CUDA (kernels/norm_rope.py,
 # norm_pair; the same bits as two). DSV4_NORM_PAIR=0 keeps two launches (A/B timing).
 USE_NORM_PAIR = os.environ.get("DSV4_NORM_PAIR", "1") != "0"
+# ... and the kv rows written to the SWA pool by that launch, where the backend names its pool
+# (AttentionBackend.swa_store): one launch fewer a layer. Off until a GPU run measures it
+# (DSV4_NORM_PAIR_STORE=1 turns it on).
+USE_NORM_PAIR_STORE = os.environ.get("DSV4_NORM_PAIR_STORE", "0") == "1"
 
 
 def _norm_rope_kernel_applies(x: torch.Tensor) -> bool:
@@ -232,6 +236,7 @@ class AttentionInputs:
     kv: torch.Tensor                        # [T, 512] roped, NOT yet FP8-rounded (the pool does it)
     compressor: Optional[CompressorInput]   # ratio 4 / 128 layers (None if no compression runs)
     indexer: Optional[IndexerInput]         # ratio 4 layers
+    kv_stored: bool = False                 # kv already written to the backend's SWA pool (swa_store)
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -297,10 +302,14 @@ class Attention(nn.Module):
                 raws = self._compressor_inputs(x)
                 head_w = self._indexer_head_weights(x) if index else None
         qa, kv = shared_input(x, self.wq_a, self.wkv)
+        kv_stored = False
         if USE_NORM_PAIR and _norm_rope_kernel_applies(qa):    # q_lora norm, kv norm + RoPE: one launch
             from .kernels.norm_rope import norm_pair
+            # the KV rows' store too, where the backend names its pool and slots (AttentionBackend.swa_store)
+            store = backend.swa_store(self.layer_id, meta) if USE_NORM_PAIR_STORE else None
             qr, kv = norm_pair(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight, eps, positions,
-                               self.rope.inv_freq_on(x.device))
+                               self.rope.inv_freq_on(x.device), store=store)
+            kv_stored = store is not None
         else:
             qr = self.q_norm(qa)
             kv = self.rope.norm_apply(kv, self.kv_norm.weight, eps, positions)
@@ -310,7 +319,7 @@ class Attention(nn.Module):
             branch.join()    # x, the branch's input, is still referenced here
             comp = raws[0]
             idx_in = self._indexer_inputs(x, iq, head_w, raws[1], positions) if index else None
-        o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, idx_in), meta)  # [T, H, hd]
+        o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, idx_in, kv_stored), meta)  # [T, H, hd]
         o = self.rope.apply(o, positions, inverse=True)
         return self._project_out(o)
 

@@ -405,7 +405,8 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         K = _kernels()
         pools = self.pools
         plan = self._step_plan(meta)
-        K.kv_store_rows(pools.swa_kv[layer_id], meta.swa_slots, inputs.kv.contiguous())
+        if not inputs.kv_stored:
+            K.kv_store_rows(pools.swa_kv[layer_id], meta.swa_slots, inputs.kv.contiguous())
         ratio = 0 if meta.dense else layer.ratio
         extra_pool = extra_rows = None
         if ratio == 4:
@@ -504,6 +505,9 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
                 run(pool, rp.dest_rows)
             else:
                 self.hisparse.write_rows(hisparse_layer, rp.dest_rows, run)
+
+    def swa_store(self, layer_id: int, meta: ForwardMetadata) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return self.pools.swa_kv[layer_id], meta.swa_slots
 
     def _c4_pair_applies(self, layer: Any, layer_id: int) -> bool:
         """Whether a CSA layer's two compressors run as one ring write and one compress launch:

@@ -139,11 +139,11 @@ def test_model_routes_its_norms_and_ropes_to_the_kernel(monkeypatch):
         calls.append((x.shape[-1], x.dim(), weight is not None, inv_freq is not None, norm, inverse))
         return norm_rope(x, weight, eps, positions, inv_freq, norm, inverse, out_dtype)
 
-    def counting_pair(a, wa, eps_a, b, wb, eps_b, positions, inv_freq):
+    def counting_pair(a, wa, eps_a, b, wb, eps_b, positions, inv_freq, store=None):
         calls.append((a.shape[-1], 2, True, False, True, False))
         calls.append((b.shape[-1], 2, True, True, True, False))
         pairs.append(a.shape[-1])
-        return norm_pair(a, wa, eps_a, b, wb, eps_b, positions, inv_freq)
+        return norm_pair(a, wa, eps_a, b, wb, eps_b, positions, inv_freq, store=store)
 
     pairs = []
     monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda x: x.dtype != torch.float64)
@@ -230,3 +230,42 @@ def test_norm_pair_is_two_norm_ropes():
         norm_pair(a, wa, 1e-6, b[:2], wb, 2e-6, pos, inv)
     with pytest.raises(ValueError, match="norm_pair"):
         norm_pair(a, wa, 1e-6, b, wb, 2e-6, pos, inv[:8])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_pair_store_is_kv_store_rows(dtype):
+    """With ``store``, norm_pair's rows are unchanged and the SWA pool holds the bytes that
+    kv_store_rows writes from its b output, every other byte untouched (a slot of -1 skipped)."""
+    from dsv4_backend.kernels.kv_store import kv_store_rows
+    dev = KERNEL_DEVICE
+    T, Da, Db = 4, 192, 512
+    big, _ = inputs((T, Da + Db), 23, dtype)
+    big = big.to(dev)
+    a, b = big[:, :Da], big[:, Da:]
+    g = torch.Generator().manual_seed(24)
+    wa, wb = (torch.rand(n, generator=g).to(dev) + 0.5 for n in (Da, Db))
+    inv = Rotary(CFG.compress_rope_theta, CFG.rope_scaling).inv_freq.to(dev)
+    pos = POSITIONS[:T].to(dev)
+    slots = torch.tensor([5, -1, 64, 127]).to(dev)
+    pool = torch.randint(0, 256, (2, 64 * 584), generator=g, dtype=torch.uint8).to(dev)   # 64 rows a page
+    want = pool.clone()
+    want_a, want_b = norm_pair(a, wa, 1e-6, b, wb, 2e-6, pos, inv)
+    kv_store_rows(want, slots, want_b)
+    got_a, got_b = norm_pair(a, wa, 1e-6, b, wb, 2e-6, pos, inv, store=(pool, slots))
+    assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b)
+    assert torch.equal(pool, want)
+    with pytest.raises(ValueError, match="a store takes"):
+        norm_pair(a, wa, 1e-6, b, wb, 2e-6, pos, inv, store=(pool, slots[:2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an Engine on CUDA (decode graphs)")
+def test_engine_with_kv_store_in_norm_pair_equals_without(tmp_path, monkeypatch):
+    """A CUDA Engine (decode graphs, FP8/FP4 checkpoint) gives the same greedy tokens and logprobs
+    whether norm_pair writes the SWA rows or the backend's store launch does."""
+    from cuda_decode import greedy_decode, write_fp8_checkpoint
+    from dsv4_backend import model
+    path = write_fp8_checkpoint(tmp_path)
+    monkeypatch.setattr(model, "USE_NORM_PAIR_STORE", False)
+    want = greedy_decode(path)
+    monkeypatch.setattr(model, "USE_NORM_PAIR_STORE", True)
+    assert greedy_decode(path) == want

@@ -280,3 +280,29 @@ def test_indexer_fp8_flag(monkeypatch, caplog):
     assert "needs a GPU" in caplog.text
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert _indexer_fp8_wanted() is True
+
+
+def test_kv_store_in_norm_pair_changes_no_byte(weights, monkeypatch):
+    """With the kv norm + RoPE launch writing the SWA rows itself (``norm_pair``'s store, the
+    backend's ``swa_store``), a prefill and decodes leave every pool byte and logit as the
+    backend's own store does (the kernels forced on under the interpreter)."""
+    from dsv4_backend import model as model_mod
+    monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda x: x.dtype != torch.float64)
+    seqs = {"a": tokens(12, 11)}
+    plan = [[("a", 10)], [("a", 1)], [("a", 1)]]
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(model_mod, "USE_NORM_PAIR_STORE", on)
+        runner = ModelRunner.build(CFG, dtype=torch.float32, weights=weights, backend="triton",
+                                   max_total_tokens=2048, max_running_requests=1)
+        stored = []
+        swa_store = runner.backend.swa_store
+        monkeypatch.setattr(runner.backend, "swa_store", lambda *a: stored.append(1) or swa_store(*a))
+        logits = run_schedule(runner, plan, seqs)["a"]
+        assert bool(stored) == on
+        runs.append((logits, _pools_of(runner.pools)))
+    (l0, p0), (l1, p1) = runs
+    assert torch.equal(l0, l1)
+    for kind in p0:
+        for layer in p0[kind]:
+            assert torch.equal(p0[kind][layer], p1[kind][layer]), f"{kind}[{layer}]"

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsv4_backend.kernels._common import check_device, native, round_bf16, rope_pairs
+from dsv4_backend.kernels._common import KV_DIM, KV_ROW_BYTES, check_device, native, page_geometry, round_bf16, rope_pairs
+from dsv4_backend.kernels.kv_store import _store_kv_rows
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
@@ -69,6 +70,8 @@ def _norm_rope_row(x_row, w_ptr, pos_ptr, inv_ptr, o_row, tok, D, eps, BLOCK: tl
             x = x * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     y = _round_to(x, BF16, NATIVE)
     tl.store(o_row + d, y.to(o_row.dtype.element_ty), mask=d < D - ROPE)
+    re = y    # (returned as is without RoPE)
+    ro = y
     if ROPE > 0:
         i = tl.arange(0, ROPE // 2)
         ie = D - ROPE + 2 * i
@@ -86,8 +89,12 @@ def _norm_rope_row(x_row, w_ptr, pos_ptr, inv_ptr, o_row, tok, D, eps, BLOCK: tl
         if INVERSE:
             s = -s
         re, ro = rope_pairs(xe, xo, c, s)
-        tl.store(o_row + ie, _round_to(re, BF16, NATIVE).to(o_row.dtype.element_ty))
-        tl.store(o_row + ie + 1, _round_to(ro, BF16, NATIVE).to(o_row.dtype.element_ty))
+        re, ro = _round_to(re, BF16, NATIVE), _round_to(ro, BF16, NATIVE)
+        tl.store(o_row + ie, re.to(o_row.dtype.element_ty))
+        tl.store(o_row + ie + 1, ro.to(o_row.dtype.element_ty))
+    # the stored values: y (dims D - ROPE and up hold the normalised values before RoPE), and the
+    # rotated pairs at dims D - ROPE + 2i, + 2i + 1
+    return y, re, ro
 
 
 @triton.jit
@@ -105,8 +112,9 @@ def _norm_rope_kernel(x_ptr, stride_t, stride_h, w_ptr, pos_ptr, inv_ptr, out_pt
 
 @triton.jit
 def _norm_pair_kernel(a_ptr, a_stride, wa_ptr, oa_ptr, Da, eps_a, b_ptr, b_stride, wb_ptr, ob_ptr, Db, eps_b,
-                      pos_ptr, inv_ptr, T, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROPE_B: tl.constexpr,
-                      BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                      pos_ptr, inv_ptr, T, slot_ptr, pool_ptr, P, page_stride,
+                      BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROPE_B: tl.constexpr,
+                      BF16: tl.constexpr, STORE: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # programs 0 .. T - 1: row t of a (weighted norm); T .. 2T - 1: row t of b (weighted norm + RoPE)
     r = tl.program_id(0).to(tl.int64)
@@ -115,8 +123,14 @@ def _norm_pair_kernel(a_ptr, a_stride, wa_ptr, oa_ptr, Da, eps_a, b_ptr, b_strid
                        BLOCK_A, True, True, 0, False, BF16, NATIVE)
     else:
         t = r - T
-        _norm_rope_row(b_ptr + t * b_stride, wb_ptr, pos_ptr, inv_ptr, ob_ptr + t * Db, t, Db, eps_b,
-                       BLOCK_B, True, True, ROPE_B, False, BF16, NATIVE)
+        y, re, ro = _norm_rope_row(b_ptr + t * b_stride, wb_ptr, pos_ptr, inv_ptr, ob_ptr + t * Db, t, Db, eps_b,
+                                   BLOCK_B, True, True, ROPE_B, False, BF16, NATIVE)
+        if STORE:    # the KV row into its SWA slot: kv_store_rows' bytes, from the values just stored
+            dest = tl.load(slot_ptr + t + tl.arange(0, 1)).to(tl.int64)
+            # tile 7 of y (the rope dims before RoPE) is not written: _store_kv_rows skips it
+            _store_kv_rows(pool_ptr, dest, P, page_stride, tl.reshape(y, [1, 8, 64]),
+                           tl.expand_dims(round_bf16(re, NATIVE), 0), tl.expand_dims(round_bf16(ro, NATIVE), 0),
+                           dest >= 0, NATIVE)
 
 
 def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, positions: Optional[torch.Tensor] = None,
@@ -160,11 +174,14 @@ def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, posit
 
 
 def norm_pair(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor, weight_b: torch.Tensor,
-              eps_b: float, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              eps_b: float, positions: torch.Tensor, inv_freq: torch.Tensor,
+              store: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm_rope(a, weight_a, eps_a)`` and ``norm_rope(b, weight_b, eps_b, positions, inv_freq)`` in one
     launch (an attention's q_lora norm and its kv norm + RoPE: both rows come from one projection
     and neither waits for the other); each row computed as ``norm_rope`` computes it. a, b:
-    ``[T, Da]``, ``[T, Db]`` of one dtype (float32 / bfloat16), any token stride, last dim contiguous."""
+    ``[T, Da]``, ``[T, Db]`` of one dtype (float32 / bfloat16), any token stride, last dim contiguous.
+    ``store = (pool, slots)``: b's rows (Db = 512) also go into the SWA pool at ``slots [T]`` (< 0:
+    skipped), the bytes ``kv_store_rows(pool, slots, out_b)`` writes, so the store needs no launch."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"norm_pair: a and b must be [T, D] with a contiguous last dim and one T, got "
                          f"{tuple(a.shape)} {a.stride()} and {tuple(b.shape)} {b.stride()}")
@@ -181,10 +198,18 @@ def norm_pair(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Te
     check_device(a, b, weight_a, weight_b, positions, inv_freq)
     out_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     out_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    pool, slots, P, page_stride = out_b, positions, 0, 0    # (unread without a store)
+    if store is not None:
+        pool, slots = store
+        if Db != KV_DIM or slots.shape != (T,):
+            raise ValueError(f"norm_pair: a store takes b rows of {KV_DIM} and slots [T={T}], got Db = {Db} and "
+                             f"slots {tuple(slots.shape)}")
+        check_device(pool, slots)
+        P, page_stride = page_geometry(pool, KV_ROW_BYTES, "attention")
     if T:
         _norm_pair_kernel[(2 * T,)](
             a, a.stride(0), weight_a, out_a, Da, float(eps_a), b, b.stride(0), weight_b, out_b, Db, float(eps_b),
-            positions, inv_freq.to(torch.float32).contiguous(), T, BLOCK_A=triton.next_power_of_2(Da),
-            BLOCK_B=triton.next_power_of_2(Db), ROPE_B=rope, BF16=a.dtype == torch.bfloat16, NATIVE=native(),
-            **pdl.args(a.device))
+            positions, inv_freq.to(torch.float32).contiguous(), T, slots, pool, P, page_stride,
+            BLOCK_A=triton.next_power_of_2(Da), BLOCK_B=triton.next_power_of_2(Db), ROPE_B=rope,
+            BF16=a.dtype == torch.bfloat16, STORE=store is not None, NATIVE=native(), **pdl.args(a.device))
     return out_a, out_b

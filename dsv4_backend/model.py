@@ -306,7 +306,8 @@ class Attention(nn.Module):
         if USE_NORM_PAIR and _norm_rope_kernel_applies(qa):    # q_lora norm, kv norm + RoPE: one launch
             from .kernels.norm_rope import norm_pair
             # the KV rows' store too, where the backend names its pool and slots (AttentionBackend.swa_store)
-            store = backend.swa_store(self.layer_id, meta) if USE_NORM_PAIR_STORE else None
+            swa_store = getattr(backend, "swa_store", None)    # (test doubles may not be AttentionBackends)
+            store = swa_store(self.layer_id, meta) if USE_NORM_PAIR_STORE and swa_store is not None else None
             qr, kv = norm_pair(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight, eps, positions,
                                self.rope.inv_freq_on(x.device), store=store)
             kv_stored = store is not None
@@ -466,8 +467,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         shared = self._shared_fp8_fused(x) if self.fp4 is not None else None
-        if (shared is not None and USE_GATE_QUANT and self.expert_range is None
-                and self.gate.kernel_applies(x)):    # the experts' act-quant of x from the gate's launch
+        if (shared is not None and USE_GATE_QUANT and self.expert_range is None and self.gate.kernel_applies(x)
+                and not self.gate._forward_pre_hooks):    # the experts' act-quant of x from the gate's launch
             ids, w, xq, xs = self.gate(x, input_ids, quantize=True)
             return self.fp4.forward(x, ids, w, self.limit, shared, x_quant=(xq, xs))
         ids, w = self.gate(x, input_ids)                                    # [T, k]

@@ -177,25 +177,26 @@ def test_ring_write_is_cat_gather_index_put(ring_dtype, gather):
         ring_write(got, dev(slots[:2]), dev(c), dev(z), dev(tokens))
 
 
-@pytest.mark.parametrize("ring_dtype", [torch.float32, torch.bfloat16])
-def test_ring_write_pair_is_two_ring_writes(ring_dtype):
+@pytest.mark.parametrize("ring_dtype, na, nb", [(torch.float32, 96, 32), (torch.bfloat16, 96, 32),
+                                                 (torch.float32, 1100, 40)])   # two column blocks of ring a
+def test_ring_write_pair_is_two_ring_writes(ring_dtype, na, nb):
     """A CSA layer's two rings written in one launch: the bytes of two ring_write launches."""
     from dsv4_backend.kernels.compressor import ring_write_pair
     gen = torch.Generator().manual_seed(4)
     dev = lambda t: t.to(DEV)  # noqa: E731
-    ya, yb = torch.randn(3, 2 * 96, generator=gen) * 5, torch.randn(3, 2 * 32, generator=gen) * 5
-    ra, rb = torch.randn(9, 2 * 96, generator=gen).to(ring_dtype), torch.randn(9, 2 * 32, generator=gen).to(ring_dtype)
+    ya, yb = torch.randn(3, 2 * na, generator=gen) * 5, torch.randn(3, 2 * nb, generator=gen) * 5
+    ra, rb = torch.randn(9, 2 * na, generator=gen).to(ring_dtype), torch.randn(9, 2 * nb, generator=gen).to(ring_dtype)
     slots, tokens = torch.tensor([6, 0, 3]), torch.tensor([2, 0, 1])
     want_a, want_b, got_a, got_b = dev(ra), dev(rb), dev(ra), dev(rb)
-    ring_write(want_a, dev(slots), dev(ya)[:, :96], dev(ya)[:, 96:], dev(tokens))
-    ring_write(want_b, dev(slots), dev(yb)[:, :32], dev(yb)[:, 32:], dev(tokens))
-    ring_write_pair((got_a, got_b), dev(slots), (dev(ya)[:, :96], dev(yb)[:, :32]), (dev(ya)[:, 96:], dev(yb)[:, 32:]),
+    ring_write(want_a, dev(slots), dev(ya)[:, :na], dev(ya)[:, na:], dev(tokens))
+    ring_write(want_b, dev(slots), dev(yb)[:, :nb], dev(yb)[:, nb:], dev(tokens))
+    ring_write_pair((got_a, got_b), dev(slots), (dev(ya)[:, :na], dev(yb)[:, :nb]), (dev(ya)[:, na:], dev(yb)[:, nb:]),
                     dev(tokens))
     bits = (lambda t: t.view(torch.int16)) if ring_dtype == torch.bfloat16 else (lambda t: t)
     assert torch.equal(bits(got_a), bits(want_a)) and torch.equal(bits(got_b), bits(want_b))
     with pytest.raises(ValueError, match="one dtype"):
         ring_write_pair((got_a, got_b.float() if ring_dtype == torch.bfloat16 else got_b.bfloat16()), dev(slots),
-                        (dev(ya)[:, :96], dev(yb)[:, :32]), (dev(ya)[:, 96:], dev(yb)[:, 32:]), dev(tokens))
+                        (dev(ya)[:, :na], dev(yb)[:, :nb]), (dev(ya)[:, na:], dev(yb)[:, nb:]), dev(tokens))
 
 
 def test_compress_c4_pair_is_two_fused_launches():

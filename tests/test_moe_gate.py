@@ -127,8 +127,16 @@ def test_engine_with_gate_quant_equals_without(tmp_path, monkeypatch):
     from their own: the same codes, so the same bits."""
     from cuda_decode import greedy_decode, write_fp8_checkpoint
     from dsv4_backend import model
+    from dsv4_backend.kernels import moe_gate as gate_mod
     path = write_fp8_checkpoint(tmp_path)
     monkeypatch.setattr(model, "USE_GATE_QUANT", False)
     want = greedy_decode(path)
     monkeypatch.setattr(model, "USE_GATE_QUANT", True)
+    quantized = []
+
+    def counting(*args, quantize=False, **kw):
+        quantized.append(quantize)
+        return moe_gate(*args, quantize=quantize, **kw)
+    monkeypatch.setattr(gate_mod, "moe_gate", counting)
     assert greedy_decode(path) == want
+    assert any(quantized), "the gate's act-quant programs never ran"

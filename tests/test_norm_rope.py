@@ -264,8 +264,13 @@ def test_engine_with_kv_store_in_norm_pair_equals_without(tmp_path, monkeypatch)
     whether norm_pair writes the SWA rows or the backend's store launch does."""
     from cuda_decode import greedy_decode, write_fp8_checkpoint
     from dsv4_backend import model
+    from dsv4_backend.triton_backend import TritonDSV4Backend
     path = write_fp8_checkpoint(tmp_path)
     monkeypatch.setattr(model, "USE_NORM_PAIR_STORE", False)
     want = greedy_decode(path)
     monkeypatch.setattr(model, "USE_NORM_PAIR_STORE", True)
+    targets = []
+    swa_store = TritonDSV4Backend.swa_store
+    monkeypatch.setattr(TritonDSV4Backend, "swa_store", lambda self, *a: targets.append(1) or swa_store(self, *a))
     assert greedy_decode(path) == want
+    assert targets, "the kv norm + RoPE launch never stored"

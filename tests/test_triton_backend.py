@@ -291,15 +291,28 @@ def test_kv_store_in_norm_pair_changes_no_byte(weights, monkeypatch):
     seqs = {"a": tokens(12, 11)}
     plan = [[("a", 10)], [("a", 1)], [("a", 1)]]
     runs = []
+    kernels = triton_backend._kernels()
     for on in (False, True):
         monkeypatch.setattr(model_mod, "USE_NORM_PAIR_STORE", on)
         runner = ModelRunner.build(CFG, dtype=torch.float32, weights=weights, backend="triton",
                                    max_total_tokens=2048, max_running_requests=1)
-        stored = []
+        stored, backend_stores = [], []
         swa_store = runner.backend.swa_store
         monkeypatch.setattr(runner.backend, "swa_store", lambda *a: stored.append(1) or swa_store(*a))
+
+        class CountingStore:    # the kernels package, its SWA store counted
+            def __getattr__(self, name):
+                return getattr(kernels, name)
+
+            @staticmethod
+            def kv_store_rows(*args, **kw):
+                backend_stores.append(1)
+                return kernels.kv_store_rows(*args, **kw)
+
+        monkeypatch.setattr(triton_backend, "_kernels", lambda: CountingStore())
         logits = run_schedule(runner, plan, seqs)["a"]
         assert bool(stored) == on
+        assert bool(backend_stores) != on      # on: the backend's own store launch is gone
         runs.append((logits, _pools_of(runner.pools)))
     (l0, p0), (l1, p1) = runs
     assert torch.equal(l0, l1)

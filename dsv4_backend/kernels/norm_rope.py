@@ -204,7 +204,8 @@ def norm_pair(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Te
         if Db != KV_DIM or slots.shape != (T,):
             raise ValueError(f"norm_pair: a store takes b rows of {KV_DIM} and slots [T={T}], got Db = {Db} and "
                              f"slots {tuple(slots.shape)}")
-        check_device(pool, slots)
+        check_device(a, pool, slots)
+        slots = slots.contiguous()
         P, page_stride = page_geometry(pool, KV_ROW_BYTES, "attention")
     if T:
         _norm_pair_kernel[(2 * T,)](

@@ -86,6 +86,20 @@ class _RingPlan:
     ring_slot: torch.Tensor   # [W]
 
 
+def _state_buffer(rp: _RingPlan, ring: torch.Tensor, raw: CompressorInput, n_events: int) -> Optional[torch.Tensor]:
+    """The buffer a compress launch reads its candidates from, built before the step's ring write
+    (None when no event completes). A static decode step (StaticDecode) has one event per row,
+    masked by dest_rows < 0, whose sources are ring slots: a decode token's slot held position
+    p - 8 (C4) or p - 128 (C128), never a candidate of its block, so the ring is written first and
+    then read in place. Otherwise the candidates are gathered from the ring, then the new (C, Z)
+    appended, before the ring write can overwrite their slots."""
+    if rp.gather is None:
+        return ring
+    if not n_events:
+        return None
+    return torch.cat([ring[rp.gather], torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)])
+
+
 @dataclass
 class _OnlinePlan:
     token_start: torch.Tensor  # int32 [R]
@@ -482,15 +496,7 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         K = _kernels()
         rp = ring_plan
         n_events = int(rp.dest_rows.numel())
-        if rp.gather is None:
-            # A static decode step (StaticDecode): one event per row, masked by dest_rows < 0,
-            # whose sources are ring slots. A decode token's slot held position p - 8 (C4) or
-            # p - 128 (C128), never a candidate of its block, so the ring is written first (below)
-            # and then read in place.
-            buf = ring
-        elif n_events:
-            # the candidates, gathered before the ring write below can overwrite their slots
-            buf = torch.cat([ring[rp.gather], torch.cat([raw.c, raw.z], dim=-1).to(ring.dtype)])
+        buf = _state_buffer(rp, ring, raw, n_events)
         if rp.ring_token.numel():
             K.ring_write(ring, rp.ring_slot, raw.c, raw.z, rp.ring_token)
         if n_events:
@@ -525,10 +531,7 @@ class TritonDSV4Backend(_StaticDecodeMixin, TorchDSV4Backend):
         raw_a, raw_b = inputs.compressor, inputs.indexer.compressor
         ring_a, ring_b = pools.c4_ring[layer_id], pools.c4_indexer_ring[layer_id]
         n_events = int(rp.dest_rows.numel())
-        buf_a, buf_b = ring_a, ring_b     # static decode: sources are ring slots (see _compress)
-        if rp.gather is not None and n_events:
-            buf_a = torch.cat([ring_a[rp.gather], torch.cat([raw_a.c, raw_a.z], dim=-1).to(ring_a.dtype)])
-            buf_b = torch.cat([ring_b[rp.gather], torch.cat([raw_b.c, raw_b.z], dim=-1).to(ring_b.dtype)])
+        buf_a, buf_b = _state_buffer(rp, ring_a, raw_a, n_events), _state_buffer(rp, ring_b, raw_b, n_events)
         if rp.ring_token.numel():
             K.ring_write_pair((ring_a, ring_b), rp.ring_slot, (raw_a.c, raw_b.c), (raw_a.z, raw_b.z), rp.ring_token)
         if n_events:

@@ -73,6 +73,8 @@ class FusedCompressConfig(NamedTuple):
 POOL_DEFAULT = CompressConfig(64, 16, 2, 3)  # fastest on the H200 at 128 and 512 events
 FUSED_DEFAULT = FusedCompressConfig(1, 4)  # attention rows, d = 512
 FUSED_INDEXER_DEFAULT = FusedCompressConfig(2, 4)  # indexer rows: 2.3x faster than (1, 8) on the H200
+# compress_c4_pair launches both defaults' programs together, so they share a warp count
+assert FUSED_DEFAULT.num_warps == FUSED_INDEXER_DEFAULT.num_warps
 
 
 @triton.jit
@@ -244,6 +246,28 @@ def _fused_c4_events(state_ptr, state_stride, src_ptr, src_stride, ape_ptr, ape_
                                   ROUND_BF16, ROUND_BF16, WRITE_OUT, NATIVE)
 
 
+def _check_c4(pool: torch.Tensor, events: CompressEvents, state: torch.Tensor, ape: torch.Tensor,
+              norm_weight: torch.Tensor, hadamard: torch.Tensor | None) -> int:
+    """A fused C4 launch's arguments checked against its events; -> d (128 with a Hadamard matrix:
+    the indexer's rows, else 512)."""
+    d = 128 if hadamard is not None else 512
+    _check_pool_args(state, events.sources, ape, 4, d)
+    e = events.sources.shape[0]
+    if events.dest_rows.shape != (e,) or events.cos.shape != (e, 32) or events.sin.shape != (e, 32):
+        raise ValueError(f"dest_rows [E] and cos/sin [E, 32] expected for E={e}; got "
+                         f"{tuple(events.dest_rows.shape)}, {tuple(events.cos.shape)}, "
+                         f"{tuple(events.sin.shape)}")
+    if norm_weight.shape != (d,):
+        raise ValueError(f"norm_weight must be [{d}], got {tuple(norm_weight.shape)}")
+    check_device(pool, events.dest_rows, state, norm_weight, events.cos, events.sin)
+    return d
+
+
+def _events_per_program(cfg: FusedCompressConfig, e: int, device: torch.device) -> int:
+    """``cfg.events`` where there are that many events for every SM, else one (small batches)."""
+    return cfg.events if e >= cfg.events * sm_count(device) else 1
+
+
 @triton.jit
 def _pool_c4(row, col, mask, valid, ape, Z_OFF: tl.constexpr, N: tl.constexpr):
     """Softmax pooling of one event's 8 candidates at channels ``col`` [8, N] -> fp32 [N]: the
@@ -268,24 +292,16 @@ def compress_c4_fused(pool: torch.Tensor, events: CompressEvents, state: torch.T
     order as the two-kernel path, so the same bytes (bit for bit under the interpreter; on a GPU
     the compiler's reduction trees follow each kernel's layout and may round differently)."""
     indexer = hadamard is not None
-    d = 128 if indexer else 512
-    _check_pool_args(state, events.sources, ape, 4, d)
-    e = events.sources.shape[0]
-    if events.dest_rows.shape != (e,) or events.cos.shape != (e, 32) or events.sin.shape != (e, 32):
-        raise ValueError(f"dest_rows [E] and cos/sin [E, 32] expected for E={e}; got "
-                         f"{tuple(events.dest_rows.shape)}, {tuple(events.cos.shape)}, "
-                         f"{tuple(events.sin.shape)}")
-    if norm_weight.shape != (d,):
-        raise ValueError(f"norm_weight must be [{d}], got {tuple(norm_weight.shape)}")
-    check_device(pool, events.dest_rows, state, norm_weight, events.cos, events.sin)
+    d = _check_c4(pool, events, state, ape, norm_weight, hadamard)
     P, page_stride, had = pool_args(pool, hadamard, norm_weight)
     cfg = config or (FUSED_INDEXER_DEFAULT if indexer else FUSED_DEFAULT)
+    e = events.sources.shape[0]
     if e == 0:
         return out
     sources = events.sources.to(torch.int32).contiguous()
     ape = ape.float().contiguous()
     out_arg = out if out is not None else state
-    per_program = cfg.events if e >= cfg.events * sm_count(state.device) else 1
+    per_program = _events_per_program(cfg, e, state.device)
     _fused_c4_kernel[(triton.cdiv(e, per_program),)](
         state, state.stride(0), sources, sources.stride(0), ape, ape.stride(0),
         norm_weight.contiguous(), events.cos.float().contiguous(), events.sin.float().contiguous(), 32,
@@ -338,21 +354,12 @@ def compress_c4_pair(attention: C4Target, indexer: C4Target, events: CompressEve
     (their default launch shapes; no dequantised ``out``)."""
     if attention.hadamard is not None or indexer.hadamard is None:
         raise ValueError("compress_c4_pair: the attention target takes no Hadamard matrix, the indexer's does")
+    for t in (attention, indexer):
+        _check_c4(t.pool, events, t.state, t.ape, t.norm_weight, t.hadamard)
     e = events.sources.shape[0]
-    for t, d in ((attention, 512), (indexer, 128)):
-        _check_pool_args(t.state, events.sources, t.ape, 4, d)
-        if t.norm_weight.shape != (d,):
-            raise ValueError(f"norm_weight must be [{d}], got {tuple(t.norm_weight.shape)}")
-        check_device(t.pool, t.state, t.norm_weight, events.dest_rows, events.cos, events.sin)
-    if events.dest_rows.shape != (e,) or events.cos.shape != (e, 32) or events.sin.shape != (e, 32):
-        raise ValueError(f"dest_rows [E] and cos/sin [E, 32] expected for E={e}; got "
-                         f"{tuple(events.dest_rows.shape)}, {tuple(events.cos.shape)}, {tuple(events.sin.shape)}")
     if e == 0:
         return
-    if FUSED_DEFAULT.num_warps != FUSED_INDEXER_DEFAULT.num_warps:
-        raise ValueError("compress_c4_pair: the two launch shapes differ in warps")
-    sms = sm_count(attention.state.device)
-    per = [cfg.events if e >= cfg.events * sms else 1 for cfg in (FUSED_DEFAULT, FUSED_INDEXER_DEFAULT)]
+    per = [_events_per_program(cfg, e, attention.state.device) for cfg in (FUSED_DEFAULT, FUSED_INDEXER_DEFAULT)]
     a_P, a_ps, _ = pool_args(attention.pool, None, attention.norm_weight)
     b_P, b_ps, b_had = pool_args(indexer.pool, indexer.hadamard, indexer.norm_weight)
     a_programs = triton.cdiv(e, per[0])

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4_backend.backend import TorchDSV4Backend  # noqa: E402
+from dsv4_backend.backend import AttentionBackend, TorchDSV4Backend  # noqa: E402
 from dsv4_backend.config import DSV4Config  # noqa: E402
 from dsv4_backend.model import hadamard_matrix  # noqa: E402
 from dsv4_backend.model_runner import ForwardRequest, ModelRunner, run_schedule  # noqa: E402
@@ -206,17 +206,18 @@ class MetaTimer:
         return meta
 
 
-class AttnCompare:
+class AttnCompare(AttentionBackend):
     """Backend wrapper: every layer runs ``test`` then ``ref`` on the same inputs and pools (both
     write the same rows to the same slots) and records how far the outputs are apart; returns
-    ``ref``'s output. Isolates the backends from the model's discrete choices (MoE routing)."""
+    ``ref``'s output. Isolates the backends from the model's discrete choices (MoE routing). Each
+    backend stores its own KV rows (``swa_store`` stays the base's None)."""
 
     def __init__(self, ref, test):
         self.ref, self.test = ref, test
         self.max_abs, self.min_cos = 0.0, 1.0
 
-    def init_forward_metadata(self, batch):
-        return self.ref.init_forward_metadata(batch)
+    def init_forward_metadata(self, batch, events=True):
+        return self.ref.init_forward_metadata(batch, events)
 
     def forward(self, layer_id, layer, inputs, meta):
         o_test = self.test.forward(layer_id, layer, inputs, meta).float()

@@ -306,8 +306,7 @@ class Attention(nn.Module):
         if USE_NORM_PAIR and _norm_rope_kernel_applies(qa):    # q_lora norm, kv norm + RoPE: one launch
             from .kernels.norm_rope import norm_pair
             # the KV rows' store too, where the backend names its pool and slots (AttentionBackend.swa_store)
-            swa_store = getattr(backend, "swa_store", None)    # (test doubles may not be AttentionBackends)
-            store = swa_store(self.layer_id, meta) if USE_NORM_PAIR_STORE and swa_store is not None else None
+            store = backend.swa_store(self.layer_id, meta) if USE_NORM_PAIR_STORE else None
             qr, kv = norm_pair(qa, self.q_norm.weight, self.q_norm.eps, kv, self.kv_norm.weight, eps, positions,
                                self.rope.inv_freq_on(x.device), store=store)
             kv_stored = store is not None

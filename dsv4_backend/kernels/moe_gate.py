@@ -147,9 +147,9 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if block_e is None:
         block_e = scores_block_e(T, E, _num_sms(x.device))
     e_blocks = triton.cdiv(E, block_e)
-    xq, xs = quant if quantize else (s, s)    # (unused without quantize)
+    q_args = (quant[0].view(torch.uint8), quant[1]) if quantize else (s, s)    # (unread without quantize)
     _scores_kernel[(T, e_blocks + (nb if quantize else 0))](
-        x, weight, s, xq.view(torch.uint8) if quantize else xq, xs, E, D, x.stride(0), weight.stride(0), e_blocks, nb,
+        x, weight, s, *q_args, E, D, x.stride(0), weight.stride(0), e_blocks, nb,
         BLOCK_E=block_e, BLOCK_D=512, QUANT=quantize, NATIVE=native(), num_warps=4, **pdl.args(x.device))
     hashed = tid2eid is not None
     dummy = s

@@ -211,18 +211,23 @@ def test_mhc_collapse_norm_is_collapse_then_norm(dtype):
         mhc_collapse_norm(X.to(dev), pre.double().to(dev), w.to(dev), EPS, torch.float32)
 
 
+def pair_inputs(T: int, seed: int, dtype: torch.dtype):
+    """norm_pair's inputs as the model passes them: a [T, 192] and b [T, 512], column slices of one
+    projection's output, their norm weights, the compressed layers' RoPE frequencies, positions,
+    and the generator that drew the weights (seed + 1) for further draws."""
+    dev = KERNEL_DEVICE
+    big, _ = inputs((T, 192 + 512), seed, dtype)
+    big = big.to(dev)
+    g = torch.Generator().manual_seed(seed + 1)
+    wa, wb = (torch.rand(n, generator=g).to(dev) + 0.5 for n in (192, 512))
+    inv = Rotary(CFG.compress_rope_theta, CFG.rope_scaling).inv_freq.to(dev)
+    return big[:, :192], big[:, 192:], wa, wb, inv, POSITIONS[:T].to(dev), g
+
+
 def test_norm_pair_is_two_norm_ropes():
     """norm_pair computes each of its two row sets exactly as norm_rope does alone (the same row
     code), from strided column slices of one projection's output as the model passes them."""
-    dev = KERNEL_DEVICE
-    T, Da, Db = 3, 192, 512
-    big, _ = inputs((T, Da + Db), 21, torch.bfloat16)
-    big = big.to(dev)
-    a, b = big[:, :Da], big[:, Da:]
-    g = torch.Generator().manual_seed(22)
-    wa, wb = (torch.rand(n, generator=g).to(dev) + 0.5 for n in (Da, Db))
-    inv = Rotary(CFG.compress_rope_theta, CFG.rope_scaling).inv_freq.to(dev)
-    pos = POSITIONS[:T].to(dev)
+    a, b, wa, wb, inv, pos, _ = pair_inputs(3, 21, torch.bfloat16)
     got_a, got_b = norm_pair(a, wa, 1e-6, b, wb, 2e-6, pos, inv)
     assert torch.equal(got_a, norm_rope(a, wa, 1e-6))
     assert torch.equal(got_b, norm_rope(b, wb, 2e-6, pos, inv))
@@ -238,14 +243,7 @@ def test_norm_pair_store_is_kv_store_rows(dtype):
     kv_store_rows writes from its b output, every other byte untouched (a slot of -1 skipped)."""
     from dsv4_backend.kernels.kv_store import kv_store_rows
     dev = KERNEL_DEVICE
-    T, Da, Db = 4, 192, 512
-    big, _ = inputs((T, Da + Db), 23, dtype)
-    big = big.to(dev)
-    a, b = big[:, :Da], big[:, Da:]
-    g = torch.Generator().manual_seed(24)
-    wa, wb = (torch.rand(n, generator=g).to(dev) + 0.5 for n in (Da, Db))
-    inv = Rotary(CFG.compress_rope_theta, CFG.rope_scaling).inv_freq.to(dev)
-    pos = POSITIONS[:T].to(dev)
+    a, b, wa, wb, inv, pos, g = pair_inputs(4, 23, dtype)
     slots = torch.tensor([5, -1, 64, 127]).to(dev)
     pool = torch.randint(0, 256, (2, 64 * 584), generator=g, dtype=torch.uint8).to(dev)   # 64 rows a page
     want = pool.clone()

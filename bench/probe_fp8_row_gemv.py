@@ -49,6 +49,13 @@ SHAPES = (("wo_a (W8A16)", 8192, 4096, 8), ("wq_a+wkv", 1536, 4096, 1), ("wq_b",
 COPIES = 8
 
 
+def fp8_weight(N: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random e4m3 weight [N, K] and its power-of-two 128 x 128 block scales."""
+    w = (torch.randn(N, K, device="cuda", generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.pow(2.0, torch.randint(-12, -4, (-(-N // 128), -(-K // 128)), device="cuda", generator=gen).float())
+    return w, s
+
+
 def grid(quick: bool):
     if quick:
         return [RowGemvConfig(bn, bl, nw, 4) for bn, bl, nw in itertools.product((16, 32), (2, 4), (2, 4))]
@@ -87,10 +94,7 @@ def main() -> None:
         return
     results = []
     for name, N, K, G in SHAPES:
-        ws = [(torch.randn(N, K, device="cuda", generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
-              for _ in range(COPIES)]
-        ss = [torch.pow(2.0, torch.randint(-12, -4, (-(-N // 128), -(-K // 128)), device="cuda",
-                                           generator=gen).float()) for _ in range(COPIES)]
+        ws, ss = zip(*(fp8_weight(N, K, gen) for _ in range(COPIES)))
         x = (torch.randn(1, K * G, device="cuda", generator=gen) * 2).bfloat16()
         floor = (N * K + ss[0].numel() * 4) / bw / 1e3
         mode = "bf16" if G > 1 else "quant"
@@ -168,12 +172,8 @@ def chain_rows(bw: float, gen: torch.Generator) -> list[dict]:
     """``wo_a`` (W8A16, 8 groups) then ``wo_b`` on its output, us a pair and each alone, for the
     Triton kernel's default and a few ``fp8_row.cu`` shapes of each."""
     (_, Na, Ka, G), (_, Nb, Kb, _) = SHAPES[0], SHAPES[4]
-    weight = lambda n, k: ((torch.randn(n, k, device="cuda", generator=gen) * 40).clamp(-448, 448)  # noqa: E731
-                           .to(torch.float8_e4m3fn),
-                           torch.pow(2.0, torch.randint(-12, -4, (-(-n // 128), -(-k // 128)), device="cuda",
-                                                        generator=gen).float()))
-    wa = [weight(Na, Ka) for _ in range(COPIES)]
-    wb = [weight(Nb, Kb) for _ in range(COPIES)]
+    wa = [fp8_weight(Na, Ka, gen) for _ in range(COPIES)]
+    wb = [fp8_weight(Nb, Kb, gen) for _ in range(COPIES)]
     o = (torch.randn(1, Ka * G, device="cuda", generator=gen) * 2).bfloat16()
     za = fp8_row_gemv(o, *wa[0], mode="bf16", groups=G)
     choices_a = [None, CudaRowConfig(2, 8, 1, 2), CudaRowConfig(4, 8, 1, 2)]
@@ -208,10 +208,7 @@ def w8a16_rows(bw: float, gen: torch.Generator) -> list[dict]:
     """wo_a at 2-64 rows: the W8A16 tensor-core kernel (default and a few tiles) against the
     einsum over the folded bf16 weight that the quantised model ran before (its weight was bf16)."""
     N, K, G = 8192, 4096, 8
-    ws = [(torch.randn(N, K, device="cuda", generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
-          for _ in range(COPIES)]
-    ss = [torch.pow(2.0, torch.randint(-12, -4, (N // 128, K // 128), device="cuda", generator=gen).float())
-          for _ in range(COPIES)]
+    ws, ss = zip(*(fp8_weight(N, K, gen) for _ in range(COPIES)))
     folded = [(w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).bfloat16() for w, s in zip(ws, ss)]
     floor = (N * K + N * K // 16384 * 4) / bw / 1e3
     out = []

@@ -736,35 +736,73 @@ def hc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, out_dtyp
 
 # At decode sizes (below the mix's tl.dot threshold) a sub-layer boundary's expand on CUDA also
 # computes the next mix's split-K partials of the streams it writes (kernels/mhc.py,
-# mhc_expand_partials): three launches (expand + partials, finalize, collapse + norm) where there
-# were four. DSV4_MHC_FUSED=0 keeps the four (A/B timing).
+# mhc_expand_partials), and one launch finalizes that mix and writes the next sub-layer's input
+# (mhc_mix_collapse_norm): two launches where there were four. DSV4_MHC_FUSED=0 keeps the four
+# (A/B timing).
 USE_MHC_FUSED = os.environ.get("DSV4_MHC_FUSED", "1") != "0"
 
+# Up to this many tokens the whole boundary is one launch (mhc_expand_boundary: the expand's last
+# program to finish does the finalize, collapse and norm); 0 keeps two.
+MHC_ONE_LAUNCH_MAX_TOKENS = int(os.environ.get("DSV4_MHC_ONE_LAUNCH_MAX_TOKENS", "2"))
 
-def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
-                      base: torch.Tensor, norm: RMSNorm,
-                      part: Optional[torch.Tensor] = None) -> tuple[HCMix, torch.Tensor]:
+
+class SublayerMix(NamedTuple):
+    """A sub-layer's mHC parameters: its mix's fn, scale and base, and its input norm."""
+    fn: torch.Tensor
+    scale: torch.Tensor
+    base: torch.Tensor
+    norm: RMSNorm
+
+
+class HCHandoff(NamedTuple):
+    """What a boundary's expand computed of the next sub-layer's mix: nothing, the split-K
+    partials of the streams it wrote (``part``), or the mix and the sub-layer's input itself."""
+    part: Optional[torch.Tensor] = None
+    mix: Optional[HCMix] = None
+    x: Optional[torch.Tensor] = None
+
+
+def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, sub: SublayerMix,
+                      handoff: Optional[HCHandoff] = None) -> tuple[HCMix, torch.Tensor]:
     """A sub-layer's mix of the streams ``X [T, hc, D]`` and its input ``norm(sum_j pre_j X_j)`` in
-    X's dtype. ``part``: the mix's split-K partials of X, where the expand that wrote X computed
-    them (``hc_expand_partials``)."""
-    if part is not None:
-        from .kernels.mhc import mhc_mix_finalize
-        mix = HCMix(*mhc_mix_finalize(part, X.shape[1] * X.shape[2], scale, base, cfg.hc_mult,
-                                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps))
-    else:
-        mix = hc_mix_weights(cfg, X, fn, scale, base)
-    return mix, hc_collapse_norm(X, mix.pre, norm, X.dtype)
-
-
-def hc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
-                       next_fn: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``hc_expand``, and the split-K partials of the next mix (``next_fn``: its fn; None: no mix
-    follows) from the same launch where ``mhc.expand_partials_apply`` says so; else None for them."""
-    if (next_fn is not None and USE_MHC_FUSED and C.dtype == torch.float32 and _mhc_kernels_apply(X)
-            and _mix_from_streams(X, next_fn)):
+    X's dtype, from what the expand that wrote X computed of them (``hc_expand_into``)."""
+    if handoff is not None and handoff.x is not None:
+        return handoff.mix, handoff.x
+    if handoff is not None and handoff.part is not None:
         from .kernels import mhc
-        if mhc.expand_partials_apply(X, next_fn):
-            return mhc.mhc_expand_partials(X, f, post, C, next_fn)
+        K = X.shape[1] * X.shape[2]
+        if _norm_rope_kernel_applies(X) and X.dtype in (torch.float32, torch.bfloat16):
+            mix, x = mhc.mhc_mix_collapse_norm(handoff.part, X, sub.scale, sub.base, sub.norm.weight,
+                                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
+                                               sub.norm.eps, X.dtype)
+            return HCMix(*mix), x
+        mix = HCMix(*mhc.mhc_mix_finalize(handoff.part, K, sub.scale, sub.base, cfg.hc_mult,
+                                          cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps))
+    else:
+        mix = hc_mix_weights(cfg, X, sub.fn, sub.scale, sub.base)
+    return mix, hc_collapse_norm(X, mix.pre, sub.norm, X.dtype)
+
+
+def hc_expand_into(cfg: DSV4Config, X: torch.Tensor, f: torch.Tensor, mix: HCMix, nxt: Optional[SublayerMix],
+                   tickets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[HCHandoff]]:
+    """``hc_expand`` of a sub-layer's output f, and what the same launch can compute of the next
+    sub-layer's mix (``nxt``: its parameters; None: no mix follows): on CUDA at decode sizes the
+    mix's split-K partials (``mhc.expand_partials_apply``), and up to
+    ``MHC_ONE_LAUNCH_MAX_TOKENS`` tokens, given ``tickets`` (the boundary's int32 counters), the
+    mix and the sub-layer's input too (``mhc.mhc_expand_boundary``)."""
+    post, C = mix.post, mix.C
+    if (nxt is not None and USE_MHC_FUSED and C.dtype == torch.float32 and _mhc_kernels_apply(X)
+            and _mix_from_streams(X, nxt.fn)):
+        from .kernels import mhc
+        if mhc.expand_partials_apply(X, nxt.fn):
+            if (tickets is not None and X.shape[0] <= MHC_ONE_LAUNCH_MAX_TOKENS
+                    and _norm_rope_kernel_applies(X) and X.dtype in (torch.float32, torch.bfloat16)):
+                X, nmix, x = mhc.mhc_expand_boundary(X, f, post, C, nxt.fn, nxt.scale, nxt.base, nxt.norm.weight,
+                                                     tickets, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+                                                     cfg.rms_norm_eps, nxt.norm.eps)
+                return X, HCHandoff(mix=HCMix(*nmix), x=x)
+            X, part = mhc.mhc_expand_partials(X, f, post, C, nxt.fn)
+            return X, HCHandoff(part=part)
     return hc_expand(X, f, post, C), None
 
 
@@ -782,7 +820,7 @@ class Block(nn.Module):
         super().__init__()
         hc, D = cfg.hc_mult, cfg.hidden_size
         n_mix = hc * (2 + hc)
-        self.cfg = cfg
+        self.cfg, self.layer_id = cfg, layer_id
         for sub in ("attn", "ffn"):
             self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.empty(n_mix, hc * D), requires_grad=False))
             self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.empty(n_mix), requires_grad=False))
@@ -792,32 +830,47 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer_id, ratio, quantized)
         self.ffn = MoE(cfg, hash_routed, quantized)
 
+    def sublayer_mix(self, sub: str) -> SublayerMix:
+        """The mHC parameters of sub-layer ``sub`` ("attn" or "ffn")."""
+        return SublayerMix(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                           getattr(self, f"hc_{sub}_base"), getattr(self, f"{sub}_norm"))
+
     def forward(self, X, input_ids, positions, backend, meta, carry: Optional["HCCarry"] = None):
-        """Streams ``X [T, hc, D]`` -> the block's new streams. ``carry`` (DSV4Model.forward): the
-        attention mix's split-K partials of X where the block before computed them, replaced by the
-        next block's (``hc_expand_partials``)."""
+        """Streams ``X [T, hc, D]`` -> the block's new streams. ``carry`` (DSV4Model.forward): what
+        the block before computed of this block's attention mix, replaced by what this block's last
+        expand computes of the next block's (``hc_expand_into``)."""
         cfg = self.cfg
-        part = carry.part if carry is not None else None
-        mix, x = hc_sublayer_input(cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm, part)
+        attn, ffn = self.sublayer_mix("attn"), self.sublayer_mix("ffn")
+        mix, x = hc_sublayer_input(cfg, X, attn, carry.handoff if carry is not None else None)
         f = self.attn(x, positions, backend, meta)
-        X, part = hc_expand_partials(X, f, mix.post, mix.C, self.hc_ffn_fn)
-        mix, x = hc_sublayer_input(cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm, part)
+        X, handoff = hc_expand_into(cfg, X, f, mix, ffn, carry.tickets_for(self.layer_id, 0) if carry else None)
+        mix, x = hc_sublayer_input(cfg, X, ffn, handoff)
         f = self.ffn(x, input_ids)
-        X, part = hc_expand_partials(X, f, mix.post, mix.C, carry.next_fn if carry is not None else None)
-        if carry is not None:
-            carry.part = part
+        if carry is None:
+            return hc_expand_into(cfg, X, f, mix, None)[0]
+        X, carry.handoff = hc_expand_into(cfg, X, f, mix, carry.next, carry.tickets_for(self.layer_id, 1))
         return X
 
 
 class HCCarry:
-    """What one block hands the next across their boundary: ``part``, the split-K partials of the
-    streams it returns for the next block's attention mix (None: not computed), and ``next_fn``,
-    that mix's fn, which the block's last expand multiplies into ``part``."""
-    __slots__ = ("part", "next_fn")
+    """What one block hands the next across their boundary: ``handoff``, what the block's last
+    expand computed of the next block's attention mix (None: nothing), ``next``, that mix's
+    parameters, and ``tickets``: int32 counters, ``TICKETS_PER_BOUNDARY`` for each of the step's
+    boundaries (``mhc.mhc_expand_boundary``; None: none, that boundary takes two launches)."""
+    __slots__ = ("handoff", "next", "tickets")
+    TICKETS_PER_BOUNDARY = 4
 
-    def __init__(self) -> None:
-        self.part: Optional[torch.Tensor] = None
-        self.next_fn: Optional[torch.Tensor] = None
+    def __init__(self, tickets: Optional[torch.Tensor] = None) -> None:
+        self.handoff: Optional[HCHandoff] = None
+        self.next: Optional[SublayerMix] = None
+        self.tickets = tickets
+
+    def tickets_for(self, layer: int, sub: int) -> Optional[torch.Tensor]:
+        """Boundary ``sub`` (0: after the attention, 1: after the MoE) of layer ``layer``'s counters."""
+        if self.tickets is None:
+            return None
+        i = (2 * layer + sub) * self.TICKETS_PER_BOUNDARY
+        return self.tickets[i:i + self.TICKETS_PER_BOUNDARY]
 
 
 def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch.Tensor:
@@ -918,6 +971,9 @@ class DSV4Model(nn.Module):
                     mod.fp4 = Fp4ExpertStack(mod.experts, device)
                 elif isinstance(mod, MoE):
                     mod.stack_experts(specs[f"{mod_name}.experts.0.w1.weight"].dtype, device)
+        # the counters of the one-launch mHC boundaries (HCCarry), zero between launches
+        self.hc_tickets = torch.zeros(2 * len(self.layers) * HCCarry.TICKETS_PER_BOUNDARY, dtype=torch.int32,
+                                      device=device)
         if rows:
             for mod in self.modules():
                 if isinstance(mod, Attention):
@@ -959,9 +1015,9 @@ class DSV4Model(nn.Module):
         returns the final mHC streams ``[T, hc, D]`` (feed rows of it to :meth:`logits`)."""
         x = self.embed(input_ids).to(self.dtype)
         X = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
-        carry, n = HCCarry(), len(self.layers)
+        carry, n = HCCarry(self.hc_tickets), len(self.layers)
         for i, layer in enumerate(self.layers):
-            carry.next_fn = self.layers[i + 1].hc_attn_fn if i + 1 < n else None
+            carry.next = self.layers[i + 1].sublayer_mix("attn") if i + 1 < n else None
             X = layer(X, input_ids, positions, backend, meta, carry)
         return X
 

@@ -77,13 +77,15 @@ def _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC: tl.const
     j_ok = j < HC
     pre = _gate(a_pre, tl.load(scale_ptr).to(tl.float32), base_ptr, j, j_ok) + eps
     tl.store(pre_ptr + t64[:, None] * HC + j[None, :], pre, mask=t_ok[:, None] & j_ok[None, :])
+    return pre
 
 
 @triton.jit
 def _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps,
                HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr):
-    """pre, post and C of tokens t64 [BT] from their logits a_pre, a_post [BT, HCP], x [BT, HCP, HCP]."""
-    _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
+    """pre, post and C of tokens t64 [BT] from their logits a_pre, a_post [BT, HCP], x [BT, HCP, HCP];
+    returns pre [BT, HCP] (padded entries undefined)."""
+    pre = _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
     j = tl.arange(0, HCP)
     j_ok = j < HC
     post = 2.0 * _gate(a_post, tl.load(scale_ptr + 1).to(tl.float32), base_ptr + HC, j, j_ok)
@@ -92,6 +94,7 @@ def _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_p
     ok3 = t_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
     out3 = t64[:, None, None] * (HC * HC) + (j[:, None] * HC + j[None, :])[None, :, :]
     tl.store(c_ptr + out3, C, mask=ok3)
+    return pre
 
 
 @triton.jit
@@ -189,30 +192,46 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: t
 
 
 @triton.jit
-def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
-                              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
-                              SP: tl.constexpr, PRE_ONLY: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    # one program per token: its S partials are loaded as one [SP, ...] tile and summed by tl.sum,
-    # a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
-    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]
+def _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
+              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr, SP: tl.constexpr,
+              PRE_ONLY: tl.constexpr):
+    """Token t64's ([1]) mix from its S split-K partials: they are loaded as one [SP, ...] tile
+    and summed by tl.sum, a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what
+    _mix_kernel does. Returns pre [1, HCP]. The loads bypass L1 (``.cg``): in the boundary's
+    last program (``_expand_partial_kernel``) other programs wrote the partials."""
     t_ok = t64 < T
     s = tl.arange(0, SP)
     s_ok = s < S
     srow = part_ptr + t64 * S * (N + 1) + s * (N + 1)                      # [SP]
-    r = tl.rsqrt(tl.sum(tl.load(srow + N, mask=s_ok, other=0.0), axis=0) / K + rms_eps)
+    ssq = tl.load(srow + N, mask=s_ok & t_ok, other=0.0, cache_modifier=".cg")
+    r = tl.rsqrt(tl.sum(ssq, axis=0) / K + rms_eps)
     j = tl.arange(0, HCP)
     j_ok = j < HC
-    ok2 = s_ok[:, None] & j_ok[None, :]
-    a_pre = tl.sum(tl.load(srow[:, None] + j[None, :], mask=ok2, other=0.0), axis=0, keep_dims=True) * r
+    ok2 = s_ok[:, None] & j_ok[None, :] & t_ok
+    a_pre = tl.sum(tl.load(srow[:, None] + j[None, :], mask=ok2, other=0.0, cache_modifier=".cg"),
+                   axis=0, keep_dims=True) * r
     if PRE_ONLY:
-        _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
+        pre = _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
     else:
-        a_post = tl.sum(tl.load(srow[:, None] + HC + j[None, :], mask=ok2, other=0.0), axis=0, keep_dims=True) * r
+        a_post = tl.sum(tl.load(srow[:, None] + HC + j[None, :], mask=ok2, other=0.0, cache_modifier=".cg"),
+                        axis=0, keep_dims=True) * r
         col = 2 * HC + j[:, None] * HC + j[None, :]                        # [HCP, HCP]
-        ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
-        x = tl.sum(tl.load(srow[:, None, None] + col[None, :, :], mask=ok3, other=0.0), axis=0, keep_dims=True) * r
-        _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
+        ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :] & t_ok
+        x = tl.sum(tl.load(srow[:, None, None] + col[None, :, :], mask=ok3, other=0.0, cache_modifier=".cg"),
+                   axis=0, keep_dims=True) * r
+        pre = _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps,
+                         HC, HCP, ITERS)
+    return pre
+
+
+@triton.jit
+def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
+                              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
+                              SP: tl.constexpr, PRE_ONLY: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
+    _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
+              N, HC, HCP, ITERS, SP, PRE_ONLY)
 
 
 def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, what: str) -> None:
@@ -408,9 +427,13 @@ def _expand_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
 
 @triton.jit
 def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, T, D, S,
+                           ticket_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, w_ptr, y_ptr,
+                           eps, rms_eps, norm_eps,
                            HC: tl.constexpr, HCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
                            CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
-                           ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+                           ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, TAIL: tl.constexpr,
+                           ITERS: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
+                           NORM_ROUND_BF16: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # program (i, s): the new streams' chunk s of K = hc D (stream k, columns d; D % CHUNK == 0) for
     # tokens [i BLOCK_T, (i + 1) BLOCK_T), as _expand_kernel computes and stores them, then the next
@@ -442,6 +465,23 @@ def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_
     tl.store(out_ptr + t64[:, None] * K + k * D + d[None, :], y, mask=t_ok[:, None])
     x = y.to(tl.float32)                                                    # the stream as stored
     _store_partials(x, w, part_ptr, t64, t_ok, s, S, n, n_ok, N, DOT)
+    if TAIL:
+        # The boundary's last program of this token block finalizes the next mix and writes the
+        # next sub-layer's input (_mix_collapse_norm_kernel's arithmetic), so that no launch follows.
+        # Every program's stores are ordered before its ticket by the barrier and the ticket's
+        # release; the program that draws the last ticket acquires them all. It also puts the
+        # counter back to 0 for the next launch (the kernel's completion publishes that store).
+        tl.debug_barrier()
+        i = tl.program_id(0)
+        ticket = tl.atomic_add(ticket_ptr + i, 1, sem="acq_rel", scope="gpu")
+        if ticket == S - 1:
+            tl.store(ticket_ptr + i, 0)
+            for tt in tl.static_range(BLOCK_T):
+                t1 = (i * BLOCK_T + tt + tl.zeros([1], dtype=tl.int32)).to(tl.int64)   # [1]
+                pre = _finalize(part_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, t1, T, S, K, eps,
+                                rms_eps, N, HC, HCP, ITERS, SP, False)
+                _collapse_norm_row(out_ptr, pre, w_ptr, y_ptr, t1, T, D, norm_eps, HC, HCP, BLOCK_D,
+                                   NORM_ROUND_BF16, NATIVE)
 
 
 def _check_expand_args(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor, what: str) -> None:
@@ -483,12 +523,31 @@ def mhc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C:
     out = torch.empty_like(X)
     part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
     if T:
-        _expand_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
-            X, f.contiguous(), post.contiguous(), C.contiguous(), out, fn, part, T, D, S,
-            HC=hc, HCP=triton.next_power_of_2(hc), N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk,
-            BLOCK_T=launch.block_t, DOT=launch.dot, ROUND_BF16=X.dtype == torch.bfloat16 and not native(),
-            NATIVE=native(), num_warps=launch.num_warps, **pdl.args(X.device))
+        _launch_expand_partials(X, f, post, C, fn, out, part, launch, None)
     return out, part
+
+
+def _launch_expand_partials(X, f, post, C, fn, out, part, launch: MixLaunch, tail):
+    """``_expand_partial_kernel`` over (token blocks, S chunks); ``tail``: None, or (tickets,
+    scale, base, MixWeights out, weight, y out, iters, hc_eps, rms_eps, norm_eps) for the last
+    program's finalize + collapse + norm (``mhc_expand_boundary``)."""
+    T, hc, D = X.shape
+    N, S = fn.shape[0], part.shape[1]
+    if tail is None:
+        dummy = part
+        targs = (dummy,) * 8 + (0.0, 0.0, 0.0)
+        kw = dict(TAIL=False, ITERS=1, SP=1, BLOCK_D=1, NORM_ROUND_BF16=False)
+    else:
+        tickets, scale, base, mix, weight, y, iters, hc_eps, rms_eps, norm_eps = tail
+        targs = (tickets, scale.contiguous(), base.contiguous(), mix.pre, mix.post, mix.C, weight, y,
+                 float(hc_eps), float(rms_eps), float(norm_eps))
+        kw = dict(TAIL=True, ITERS=iters, SP=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+                  NORM_ROUND_BF16=y.dtype == torch.bfloat16 and not native())
+    _expand_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
+        X, f.contiguous(), post.contiguous(), C.contiguous(), out, fn, part, T, D, S, *targs,
+        HC=hc, HCP=triton.next_power_of_2(hc), N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk,
+        BLOCK_T=launch.block_t, DOT=launch.dot, ROUND_BF16=X.dtype == torch.bfloat16 and not native(),
+        NATIVE=native(), num_warps=launch.num_warps, **kw, **pdl.args(X.device))
 
 
 def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
@@ -528,10 +587,44 @@ def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constex
     for j in tl.static_range(HC):
         p = tl.load(pre_ptr + t * HC + j)
         y += p * tl.load(x_ptr + (t * HC + j) * D + d, mask=ok, other=0.0).to(tl.float32)
+    _norm_store(y, w_ptr, out_ptr + t * D, d, ok, D, eps, ROUND_BF16, NATIVE)
+
+
+@triton.jit
+def _norm_store(y, w_ptr, out_row, d, ok, D, eps, ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """``RMSNorm(y) * w`` of one token's collapsed streams y [BLOCK_D] (fp32), stored at out_row."""
     y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
         y = round_bf16(y, NATIVE)
-    tl.store(out_ptr + t * D + d, y.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_row + d, y.to(out_row.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _collapse_norm_row(x_ptr, pre, w_ptr, out_ptr, t64, T, D, eps, HC: tl.constexpr, HCP: tl.constexpr,
+                       BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """``_collapse_norm_kernel``'s arithmetic for token t64 ([1]) with its pre [1, HCP] in registers
+    (each pre_j taken out by a sum of it and zeros: exact), the streams loaded past L1 (``.cg``:
+    in the boundary's last program other programs wrote them)."""
+    d = tl.arange(0, BLOCK_D)
+    ok = (d < D) & (t64 < T)                                                # [BLOCK_D]
+    jj = tl.arange(0, HCP)
+    y = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(HC):
+        p = tl.sum(tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1), axis=0)
+        y += p * tl.load(x_ptr + (t64 * HC + j) * D + d, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    _norm_store(y, w_ptr, out_ptr + t64 * D, d, ok, D, eps, ROUND_BF16, NATIVE)
+
+
+@triton.jit
+def _mix_collapse_norm_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, x_ptr, w_ptr, out_ptr,
+                              T, S, K, D, eps, rms_eps, norm_eps, N: tl.constexpr, HC: tl.constexpr,
+                              HCP: tl.constexpr, ITERS: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
+                              ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
+    pre = _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
+                    N, HC, HCP, ITERS, SP, False)
+    _collapse_norm_row(x_ptr, pre, w_ptr, out_ptr, t64, T, D, norm_eps, HC, HCP, BLOCK_D, ROUND_BF16, NATIVE)
 
 
 def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -556,3 +649,92 @@ def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, 
                                     num_warps=8 if block >= 2048 else 4, **pdl.args(X.device))
     return out
 
+
+
+# ---- a sub-layer boundary in fewer launches -------------------------------------------------
+
+def _check_norm(X: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, what: str) -> None:
+    D = X.shape[2]
+    if weight.shape != (D,):
+        raise ValueError(f"{what}: weight must be [{D}], got {tuple(weight.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{what}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+
+
+def mhc_mix_collapse_norm(part: torch.Tensor, X: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                          weight: torch.Tensor, sinkhorn_iters: int, hc_eps: float, rms_eps: float,
+                          norm_eps: float, out_dtype: torch.dtype,
+                          num_warps: int = 4) -> tuple[MixWeights, torch.Tensor]:
+    """``mhc_mix_finalize`` then ``mhc_collapse_norm`` in one launch, one program per token: the
+    mix of streams X [T, hc, D] from their split-K partials ``part`` fp32 [T, S, hc (2 + hc) + 1],
+    and the sub-layer's input ``RMSNorm(sum_j pre_j X_j) * weight`` from the pre in registers.
+    Under the interpreter the same bits as the two launches. On a GPU the sums (the partials', the
+    norm's squares) run on ``num_warps`` warps, in another order than the finalize's one warp and
+    the collapse's eight (within their fp32 bounds); the default 4 is the warps of
+    ``mhc_expand_boundary``'s launch at one or two tokens, whose last program runs this same code
+    (``tests/test_mhc_kernel.py`` checks the two paths give the same bits on CUDA)."""
+    _check_streams(X, "mhc_mix_collapse_norm")
+    T, hc, D = X.shape
+    n_mix = hc * (2 + hc)
+    if (part.dim() != 3 or part.shape[0] != T or part.shape[2] != n_mix + 1 or part.dtype != torch.float32
+            or not part.is_contiguous()):
+        raise ValueError(f"mhc_mix_collapse_norm: want contiguous fp32 partials [{T}, S, {n_mix + 1}], "
+                         f"got {part.dtype} {tuple(part.shape)}")
+    _check_mix_params(scale, base, n_mix, sinkhorn_iters, "mhc_mix_collapse_norm")
+    _check_norm(X, weight, out_dtype, "mhc_mix_collapse_norm")
+    check_device(part, X, scale, base, weight)
+    pre, post, C = _empty_mix(T, hc, X.device)
+    y = torch.empty(T, D, dtype=out_dtype, device=X.device)
+    if T:
+        S, block = part.shape[1], triton.next_power_of_2(D)
+        _mix_collapse_norm_kernel[(T,)](
+            part, scale.contiguous(), base.contiguous(), pre, post, C, X, weight, y, T, S, hc * D, D,
+            float(hc_eps), float(rms_eps), float(norm_eps), N=n_mix, HC=hc, HCP=triton.next_power_of_2(hc),
+            ITERS=sinkhorn_iters, SP=triton.next_power_of_2(S), BLOCK_D=block,
+            ROUND_BF16=out_dtype == torch.bfloat16 and not native(), NATIVE=native(),
+            num_warps=num_warps, **pdl.args(X.device))
+    return MixWeights(pre, post, C), y
+
+
+def boundary_tickets(T: int, N: int) -> int:
+    """How many int32 counters ``mhc_expand_boundary`` uses at T tokens of N mix logits (one a
+    token block of its launch)."""
+    return triton.cdiv(T, mix_launch(T, N).block_t)
+
+
+def mhc_expand_boundary(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
+                        fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, weight: torch.Tensor,
+                        tickets: torch.Tensor, sinkhorn_iters: int, hc_eps: float, rms_eps: float,
+                        norm_eps: float) -> tuple[torch.Tensor, MixWeights, torch.Tensor]:
+    """A whole sub-layer boundary in one launch: ``mhc_expand_partials`` (the new streams and the
+    next mix's split-K partials), then, in the last program of each token block to finish (an
+    atomic ticket: ``tickets`` int32, ``boundary_tickets`` of them, zero before the launch and
+    left zero after), ``mhc_mix_collapse_norm``'s finalize, collapse and norm. Returns (new
+    streams [T, hc, D] in X's dtype, the next mix, the next sub-layer's input [T, D] in X's
+    dtype). That program works through its block's tokens one after another, so this pays at a
+    token or two (``model.MHC_ONE_LAUNCH_MAX_TOKENS``). The same values as ``mhc_expand_partials``
+    + ``mhc_mix_collapse_norm`` (bit for bit under the interpreter)."""
+    _check_streams(X, "mhc_expand_boundary")
+    T, hc, D = X.shape
+    N = fn.shape[0]
+    launch = mix_launch(T, N)
+    _check_stream_logits(X, fn, N, launch.chunk, "mhc_expand_boundary")
+    if D % launch.chunk:
+        raise ValueError(f"mhc_expand_boundary: D={D} must be a multiple of the chunk {launch.chunk}")
+    _check_expand_args(X, f, post, C, "mhc_expand_boundary")
+    _check_mix_params(scale, base, N, sinkhorn_iters, "mhc_expand_boundary")
+    _check_norm(X, weight, X.dtype, "mhc_expand_boundary")
+    need = boundary_tickets(T, N)
+    if tickets.dtype != torch.int32 or tickets.dim() != 1 or tickets.numel() < need:
+        raise ValueError(f"mhc_expand_boundary: tickets must be int32 [>= {need}], "
+                         f"got {tickets.dtype} {tuple(tickets.shape)}")
+    check_device(X, f, post, C, fn, scale, base, weight, tickets)
+    S = hc * D // launch.chunk
+    out = torch.empty_like(X)
+    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
+    mix = _empty_mix(T, hc, X.device)
+    y = torch.empty(T, D, dtype=X.dtype, device=X.device)
+    if T:
+        _launch_expand_partials(X, f, post, C, fn, out, part, launch,
+                                (tickets, scale, base, mix, weight, y, sinkhorn_iters, hc_eps, rms_eps, norm_eps))
+    return out, mix, y

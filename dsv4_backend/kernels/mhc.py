@@ -197,8 +197,8 @@ def _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S
               PRE_ONLY: tl.constexpr):
     """Token t64's ([1]) mix from its S split-K partials: they are loaded as one [SP, ...] tile
     and summed by tl.sum, a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what
-    _mix_kernel does. Returns pre [1, HCP]. The loads bypass L1 (``.cg``): in the boundary's
-    last program (``_expand_partial_kernel``) other programs wrote the partials."""
+    _mix_kernel does. The loads bypass L1 (``.cg``): in a boundary's last program
+    (``_expand_partial_kernel``) other programs wrote the partials."""
     t_ok = t64 < T
     s = tl.arange(0, SP)
     s_ok = s < S
@@ -211,7 +211,7 @@ def _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S
     a_pre = tl.sum(tl.load(srow[:, None] + j[None, :], mask=ok2, other=0.0, cache_modifier=".cg"),
                    axis=0, keep_dims=True) * r
     if PRE_ONLY:
-        pre = _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
+        _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
     else:
         a_post = tl.sum(tl.load(srow[:, None] + HC + j[None, :], mask=ok2, other=0.0, cache_modifier=".cg"),
                         axis=0, keep_dims=True) * r
@@ -219,9 +219,7 @@ def _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S
         ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :] & t_ok
         x = tl.sum(tl.load(srow[:, None, None] + col[None, :, :], mask=ok3, other=0.0, cache_modifier=".cg"),
                    axis=0, keep_dims=True) * r
-        pre = _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps,
-                         HC, HCP, ITERS)
-    return pre
+        _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
 
 
 @triton.jit
@@ -478,9 +476,10 @@ def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_
             tl.store(ticket_ptr + i, 0)
             for tt in tl.static_range(BLOCK_T):
                 t1 = (i * BLOCK_T + tt + tl.zeros([1], dtype=tl.int32)).to(tl.int64)   # [1]
-                pre = _finalize(part_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, t1, T, S, K, eps,
-                                rms_eps, N, HC, HCP, ITERS, SP, False)
-                _collapse_norm_row(out_ptr, pre, w_ptr, y_ptr, t1, T, D, norm_eps, HC, HCP, BLOCK_D,
+                _finalize(part_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, t1, T, S, K, eps, rms_eps,
+                          N, HC, HCP, ITERS, SP, False)
+                tl.debug_barrier()   # the pre just stored, for every thread of the program
+                _collapse_norm_row(out_ptr, pre2_ptr, w_ptr, y_ptr, t1, T, D, norm_eps, HC, BLOCK_D,
                                    NORM_ROUND_BF16, NATIVE)
 
 
@@ -577,42 +576,29 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
 
 
 @triton.jit
-def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                          ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    t = tl.program_id(0).to(tl.int64)
+def _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
+    """``RMSNorm(sum_j pre[t, j] X[t, j]) * w`` of token t64 (a scalar or [1]), the sum in j's
+    order. The streams are loaded past L1 (``.cg``: in a boundary's last program other programs
+    wrote them)."""
     d = tl.arange(0, BLOCK_D)
-    ok = d < D
+    ok = (d < D) & (t64 < T)                                                # [BLOCK_D]
     y = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(HC):
-        p = tl.load(pre_ptr + t * HC + j)
-        y += p * tl.load(x_ptr + (t * HC + j) * D + d, mask=ok, other=0.0).to(tl.float32)
-    _norm_store(y, w_ptr, out_ptr + t * D, d, ok, D, eps, ROUND_BF16, NATIVE)
-
-
-@triton.jit
-def _norm_store(y, w_ptr, out_row, d, ok, D, eps, ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
-    """``RMSNorm(y) * w`` of one token's collapsed streams y [BLOCK_D] (fp32), stored at out_row."""
+        p = tl.load(pre_ptr + t64 * HC + j, mask=t64 < T, other=0.0)
+        y += p * tl.load(x_ptr + (t64 * HC + j) * D + d, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
         y = round_bf16(y, NATIVE)
-    tl.store(out_row + d, y.to(out_row.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + t64 * D + d, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _collapse_norm_row(x_ptr, pre, w_ptr, out_ptr, t64, T, D, eps, HC: tl.constexpr, HCP: tl.constexpr,
-                       BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
-    """``_collapse_norm_kernel``'s arithmetic for token t64 ([1]) with its pre [1, HCP] in registers
-    (each pre_j taken out by a sum of it and zeros: exact), the streams loaded past L1 (``.cg``:
-    in the boundary's last program other programs wrote them)."""
-    d = tl.arange(0, BLOCK_D)
-    ok = (d < D) & (t64 < T)                                                # [BLOCK_D]
-    jj = tl.arange(0, HCP)
-    y = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j in tl.static_range(HC):
-        p = tl.sum(tl.sum(tl.where(jj[None, :] == j, pre, 0.0), axis=1), axis=0)
-        y += p * tl.load(x_ptr + (t64 * HC + j) * D + d, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    _norm_store(y, w_ptr, out_ptr + t64 * D, d, ok, D, eps, ROUND_BF16, NATIVE)
+def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, T, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64), T, D, eps, HC, BLOCK_D,
+                       ROUND_BF16, NATIVE)
 
 
 @triton.jit
@@ -622,9 +608,10 @@ def _mix_collapse_norm_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
                               ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
-    pre = _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-                    N, HC, HCP, ITERS, SP, False)
-    _collapse_norm_row(x_ptr, pre, w_ptr, out_ptr, t64, T, D, norm_eps, HC, HCP, BLOCK_D, ROUND_BF16, NATIVE)
+    _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
+              N, HC, HCP, ITERS, SP, False)
+    tl.debug_barrier()   # the pre just stored, for every thread of the program
+    _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, norm_eps, HC, BLOCK_D, ROUND_BF16, NATIVE)
 
 
 def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -644,7 +631,7 @@ def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty(T, D, dtype=out_dtype, device=X.device)
     if T:
         block = triton.next_power_of_2(D)
-        _collapse_norm_kernel[(T,)](X, pre.contiguous(), weight, out, D, float(eps), HC=hc, BLOCK_D=block,
+        _collapse_norm_kernel[(T,)](X, pre.contiguous(), weight, out, T, D, float(eps), HC=hc, BLOCK_D=block,
                                     ROUND_BF16=out_dtype == torch.bfloat16 and not native(), NATIVE=native(),
                                     num_warps=8 if block >= 2048 else 4, **pdl.args(X.device))
     return out

@@ -406,6 +406,9 @@ class Gate(nn.Module):
             self.bias = None
         else:
             self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts), requires_grad=False)
+        # int32 counters for the select inside the scores launch (moe_gate's tickets); set on CUDA
+        # by DSV4Model._place, zero between launches
+        self.tickets: Optional[torch.Tensor] = None
 
     def kernel_applies(self, x: torch.Tensor) -> bool:
         """Whether ``forward`` runs the gate kernels (``kernels/moe_gate.py``) on ``x``."""
@@ -418,7 +421,7 @@ class Gate(nn.Module):
             from .kernels.moe_gate import moe_gate
             return moe_gate(x.contiguous(), self.weight, self.bias, self.topk, self.scale,
                             getattr(self, "tid2eid", None) if self.bias is None else None, input_ids,
-                            quantize=quantize)
+                            quantize=quantize, tickets=self.tickets if USE_GATE_ONE_LAUNCH else None)
         if quantize:
             raise ValueError("Gate.forward: quantize needs the gate kernels (Gate.kernel_applies)")
         h = x.to(hi_dtype(x.dtype))
@@ -614,6 +617,9 @@ GATE_KERNEL_MAX_TOKENS = 64
 # With the FP4 MMA experts and their fused shared expert, the gate's launch also rounds x to e4m3
 # for them (moe_gate(quantize=True)); DSV4_GATE_QUANT=0 leaves it to fp4_moe_mma's own act-quant.
 USE_GATE_QUANT = os.environ.get("DSV4_GATE_QUANT", "1") != "0"
+# Each token's last scores program runs its top-k (moe_gate's tickets): one launch where there
+# were two; DSV4_GATE_ONE_LAUNCH=0 keeps the select's own launch.
+USE_GATE_ONE_LAUNCH = os.environ.get("DSV4_GATE_ONE_LAUNCH", "1") != "0"
 MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "24"))
 # A quantised MoE's shared expert runs inside the FP4 experts' decode launches (one act-quant of
 # x, its SwiGLU in the routed SwiGLU + act-quant kernel, its down projection summed in the routed
@@ -974,6 +980,10 @@ class DSV4Model(nn.Module):
         # the counters of the one-launch mHC boundaries (HCCarry), zero between launches
         self.hc_tickets = torch.zeros(2 * len(self.layers) * HCCarry.TICKETS_PER_BOUNDARY, dtype=torch.int32,
                                       device=device)
+        if device.type == "cuda":      # the gate kernels' counters (Gate.tickets)
+            for mod in self.modules():
+                if isinstance(mod, Gate):
+                    mod.tickets = torch.zeros(GATE_KERNEL_MAX_TOKENS, dtype=torch.int32, device=device)
         if rows:
             for mod in self.modules():
                 if isinstance(mod, Attention):

@@ -6,9 +6,11 @@
 #                                              in its scores launch, with their Engine checks), the decode graphs against eager (gpu_graph_check.py), then
 #                                              wo_a -> wo_b chained as in the model (probe_fp8_row_gemv.py --chain)
 #   bash bench/gpu_session_s22.sh $OUT ab      the 11-layer model at 4K x 1 / 32 with (DSV4_NORM_PAIR_STORE,
-#                                              DSV4_MHC_ONE_LAUNCH_MAX_TOKENS, DSV4_GATE_ONE_LAUNCH) = AB (default
-#                                              list: 0 0 0, 0 2 1, 1 2 1), a timeline of the last
-#   bash bench/gpu_session_s22.sh $OUT short   the check's tests, then ab with AB=000 021 (device time was short)
+#                                              DSV4_MHC_FINALIZE_NORM, DSV4_MHC_ONE_LAUNCH_MAX_TOKENS,
+#                                              DSV4_GATE_ONE_LAUNCH) = AB (default list: 0000 0100 0121 1121),
+#                                              a timeline of the last
+#   bash bench/gpu_session_s22.sh $OUT short   the check's tests, then ab with AB="0000 0121"
+# (written in session 22, when no GPU was lent: none of it has run yet)
 #   bash bench/gpu_session_s22.sh $OUT table   gpu_session_s21.sh's table (issue 13's on an H200)
 set -uo pipefail
 OUT=${1:?output directory}
@@ -21,21 +23,22 @@ if [ "$WHICH" = check ] || [ "$WHICH" = short ]; then
     -k "cuda or engine or pair or scaled or one_launch or select"
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -n 20 | cut -c1-300
 fi
-if [ "$WHICH" = short ]; then WHICH=ab; AB=${AB:-000 021}; fi
+if [ "$WHICH" = short ]; then WHICH=ab; AB=${AB:-0000 0121}; fi
 if [ "$WHICH" = check ]; then
   part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"; tail -n 2 "$OUT/graph.log"
   part 120 chain python3 bench/probe_fp8_row_gemv.py --chain --out "$OUT/chain.json"
   cut -c1-160 "$OUT/chain.log" | tail -n 40
 fi
 if [ "$WHICH" = ab ]; then
-  set -- ${AB:-000 021 121}
+  set -- ${AB:-0000 0100 0121 1121}
   i=0
   for e in "$@"; do
     i=$((i + 1)); tl=""; [ "$i" = "$#" ] && tl="--timeline 3"
-    DSV4_NORM_PAIR_STORE=${e:0:1} DSV4_MHC_ONE_LAUNCH_MAX_TOKENS=${e:1:1} DSV4_GATE_ONE_LAUNCH=${e:2:1} part 130 "ab_$i" \
+    DSV4_NORM_PAIR_STORE=${e:0:1} DSV4_MHC_FINALIZE_NORM=${e:1:1} DSV4_MHC_ONE_LAUNCH_MAX_TOKENS=${e:2:1} \
+      DSV4_GATE_ONE_LAUNCH=${e:3:1} part 130 "ab_$i" \
       python3 bench/bench_quant_model.py --layers 11 --contexts 4096 --batches 1,32 --skip-kernels --steps 10 \
       --prefill-max-seconds 1 --time-budget 110 $tl --out "$OUT/ab_$i.json"
-    echo "NORM_PAIR_STORE, MHC_ONE_LAUNCH_MAX_TOKENS, GATE_ONE_LAUNCH = $e:"
+    echo "NORM_PAIR_STORE, MHC_FINALIZE_NORM, MHC_ONE_LAUNCH_MAX_TOKENS, GATE_ONE_LAUNCH = $e:"
     grep "^ *4K\|graph replay\|^per layer" "$OUT/ab_$i.log" | head -n 6 | cut -c1-200
   done
   grep -A 70 "span each adds" "$OUT/ab_$#.log" | head -n 50 | cut -c1-150

@@ -617,9 +617,9 @@ GATE_KERNEL_MAX_TOKENS = 64
 # With the FP4 MMA experts and their fused shared expert, the gate's launch also rounds x to e4m3
 # for them (moe_gate(quantize=True)); DSV4_GATE_QUANT=0 leaves it to fp4_moe_mma's own act-quant.
 USE_GATE_QUANT = os.environ.get("DSV4_GATE_QUANT", "1") != "0"
-# Each token's last scores program runs its top-k (moe_gate's tickets): one launch where there
-# were two; DSV4_GATE_ONE_LAUNCH=0 keeps the select's own launch.
-USE_GATE_ONE_LAUNCH = os.environ.get("DSV4_GATE_ONE_LAUNCH", "1") != "0"
+# DSV4_GATE_ONE_LAUNCH=1: each token's last scores program runs its top-k (moe_gate's tickets),
+# one launch where there were two (session 22; off until a GPU run measures it).
+USE_GATE_ONE_LAUNCH = os.environ.get("DSV4_GATE_ONE_LAUNCH", "0") == "1"
 MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "24"))
 # A quantised MoE's shared expert runs inside the FP4 experts' decode launches (one act-quant of
 # x, its SwiGLU in the routed SwiGLU + act-quant kernel, its down projection summed in the routed
@@ -742,14 +742,17 @@ def hc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, out_dtyp
 
 # At decode sizes (below the mix's tl.dot threshold) a sub-layer boundary's expand on CUDA also
 # computes the next mix's split-K partials of the streams it writes (kernels/mhc.py,
-# mhc_expand_partials), and one launch finalizes that mix and writes the next sub-layer's input
-# (mhc_mix_collapse_norm): two launches where there were four. DSV4_MHC_FUSED=0 keeps the four
-# (A/B timing).
+# mhc_expand_partials): three launches (expand + partials, finalize, collapse + norm) where there
+# were four. DSV4_MHC_FUSED=0 keeps the four (A/B timing).
 USE_MHC_FUSED = os.environ.get("DSV4_MHC_FUSED", "1") != "0"
 
-# Up to this many tokens the whole boundary is one launch (mhc_expand_boundary: the expand's last
-# program to finish does the finalize, collapse and norm); 0 keeps two.
-MHC_ONE_LAUNCH_MAX_TOKENS = int(os.environ.get("DSV4_MHC_ONE_LAUNCH_MAX_TOKENS", "2"))
+# Session 22, not yet run on a GPU (off there until measured; the interpreter tests force them on):
+# DSV4_MHC_FINALIZE_NORM=1: the finalize with the collapse + norm in one launch
+# (mhc_mix_collapse_norm), a boundary in two; DSV4_MHC_ONE_LAUNCH_MAX_TOKENS=n: up to n tokens
+# the whole boundary in one (mhc_expand_boundary: the expand's last program to finish does the
+# finalize, collapse and norm; 2 is the intended value).
+USE_MHC_FINALIZE_NORM = os.environ.get("DSV4_MHC_FINALIZE_NORM", "0") == "1"
+MHC_ONE_LAUNCH_MAX_TOKENS = int(os.environ.get("DSV4_MHC_ONE_LAUNCH_MAX_TOKENS", "0"))
 
 
 class SublayerMix(NamedTuple):
@@ -777,7 +780,7 @@ def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, sub: SublayerMix,
     if handoff is not None and handoff.part is not None:
         from .kernels import mhc
         K = X.shape[1] * X.shape[2]
-        if _norm_rope_kernel_applies(X) and X.dtype in (torch.float32, torch.bfloat16):
+        if USE_MHC_FINALIZE_NORM and _norm_rope_kernel_applies(X) and X.dtype in (torch.float32, torch.bfloat16):
             mix, x = mhc.mhc_mix_collapse_norm(handoff.part, X, sub.scale, sub.base, sub.norm.weight,
                                                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
                                                sub.norm.eps, X.dtype)

@@ -402,12 +402,13 @@ def test_fused_boundary_kernels_reject_bad_inputs():
 @interpreter_only
 def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
     """The tiny model's forward with the mHC kernels on (the CUDA condition forced): the fused
-    boundaries give the same streams, bit for bit, as the separate launches. At one token each
-    boundary is one launch (the expand's last program finalizes the next mix and writes the next
+    boundaries give the same streams, bit for bit, as the separate launches. With the session-22
+    paths on (off by default on a GPU until measured there), at one token each boundary is one launch (the expand's last program finalizes the next mix and writes the next
     sub-layer's input; the last expand of one block feeds the next block's attention), at three
     tokens two (the expand with the next mix's partials, then the finalize with the collapse and
     norm); from the tl.dot threshold (20 tokens) every boundary keeps the separate launches. The
-    one-launch boundaries leave their counters at zero."""
+    one-launch boundaries leave their counters at zero. Without them a boundary below 16 tokens is
+    three launches (the expand with the partials, the finalize, the collapse + norm)."""
     from dsv4_backend.weights import random_weights
 
     class Sublayer(torch.nn.Module):     # an elementwise stand-in for attention / the MoE
@@ -437,19 +438,24 @@ def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
         g = torch.Generator().manual_seed(T)
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
         outs = {}
-        for fused, one in ((True, 2), (True, 0), (False, 2)):
+        for fused, merged, one in ((True, True, 2), (True, True, 0), (True, False, 0), (False, True, 2)):
             monkeypatch.setattr(model_mod, "USE_MHC_FUSED", fused)
+            monkeypatch.setattr(model_mod, "USE_MHC_FINALIZE_NORM", merged)
             monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", one)
             launches.clear()
-            outs[fused, one] = model(ids, torch.arange(T), None, None)
+            outs[fused, merged, one] = model(ids, torch.arange(T), None, None)
             if fused and T <= one:
                 want = {**first, "mhc_expand_boundary": 2 * n - 1}
             elif fused and T < mhc_mod.MIX_DOT_MIN_TOKENS:
-                want = {**first, "mhc_expand_partials": 2 * n - 1, "mhc_mix_collapse_norm": 2 * n - 1}
+                after = "mhc_mix_collapse_norm" if merged else "mhc_mix_finalize"
+                want = {**first, "mhc_expand_partials": 2 * n - 1, after: 2 * n - 1}
+                if not merged:
+                    want["mhc_collapse_norm"] += 2 * n - 1
             else:
                 want = {"mhc_expand": 2 * n, "mhc_mix_from_streams": 2 * n, "mhc_collapse_norm": 2 * n}
-            assert {k: launches.count(k) for k in set(launches)} == want, (T, fused, one, launches)
-        assert torch.equal(outs[True, 2], outs[False, 2]) and torch.equal(outs[True, 0], outs[False, 2])
+            assert {k: launches.count(k) for k in set(launches)} == want, (T, fused, merged, one, launches)
+        base = outs[False, True, 2]
+        assert all(torch.equal(out, base) for out in outs.values())
         assert not model.hc_tickets.any()
 
 
@@ -753,6 +759,7 @@ def test_engine_one_launch_boundaries_equal_two(monkeypatch):
     and logprobs with each mHC boundary in one launch as in two; the counters survive the graph
     replays (each launch leaves them at zero)."""
     from cuda_decode import greedy_decode
+    monkeypatch.setattr(model_mod, "USE_MHC_FINALIZE_NORM", True)
     monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", 0)
     want = greedy_decode()
     monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", 2)

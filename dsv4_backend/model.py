@@ -748,7 +748,10 @@ USE_MHC_FUSED = os.environ.get("DSV4_MHC_FUSED", "1") != "0"
 
 # Session 22, not yet run on a GPU (off there until measured; the interpreter tests force them on):
 # DSV4_MHC_FINALIZE_NORM=1: the finalize with the collapse + norm in one launch
-# (mhc_mix_collapse_norm), a boundary in two; DSV4_MHC_ONE_LAUNCH_MAX_TOKENS=n: up to n tokens
+# (mhc_mix_collapse_norm), a sub-layer's input in two launches at every size the mix comes from
+# the streams (a boundary's expand + partials then the merged launch below 16 tokens; the partials'
+# own launch then the merged one for the step's first input and from 16 tokens);
+# DSV4_MHC_ONE_LAUNCH_MAX_TOKENS=n: up to n tokens
 # the whole boundary in one (mhc_expand_boundary: the expand's last program to finish does the
 # finalize, collapse and norm; 2 is the intended value).
 USE_MHC_FINALIZE_NORM = os.environ.get("DSV4_MHC_FINALIZE_NORM", "0") == "1"
@@ -777,16 +780,19 @@ def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, sub: SublayerMix,
     X's dtype, from what the expand that wrote X computed of them (``hc_expand_into``)."""
     if handoff is not None and handoff.x is not None:
         return handoff.mix, handoff.x
-    if handoff is not None and handoff.part is not None:
+    part = handoff.part if handoff is not None else None
+    if (USE_MHC_FINALIZE_NORM and _mhc_kernels_apply(X) and _norm_rope_kernel_applies(X)
+            and X.dtype in (torch.float32, torch.bfloat16) and (part is not None or _mix_from_streams(X, sub.fn))):
         from .kernels import mhc
-        K = X.shape[1] * X.shape[2]
-        if USE_MHC_FINALIZE_NORM and _norm_rope_kernel_applies(X) and X.dtype in (torch.float32, torch.bfloat16):
-            mix, x = mhc.mhc_mix_collapse_norm(handoff.part, X, sub.scale, sub.base, sub.norm.weight,
-                                               cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
-                                               sub.norm.eps, X.dtype)
-            return HCMix(*mix), x
-        mix = HCMix(*mhc.mhc_mix_finalize(handoff.part, K, sub.scale, sub.base, cfg.hc_mult,
-                                          cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps))
+        if part is None:     # the partials' own launch (the expand that wrote X did not compute them)
+            part = mhc.mhc_mix_partials(X.contiguous(), sub.fn)
+        mix, x = mhc.mhc_mix_collapse_norm(part, X.contiguous(), sub.scale, sub.base, sub.norm.weight,
+                                           cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, sub.norm.eps, X.dtype)
+        return HCMix(*mix), x
+    if part is not None:
+        from .kernels.mhc import mhc_mix_finalize
+        mix = HCMix(*mhc_mix_finalize(part, X.shape[1] * X.shape[2], sub.scale, sub.base, cfg.hc_mult,
+                                      cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps))
     else:
         mix = hc_mix_weights(cfg, X, sub.fn, sub.scale, sub.base)
     return mix, hc_collapse_norm(X, mix.pre, sub.norm, X.dtype)

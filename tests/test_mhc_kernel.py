@@ -408,7 +408,9 @@ def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
     tokens two (the expand with the next mix's partials, then the finalize with the collapse and
     norm); from the tl.dot threshold (20 tokens) every boundary keeps the separate launches. The
     one-launch boundaries leave their counters at zero. Without them a boundary below 16 tokens is
-    three launches (the expand with the partials, the finalize, the collapse + norm)."""
+    three launches (the expand with the partials, the finalize, the collapse + norm). With the
+    merged finalize, an input whose expand left no partials (the step's first, every one from 16
+    tokens) is the partials' launch and the merged one."""
     from dsv4_backend.weights import random_weights
 
     class Sublayer(torch.nn.Module):     # an elementwise stand-in for attention / the MoE
@@ -428,12 +430,11 @@ def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
     monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda t: t.dtype in (torch.float32, torch.bfloat16))
     launches = []
     names = ("mhc_expand_boundary", "mhc_expand_partials", "mhc_mix_collapse_norm", "mhc_mix_finalize",
-             "mhc_mix_from_streams", "mhc_expand", "mhc_collapse_norm")
+             "mhc_mix_from_streams", "mhc_expand", "mhc_collapse_norm", "mhc_mix_partials")
     for name in names:
         real = getattr(mhc_mod, name)
         monkeypatch.setattr(mhc_mod, name, lambda *a, _r=real, _n=name, **k: launches.append(_n) or _r(*a, **k))
     n = len(model.layers)
-    first = {"mhc_mix_from_streams": 1, "mhc_collapse_norm": 1, "mhc_expand": 1}   # the first input, the last expand
     for T in (1, 3, 20):
         g = torch.Generator().manual_seed(T)
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
@@ -444,15 +445,19 @@ def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
             monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", one)
             launches.clear()
             outs[fused, merged, one] = model(ids, torch.arange(T), None, None)
+            # the step's first input, and the inputs whose expand left no partials (inputs = 2n in all)
+            alone = 1 if fused and T < mhc_mod.MIX_DOT_MIN_TOKENS else 2 * n
+            want = ({"mhc_mix_partials": alone, "mhc_mix_collapse_norm": alone} if merged
+                    else {"mhc_mix_from_streams": alone, "mhc_collapse_norm": alone})
+            want["mhc_expand"] = 1 if alone == 1 else 2 * n            # the last expand, or every one
             if fused and T <= one:
-                want = {**first, "mhc_expand_boundary": 2 * n - 1}
-            elif fused and T < mhc_mod.MIX_DOT_MIN_TOKENS:
+                want["mhc_expand_boundary"] = 2 * n - 1
+            elif alone == 1:
+                want["mhc_expand_partials"] = 2 * n - 1
                 after = "mhc_mix_collapse_norm" if merged else "mhc_mix_finalize"
-                want = {**first, "mhc_expand_partials": 2 * n - 1, after: 2 * n - 1}
+                want[after] = want.get(after, 0) + 2 * n - 1
                 if not merged:
                     want["mhc_collapse_norm"] += 2 * n - 1
-            else:
-                want = {"mhc_expand": 2 * n, "mhc_mix_from_streams": 2 * n, "mhc_collapse_norm": 2 * n}
             assert {k: launches.count(k) for k in set(launches)} == want, (T, fused, merged, one, launches)
         base = outs[False, True, 2]
         assert all(torch.equal(out, base) for out in outs.values())

@@ -354,6 +354,19 @@ def mhc_mix_finalize(part: torch.Tensor, K: int, scale: torch.Tensor, base: torc
     return MixWeights(pre, post, C)
 
 
+def mhc_mix_partials(X: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """The first launch of ``mhc_mix_from_streams`` alone, at its default launch: the split-K
+    partials fp32 [T, S, N + 1] of streams X [T, hc, D] against fn [N, hc D], for
+    ``mhc_mix_collapse_norm`` (or ``mhc_mix_finalize``)."""
+    N = fn.shape[0]
+    launch = mix_launch(X.shape[0], N)
+    _check_stream_logits(X, fn, N, launch.chunk, "mhc_mix_partials")
+    check_device(X, fn)
+    if X.shape[0] == 0:
+        return torch.empty(0, triton.cdiv(fn.shape[1], launch.chunk), N + 1, dtype=torch.float32, device=X.device)
+    return _launch_partials(X, fn, launch)
+
+
 def mhc_head_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
                  rms_eps: float, chunk: int = 128) -> torch.Tensor:
     """The hc_head's ``pre = sigmoid(m scale + base) + hc_eps`` with ``m`` the RMS-scaled

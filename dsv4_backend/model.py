@@ -91,6 +91,9 @@ def _w8a16_kernel_applies(o: torch.Tensor, rows_per_group: int) -> bool:
     return w8a16_applies(o.reshape(o.shape[0], -1), rows_per_group)
 
 
+# DSV4_WO_A_ROPE=1: at one token the inverse RoPE of the attention output inside wo_a's W8A16 row
+# GEMV (fp8_gemv.RowRope), one launch fewer a layer (session 22; off until a GPU run measures it).
+USE_WO_A_ROPE = os.environ.get("DSV4_WO_A_ROPE", "0") == "1"
 # An attention's q_lora norm and its kv norm + RoPE in one launch on CUDA (kernels/norm_rope.py,
 # norm_pair; the same bits as two). DSV4_NORM_PAIR=0 keeps two launches (A/B timing).
 USE_NORM_PAIR = os.environ.get("DSV4_NORM_PAIR", "1") != "0"
@@ -320,8 +323,21 @@ class Attention(nn.Module):
             comp = raws[0]
             idx_in = self._indexer_inputs(x, iq, head_w, raws[1], positions) if index else None
         o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, idx_in, kv_stored), meta)  # [T, H, hd]
-        o = self.rope.apply(o, positions, inverse=True)
-        return self._project_out(o)
+        return self._rope_back_project_out(o, positions)
+
+    def _rope_back_project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``_project_out`` of o rotated back (``Rotary.apply(inverse=True)``); at one token on CUDA,
+        with ``DSV4_WO_A_ROPE=1``, the rotation inside ``wo_a``'s W8A16 row GEMV (its bits: the same
+        kernel code as the rotation's launch, ``fp8_gemv.RowRope``), one launch fewer."""
+        G, hd = self.o_groups, o.shape[-1]
+        if (USE_WO_A_ROPE and o.shape[0] == 1 and isinstance(self.wo_a, Fp8WeightOnlyLinear)
+                and _norm_rope_kernel_applies(o) and _w8a16_kernel_applies(o, self.cfg.o_lora_rank)):
+            from .kernels import fp8_gemv
+            if fp8_gemv.rope_fold_applies(self.wo_a.weight.shape[0], o.shape[1] * hd // G, hd, o.device):
+                rope = fp8_gemv.RowRope(positions[:1], self.rope.inv_freq_on(o.device), hd)
+                return self.wo_b(fp8_gemv.fp8_w8a16(o.reshape(1, -1), self.wo_a.weight, self.wo_a.scale, groups=G,
+                                                    rope=rope))
+        return self._project_out(self.rope.apply(o, positions, inverse=True))
 
     def _compressor_inputs(self, x: torch.Tensor) -> list[CompressorInput]:
         """Raw (C, Z) of the attention compressor and, in CSA layers, the indexer's: the four

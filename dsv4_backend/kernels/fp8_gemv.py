@@ -115,14 +115,16 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP
     w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
     ws_row = ws_ptr + (n0 // 128) * ws_sn
     if ROPE > 0:
-        # MODE 2 with each step one head of BLOCKS 128 values (RowRope): its last ROPE values are
-        # rotated back before the product, by norm_rope's arithmetic (the angles of one position,
-        # the same for every head: computed once), each pair from two loads of x
-        is_rope = col >= BLOCKS * 128 - ROPE
-        odd = (col % 2) == 1
-        i = tl.where(is_rope, (col - (BLOCKS * 128 - ROPE)) // 2, 0)
+        # MODE 2 with each step one head of BLOCKS 128 values (RowRope): the last ROPE values, in
+        # its last 128-block, are rotated back before the product by norm_rope's arithmetic (the
+        # angles of one position, the same for every head: computed once), each pair from two
+        # loads of that block
+        is_rope = c >= 128 - ROPE                                           # [128]
+        odd = (c % 2) == 1
+        i = tl.where(is_rope, (c - (128 - ROPE)) // 2, 0)
         cos, sin = _cos_sin(tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + i), NATIVE)
         sin = -sin
+        in_last = (j == BLOCKS - 1)[:, None] & is_rope[None, :]              # [BLOCKS, 128]
     acc = tl.zeros([BLOCK_N, BLOCKS, 128], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCKS * 128, num_stages=NUM_STAGES):
         kb = k0 // 128 + j
@@ -140,9 +142,11 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP
         else:
             x = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32)
             if ROPE > 0:
-                xp = tl.load(xg + k0 + (col ^ 1), mask=k_ok, other=0.0).to(tl.float32)   # the pair's other value
-                re, ro = rope_pairs(tl.where(odd, xp, x), tl.where(odd, x, xp), cos, sin)
-                x = tl.where(is_rope, round_bf16(tl.where(odd, ro, re), NATIVE), x)
+                last = xg + k0 + (BLOCKS - 1) * 128
+                xv = tl.load(last + c).to(tl.float32)
+                xp = tl.load(last + (c ^ 1)).to(tl.float32)                 # the pair's other value
+                re, ro = rope_pairs(tl.where(odd, xp, xv), tl.where(odd, xv, xp), cos, sin)
+                x = tl.where(in_last, round_bf16(tl.where(odd, ro, re), NATIVE)[None, :], x)
             a = x * sw[:, None]
         acc += e4m3_decode(w, NATIVE) * a[None, :, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1)

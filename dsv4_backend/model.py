@@ -333,7 +333,7 @@ class Attention(nn.Module):
         if (USE_WO_A_ROPE and o.shape[0] == 1 and isinstance(self.wo_a, Fp8WeightOnlyLinear)
                 and _norm_rope_kernel_applies(o) and _w8a16_kernel_applies(o, self.cfg.o_lora_rank)):
             from .kernels import fp8_gemv
-            if fp8_gemv.rope_fold_applies(self.wo_a.weight.shape[0], o.shape[1] * hd // G, hd, o.device):
+            if fp8_gemv.rope_fold_applies(o, self.wo_a.weight.shape[0], o.shape[1] * hd // G, G, hd):
                 rope = fp8_gemv.RowRope(positions[:1], self.rope.inv_freq_on(o.device), hd)
                 return self.wo_b(fp8_gemv.fp8_w8a16(o.reshape(1, -1), self.wo_a.weight, self.wo_a.scale, groups=G,
                                                     rope=rope))

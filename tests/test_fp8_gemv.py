@@ -168,10 +168,14 @@ def test_row_rope_is_the_inverse_rope_then_the_product(position):
     with pytest.raises(ValueError, match="RowRope needs"):       # a K step that is not one head
         fp8_w8a16(o.reshape(1, -1), w.to(DEV), ws.to(DEV), groups=G, config=RowGemvConfig(16, 2, 2, 2),
                   rope=folded_rope)
+    with pytest.raises(ValueError, match="RowRope needs"):       # not the Triton kernel
+        fp8_w8a16(o.reshape(1, -1), w.to(DEV), ws.to(DEV), groups=G, config=fp8_gemv.CudaRowConfig(),
+                  rope=folded_rope)
     with pytest.raises(ValueError, match="one-row kernel only"):
         fp8_w8a16(o.reshape(1, -1).expand(2, -1), w.to(DEV), ws.to(DEV), groups=G, rope=folded_rope)
-    assert fp8_gemv.rope_fold_applies(8192, 4096, 512, torch.device("cpu"))   # Flash's wo_a
-    assert not fp8_gemv.rope_fold_applies(64, 1024, 512, torch.device("cpu"))
+    flash_o = torch.zeros(1, 64 * 512, dtype=torch.bfloat16, device=DEV)
+    assert fp8_gemv.rope_fold_applies(flash_o, 8192, 4096, 8, 512)          # Flash's wo_a: 8 groups
+    assert not fp8_gemv.rope_fold_applies(flash_o[:, :1024], 64, 1024, 1, 512)   # a K step of 128
 
 
 def test_quantised_wo_a_dispatch(monkeypatch):
@@ -225,6 +229,9 @@ def test_attention_folds_the_inverse_rope_into_wo_a(monkeypatch):
     monkeypatch.setattr(model_mod, "_w8a16_kernel_applies", lambda o, r: True)
     monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda x: True)
     monkeypatch.setattr(fp8_gemv, "row_gemv_config", lambda N, K, sms: RowGemvConfig(16, 4, 2, 2))
+    if torch.cuda.is_available():    # one group would go to fp8_row.cu: the fold must then not apply
+        assert not fp8_gemv.rope_fold_applies(torch.zeros(1, 4096, dtype=torch.bfloat16, device=DEV), 1024, 4096,
+                                              1, hd)
     folds = []
     real = fp8_gemv.fp8_w8a16
     monkeypatch.setattr(fp8_gemv, "fp8_w8a16", lambda *a, rope=None, **k: folds.append(rope is not None)

@@ -439,7 +439,8 @@ def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
         g = torch.Generator().manual_seed(T)
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
         outs = {}
-        for fused, merged, one in ((True, True, 2), (True, True, 0), (True, False, 0), (False, True, 2)):
+        for fused, merged, one in ((True, True, 2), (True, True, 0), (True, False, 2), (True, False, 0),
+                                   (False, True, 2)):
             monkeypatch.setattr(model_mod, "USE_MHC_FUSED", fused)
             monkeypatch.setattr(model_mod, "USE_MHC_FINALIZE_NORM", merged)
             monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", one)

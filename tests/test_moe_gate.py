@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bounds import U32, assert_within, gamma
+from dsv4_backend.kernels import moe_gate as gate_mod
 from dsv4_backend.kernels.moe_gate import moe_gate, scores_block_e
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,7 +123,7 @@ def test_quantize_is_act_quant_and_changes_no_route(D):
 
 @pytest.mark.parametrize("T, E, topk, hashed, quantize", [(1, 256, 6, False, True), (5, 20, 3, False, False),
                                                         (4, 16, 6, True, True)])
-def test_select_in_the_scores_launch(T, E, topk, hashed, quantize):
+def test_select_in_the_scores_launch(monkeypatch, T, E, topk, hashed, quantize):
     """With ``tickets`` each token's last scores program runs the select: the same ids, weights
     (and codes) as the two launches, bit for bit (the same code on the same warps), on the
     interpreter and on CUDA; the counters are back at zero after; too few counters: two launches."""
@@ -136,11 +137,23 @@ def test_select_in_the_scores_launch(T, E, topk, hashed, quantize):
     else:
         bias, tid2eid, tokens = (torch.randn(E, generator=g) * 0.1).float().to(DEV), None, None
     two = moe_gate(x, weight, bias, topk, 1.5, tid2eid, tokens, quantize=quantize)
+
+    class Counted:      # counts the select kernel's own launches
+        def __init__(self, kernel):
+            self.kernel, self.launches = kernel, 0
+
+        def __getitem__(self, grid):
+            self.launches += 1
+            return self.kernel[grid]
+    select = Counted(gate_mod._select_kernel)
+    monkeypatch.setattr(gate_mod, "_select_kernel", select)
     for n in (T, T + 3, T - 1):
         tickets = torch.zeros(max(n, 0), dtype=torch.int32, device=DEV)
+        before = select.launches
         one = moe_gate(x, weight, bias, topk, 1.5, tid2eid, tokens, quantize=quantize, tickets=tickets)
         assert all(torch.equal(a, b) for a, b in zip(one, two)), n
         assert not tickets.any()
+        assert select.launches - before == (1 if n < T else 0), n     # one launch with enough counters
     with pytest.raises(ValueError, match="tickets must be a 1-d int32"):
         moe_gate(x, weight, bias, topk, 1.5, tid2eid, tokens, tickets=tickets.long())
 
@@ -174,15 +187,14 @@ def test_engine_with_the_select_in_the_scores_launch(monkeypatch):
     same warps; the counters survive the graph replays."""
     from cuda_decode import greedy_decode
     from dsv4_backend import model
-    from dsv4_backend.kernels import moe_gate as gate_mod
     monkeypatch.setattr(model, "USE_GATE_ONE_LAUNCH", False)
     want = greedy_decode()
     monkeypatch.setattr(model, "USE_GATE_ONE_LAUNCH", True)
     counted = []
 
-    def counting(*args, tickets=None, **kw):
-        counted.append(tickets is not None)
-        return moe_gate(*args, tickets=tickets, **kw)
+    def counting(x, *args, tickets=None, **kw):
+        counted.append(tickets is not None and tickets.numel() >= x.shape[0])
+        return moe_gate(x, *args, tickets=tickets, **kw)
     monkeypatch.setattr(gate_mod, "moe_gate", counting)
     assert greedy_decode() == want
     assert any(counted), "no gate took one launch"

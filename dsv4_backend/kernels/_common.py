@@ -164,6 +164,16 @@ def e2m1_times_2m14(code):
 # ---- rows ---------------------------------------------------------------------------------
 
 @triton.jit
+def load_fresh(ptr, mask, FRESH: tl.constexpr):
+    """``tl.load(ptr, mask, other=0)``; ``FRESH``: the values were stored by other programs of this
+    launch (a last-program tail, after its ticket's acquire), so they are read past L1 (``.cg``)."""
+    if FRESH:
+        return tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
 def rope_pairs(even, odd, cos, sin):
     """Interleaved RoPE on pairs (2i, 2i+1), all fp32 [32]: returns the rotated (even, odd)."""
     return even * cos - odd * sin, even * sin + odd * cos

@@ -173,13 +173,16 @@ def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, what: str) -> tuple[in
 _MODE_DTYPES = {"quant": (torch.bfloat16, torch.float32), "codes": (torch.float8_e4m3fn,), "bf16": (torch.bfloat16,)}
 
 
-def rope_fold_applies(N: int, Kg: int, head_dim: int, device: torch.device, mode: str = "bf16") -> bool:
-    """Whether ``fp8_row_gemv`` can fold a ``RowRope`` into this product at its default launch:
-    mode "bf16" on the Triton kernel, whose K step is one head (``blocks`` 128 = head_dim) with
-    the group's columns whole heads."""
-    if mode != "bf16" or Kg % head_dim:
+def rope_fold_applies(x: torch.Tensor, N: int, Kg: int, groups: int, head_dim: int) -> bool:
+    """Whether ``fp8_row_gemv(x, mode="bf16", groups=groups)`` of ``[N, Kg]`` can take a
+    ``RowRope`` at its default launch without changing kernel: the product stays on the Triton
+    kernel anyway (not ``fp8_row.cu``: one group, as ``wo_a`` has under 8-way tensor parallelism,
+    would go there), whose K step is one head (``blocks`` 128 = head_dim), the group's columns
+    whole heads."""
+    if Kg % head_dim or cuda_row_preferred(x, N, Kg, "bf16", groups):
         return False
-    return row_gemv_config(N, Kg, sm_count(device) if device.type == "cuda" else 132).blocks * QBLOCK == head_dim
+    sms = sm_count(x.device) if x.device.type == "cuda" else 132
+    return row_gemv_config(N, Kg, sms).blocks * QBLOCK == head_dim
 
 
 def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mode: str = "quant",
@@ -209,21 +212,23 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
     check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
     R = N // groups
-    cuda = _cuda_config(x, N, Kg, R, mode, groups, config) if rope is None else None
-    if cuda is None:
-        cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
-        if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
-            raise ValueError(f"fp8_row_gemv: block_n {cfg.block_n} must divide 128 and a group's {R} rows")
     if rope is not None:
         half = rope.inv_freq.numel()
-        if (mode != "bf16" or isinstance(config, CudaRowConfig) or cfg.blocks * QBLOCK != rope.head_dim
-                or Kg % rope.head_dim or not 0 < 2 * half <= rope.head_dim or rope.positions.numel() != 1
+        blocks = (config or row_gemv_config(N, Kg, sm_count(x.device))).blocks \
+            if not isinstance(config, CudaRowConfig) else 0
+        if (mode != "bf16" or blocks * QBLOCK != rope.head_dim or Kg % rope.head_dim
+                or not 0 < 2 * half <= rope.head_dim or rope.positions.numel() != 1
                 or rope.inv_freq.dtype != torch.float32):
             raise ValueError(f"fp8_row_gemv: a RowRope needs mode 'bf16' on the Triton kernel with one head "
                              f"({rope.head_dim} values) a K step of whole-head groups, one position and fp32 "
                              f"inv_freq; got mode {mode!r}, config {config}, Kg {Kg}, {rope.positions.numel()} "
                              f"position(s), inv_freq {rope.inv_freq.dtype} [{half}]")
         check_device(x, rope.positions, rope.inv_freq)
+    cuda = _cuda_config(x, N, Kg, R, mode, groups, config) if rope is None else None
+    if cuda is None:
+        cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
+        if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
+            raise ValueError(f"fp8_row_gemv: block_n {cfg.block_n} must divide 128 and a group's {R} rows")
     x = x.contiguous()
     y = torch.empty(1, N, dtype=out_dtype, device=x.device)
     if N == 0:

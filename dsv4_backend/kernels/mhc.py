@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, native, round_bf16
+from dsv4_backend.kernels._common import check_device, load_fresh, native, round_bf16
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
@@ -77,15 +77,13 @@ def _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC: tl.const
     j_ok = j < HC
     pre = _gate(a_pre, tl.load(scale_ptr).to(tl.float32), base_ptr, j, j_ok) + eps
     tl.store(pre_ptr + t64[:, None] * HC + j[None, :], pre, mask=t_ok[:, None] & j_ok[None, :])
-    return pre
 
 
 @triton.jit
 def _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps,
                HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr):
-    """pre, post and C of tokens t64 [BT] from their logits a_pre, a_post [BT, HCP], x [BT, HCP, HCP];
-    returns pre [BT, HCP] (padded entries undefined)."""
-    pre = _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
+    """pre, post and C of tokens t64 [BT] from their logits a_pre, a_post [BT, HCP], x [BT, HCP, HCP]."""
+    _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
     j = tl.arange(0, HCP)
     j_ok = j < HC
     post = 2.0 * _gate(a_post, tl.load(scale_ptr + 1).to(tl.float32), base_ptr + HC, j, j_ok)
@@ -94,7 +92,6 @@ def _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_p
     ok3 = t_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
     out3 = t64[:, None, None] * (HC * HC) + (j[:, None] * HC + j[None, :])[None, :, :]
     tl.store(c_ptr + out3, C, mask=ok3)
-    return pre
 
 
 @triton.jit
@@ -194,31 +191,28 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: t
 @triton.jit
 def _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
               N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr, SP: tl.constexpr,
-              PRE_ONLY: tl.constexpr):
+              PRE_ONLY: tl.constexpr, FRESH: tl.constexpr):
     """Token t64's ([1]) mix from its S split-K partials: they are loaded as one [SP, ...] tile
     and summed by tl.sum, a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what
-    _mix_kernel does. The loads bypass L1 (``.cg``): in a boundary's last program
-    (``_expand_partial_kernel``) other programs wrote the partials."""
+    _mix_kernel does. ``FRESH``: other programs of this launch wrote the partials (a boundary's
+    last program, ``_expand_partial_kernel``)."""
     t_ok = t64 < T
     s = tl.arange(0, SP)
     s_ok = s < S
     srow = part_ptr + t64 * S * (N + 1) + s * (N + 1)                      # [SP]
-    ssq = tl.load(srow + N, mask=s_ok & t_ok, other=0.0, cache_modifier=".cg")
+    ssq = load_fresh(srow + N, s_ok & t_ok, FRESH)
     r = tl.rsqrt(tl.sum(ssq, axis=0) / K + rms_eps)
     j = tl.arange(0, HCP)
     j_ok = j < HC
     ok2 = s_ok[:, None] & j_ok[None, :] & t_ok
-    a_pre = tl.sum(tl.load(srow[:, None] + j[None, :], mask=ok2, other=0.0, cache_modifier=".cg"),
-                   axis=0, keep_dims=True) * r
+    a_pre = tl.sum(load_fresh(srow[:, None] + j[None, :], ok2, FRESH), axis=0, keep_dims=True) * r
     if PRE_ONLY:
         _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
     else:
-        a_post = tl.sum(tl.load(srow[:, None] + HC + j[None, :], mask=ok2, other=0.0, cache_modifier=".cg"),
-                        axis=0, keep_dims=True) * r
+        a_post = tl.sum(load_fresh(srow[:, None] + HC + j[None, :], ok2, FRESH), axis=0, keep_dims=True) * r
         col = 2 * HC + j[:, None] * HC + j[None, :]                        # [HCP, HCP]
         ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :] & t_ok
-        x = tl.sum(tl.load(srow[:, None, None] + col[None, :, :], mask=ok3, other=0.0, cache_modifier=".cg"),
-                   axis=0, keep_dims=True) * r
+        x = tl.sum(load_fresh(srow[:, None, None] + col[None, :, :], ok3, FRESH), axis=0, keep_dims=True) * r
         _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
 
 
@@ -229,7 +223,7 @@ def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
     _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-              N, HC, HCP, ITERS, SP, PRE_ONLY)
+              N, HC, HCP, ITERS, SP, PRE_ONLY, False)
 
 
 def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, what: str) -> None:
@@ -490,10 +484,10 @@ def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_
             for tt in tl.static_range(BLOCK_T):
                 t1 = (i * BLOCK_T + tt + tl.zeros([1], dtype=tl.int32)).to(tl.int64)   # [1]
                 _finalize(part_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, t1, T, S, K, eps, rms_eps,
-                          N, HC, HCP, ITERS, SP, False)
+                          N, HC, HCP, ITERS, SP, False, True)
                 tl.debug_barrier()   # the pre just stored, for every thread of the program
                 _collapse_norm_row(out_ptr, pre2_ptr, w_ptr, y_ptr, t1, T, D, norm_eps, HC, BLOCK_D,
-                                   NORM_ROUND_BF16, NATIVE)
+                                   NORM_ROUND_BF16, NATIVE, True)
 
 
 def _check_expand_args(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor, what: str) -> None:
@@ -539,22 +533,34 @@ def mhc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C:
     return out, part
 
 
-def _launch_expand_partials(X, f, post, C, fn, out, part, launch: MixLaunch, tail):
-    """``_expand_partial_kernel`` over (token blocks, S chunks); ``tail``: None, or (tickets,
-    scale, base, MixWeights out, weight, y out, iters, hc_eps, rms_eps, norm_eps) for the last
-    program's finalize + collapse + norm (``mhc_expand_boundary``)."""
+class BoundaryTail(NamedTuple):
+    """What the last program of an ``mhc_expand_boundary`` token block needs: the counters, the
+    next mix's parameters and outputs, the norm and the sub-layer input it writes."""
+    tickets: torch.Tensor
+    scale: torch.Tensor
+    base: torch.Tensor
+    mix: MixWeights      # outputs
+    weight: torch.Tensor
+    y: torch.Tensor      # output
+    iters: int
+    hc_eps: float
+    rms_eps: float
+    norm_eps: float
+
+
+def _launch_expand_partials(X, f, post, C, fn, out, part, launch: MixLaunch, tail: BoundaryTail | None):
+    """``_expand_partial_kernel`` over (token blocks, S chunks); ``tail``: the last program's
+    finalize + collapse + norm (``mhc_expand_boundary``), or None."""
     T, hc, D = X.shape
     N, S = fn.shape[0], part.shape[1]
     if tail is None:
-        dummy = part
-        targs = (dummy,) * 8 + (0.0, 0.0, 0.0)
+        targs = (part,) * 8 + (0.0, 0.0, 0.0)                                  # (unread)
         kw = dict(TAIL=False, ITERS=1, SP=1, BLOCK_D=1, NORM_ROUND_BF16=False)
     else:
-        tickets, scale, base, mix, weight, y, iters, hc_eps, rms_eps, norm_eps = tail
-        targs = (tickets, scale.contiguous(), base.contiguous(), mix.pre, mix.post, mix.C, weight, y,
-                 float(hc_eps), float(rms_eps), float(norm_eps))
-        kw = dict(TAIL=True, ITERS=iters, SP=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-                  NORM_ROUND_BF16=y.dtype == torch.bfloat16 and not native())
+        targs = (tail.tickets, tail.scale.contiguous(), tail.base.contiguous(), tail.mix.pre, tail.mix.post,
+                 tail.mix.C, tail.weight, tail.y, float(tail.hc_eps), float(tail.rms_eps), float(tail.norm_eps))
+        kw = dict(TAIL=True, ITERS=tail.iters, SP=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
+                  NORM_ROUND_BF16=tail.y.dtype == torch.bfloat16 and not native())
     _expand_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
         X, f.contiguous(), post.contiguous(), C.contiguous(), out, fn, part, T, D, S, *targs,
         HC=hc, HCP=triton.next_power_of_2(hc), N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk,
@@ -590,16 +596,15 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
 
 @triton.jit
 def _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr):
+                       ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, FRESH: tl.constexpr):
     """``RMSNorm(sum_j pre[t, j] X[t, j]) * w`` of token t64 (a scalar or [1]), the sum in j's
-    order. The streams are loaded past L1 (``.cg``: in a boundary's last program other programs
-    wrote them)."""
+    order. ``FRESH``: other programs of this launch wrote the streams (a boundary's last program)."""
     d = tl.arange(0, BLOCK_D)
     ok = (d < D) & (t64 < T)                                                # [BLOCK_D]
     y = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(HC):
         p = tl.load(pre_ptr + t64 * HC + j, mask=t64 < T, other=0.0)
-        y += p * tl.load(x_ptr + (t64 * HC + j) * D + d, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        y += p * load_fresh(x_ptr + (t64 * HC + j) * D + d, ok, FRESH).to(tl.float32)
     y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
         y = round_bf16(y, NATIVE)
@@ -611,7 +616,7 @@ def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, T, D, eps, HC: tl.cons
                           ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64), T, D, eps, HC, BLOCK_D,
-                       ROUND_BF16, NATIVE)
+                       ROUND_BF16, NATIVE, False)
 
 
 @triton.jit
@@ -622,9 +627,9 @@ def _mix_collapse_norm_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
     _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-              N, HC, HCP, ITERS, SP, False)
+              N, HC, HCP, ITERS, SP, False, False)
     tl.debug_barrier()   # the pre just stored, for every thread of the program
-    _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, norm_eps, HC, BLOCK_D, ROUND_BF16, NATIVE)
+    _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, norm_eps, HC, BLOCK_D, ROUND_BF16, NATIVE, False)
 
 
 def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -736,5 +741,6 @@ def mhc_expand_boundary(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C:
     y = torch.empty(T, D, dtype=X.dtype, device=X.device)
     if T:
         _launch_expand_partials(X, f, post, C, fn, out, part, launch,
-                                (tickets, scale, base, mix, weight, y, sinkhorn_iters, hc_eps, rms_eps, norm_eps))
+                                BoundaryTail(tickets, scale, base, mix, weight, y, sinkhorn_iters, hc_eps, rms_eps,
+                                             norm_eps))
     return out, mix, y

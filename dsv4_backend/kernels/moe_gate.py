@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, native, quant_block_e4m3
+from dsv4_backend.kernels._common import check_device, load_fresh, native, quant_block_e4m3
 from dsv4_backend.kernels.fp8_gemm import _num_sms
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
@@ -53,7 +53,7 @@ def _scores_kernel(x_ptr, w_ptr, s_ptr, q_ptr, qs_ptr, E, D, x_sr, w_sr, E_BLOCK
         if ticket == E_BLOCKS - 1:
             tl.store(ticket_ptr + t, 0)
             _select_token(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, t.to(tl.int64), E, scale,
-                          TOPK, KP, EP, HASH)
+                          TOPK, KP, EP, HASH, True)
 
 
 @triton.jit
@@ -93,17 +93,17 @@ def _select_kernel(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, E, scale
                    KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     _select_token(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, tl.program_id(0).to(tl.int64), E, scale,
-                  TOPK, KP, EP, HASH)
+                  TOPK, KP, EP, HASH, False)
 
 
 @triton.jit
 def _select_token(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, t, E, scale, TOPK: tl.constexpr,
-                  KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr):
-    """Token t's top-k and routing weights from its score row (loaded past L1, ``.cg``: in the
-    scores launch's last program other programs wrote it)."""
+                  KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, FRESH: tl.constexpr):
+    """Token t's top-k and routing weights from its score row (``FRESH``: written by other
+    programs of this launch, the scores launch's last program of the token)."""
     e = tl.arange(0, EP)
     emask = e < E
-    s = tl.load(s_ptr + t * E + e, mask=emask, other=0.0, cache_modifier=".cg")
+    s = load_fresh(s_ptr + t * E + e, emask, FRESH)
     kk = tl.arange(0, KP)
     kmask = kk < TOPK
     chosen = tl.zeros((KP,), dtype=tl.int32)

@@ -20,12 +20,12 @@ WHICH=${2:-check}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
 if [ "$WHICH" = check ] || [ "$WHICH" = short ]; then
-  part 230 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_bf16_gemv.py \
+  part 300 tests python3 -m pytest -q -p no:cacheprovider tests/test_mhc_kernel.py tests/test_bf16_gemv.py \
     tests/test_moe_gate.py tests/test_kernels.py tests/test_norm_rope.py tests/test_fp8_gemv.py \
     -k "cuda or engine or pair or scaled or one_launch or select or rope"
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -n 20 | cut -c1-300
 fi
-if [ "$WHICH" = short ]; then WHICH=ab; AB=${AB:-off on}; fi
+if [ "$WHICH" = short ]; then WHICH=ab; AB=${AB:-off on}; AB_LIMIT=${AB_LIMIT:-115}; fi   # ~540 s in all
 if [ "$WHICH" = check ]; then
   part 100 graph python3 bench/gpu_graph_check.py --out "$OUT/graph_check.json"; tail -n 2 "$OUT/graph.log"
   part 120 chain python3 bench/probe_fp8_row_gemv.py --chain --out "$OUT/chain.json"
@@ -43,8 +43,9 @@ if [ "$WHICH" = ab ]; then
   for e in "$@"; do
     i=$((i + 1)); tl=""; [ "$i" = "$#" ] && tl="--timeline 3"
     flags=$(row_env "$e")
-    (export $flags; part 130 "ab_$i" python3 bench/bench_quant_model.py --layers 11 --contexts 4096 --batches 1,32 \
-      --skip-kernels --steps 10 --prefill-max-seconds 1 --time-budget 110 $tl --out "$OUT/ab_$i.json")
+    (export $flags; part "${AB_LIMIT:-130}" "ab_$i" python3 bench/bench_quant_model.py --layers 11 --contexts 4096 \
+      --batches 1,32 --skip-kernels --steps 10 --prefill-max-seconds 1 --time-budget $(( ${AB_LIMIT:-130} - 20 )) $tl \
+      --out "$OUT/ab_$i.json")
     echo "$e ($flags):"
     grep "^ *4K\|graph replay\|^per layer" "$OUT/ab_$i.log" | head -n 6 | cut -c1-200
   done

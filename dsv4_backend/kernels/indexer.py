@@ -19,6 +19,8 @@ the lower position wins.
 
 from __future__ import annotations
 
+import os
+
 from typing import NamedTuple
 
 import torch
@@ -302,19 +304,27 @@ def _rows_kernel(top_ptr, top_sb, kk, score_ptr, score_sb, map_ptr, map_sb, P, o
     tl.store(out_ptr + b * k + j, tl.where(vis, row, -1).to(tl.int32), mask=j < k)
 
 
+# DSV4_TOPK_ROWS_ONE_LAUNCH=1: where the top-k ranks every score in one launch (short rows), that
+# launch also writes the physical rows (topk.rank_all_rows), one launch fewer a CSA layer (session
+# 22; off until a GPU run measures it).
+TOPK_ROWS_ONE_LAUNCH = os.environ.get("DSV4_TOPK_ROWS_ONE_LAUNCH", "0") == "1"
+
+
 def topk_rows(scores: torch.Tensor, k: int, *, row_ids: torch.Tensor | None = None,
               page_table: torch.Tensor | None = None, page_size: int = 64) -> torch.Tensor:
     """The best ``min(k, visible)`` positions of ``scores [b, L]`` as physical row ids int32
     [b, k], best first, -1 padded; equal scores go to the lower position. Where the top-k
     kernels run, positions become rows in one launch (``_rows_kernel``)."""
-    from dsv4_backend.kernels.topk import kernels_wanted, topk_positions
+    from dsv4_backend.kernels.topk import kernels_wanted, rank_all_applies, rank_all_rows, topk_positions
 
     b, L = scores.shape
     kk = min(k, L)
     if kernels_wanted(scores) and b > 0 and kk > 0:
+        mapping = (page_table if row_ids is None else row_ids).contiguous()
+        if TOPK_ROWS_ONE_LAUNCH and rank_all_applies(scores, kk):     # ranking and rows: one launch
+            return rank_all_rows(scores, kk, k, mapping, row_ids is None, page_size)
         top = topk_positions(scores, kk)  # [b, kk] positions, same as the torch.topk below
         rows = torch.empty(b, k, dtype=torch.int32, device=scores.device)
-        mapping = (page_table if row_ids is None else row_ids).contiguous()
         scores = scores.contiguous()
         block = min(1024, triton.next_power_of_2(k))
         _rows_kernel[(b, triton.cdiv(k, block))](

@@ -166,6 +166,8 @@ def test_rejects_bad_input():
         topk_positions(torch.randn(2, 8), -1)
     with pytest.raises(ValueError, match="unknown top-k method"):
         topk_positions(torch.randn(2, 8).to(DEV), 4, config=TopKConfig(method="bogus"))
+    with pytest.raises(ValueError, match="rank_all_rows: scores must be fp32"):
+        topk_module.rank_all_rows(torch.randn(2, 8).bfloat16().to(DEV), 4, 4, torch.zeros(2, 8).long(), False, 64)
 
 
 @pytest.mark.parametrize("one_launch", [False, True])

@@ -404,6 +404,9 @@ def rank_all_rows(scores: torch.Tensor, kk: int, k: int, mapping: torch.Tensor, 
     ``indexer.topk_rows``' position -> row step in the same launch: int32 [b, k] physical rows,
     best first, -1 where invisible or past kk; ``mapping``: the page table [b, pages]
     (``use_table``) or the row ids [b, L]. The same ids as the two launches (integers)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32 or k < kk:
+        raise ValueError(f"rank_all_rows: scores must be fp32 [b, L] and k >= kk, got {scores.dtype} "
+                         f"{tuple(scores.shape)}, k {k}, kk {kk}")
     b, L = scores.shape
     scores = scores.contiguous()
     bits = scores.view(torch.int32)

@@ -596,15 +596,21 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
 
 @triton.jit
 def _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, FRESH: tl.constexpr):
+                       ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, TAIL: tl.constexpr):
     """``RMSNorm(sum_j pre[t, j] X[t, j]) * w`` of token t64 (a scalar or [1]), the sum in j's
-    order. ``FRESH``: other programs of this launch wrote the streams (a boundary's last program)."""
+    order. ``TAIL``: a boundary's last program, where t64 may be past T (a partial token block)
+    and other programs of the launch wrote the streams."""
     d = tl.arange(0, BLOCK_D)
-    ok = (d < D) & (t64 < T)                                                # [BLOCK_D]
+    ok = d < D
+    if TAIL:
+        ok = ok & (t64 < T)                                                 # [BLOCK_D]
     y = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(HC):
-        p = tl.load(pre_ptr + t64 * HC + j, mask=t64 < T, other=0.0)
-        y += p * load_fresh(x_ptr + (t64 * HC + j) * D + d, ok, FRESH).to(tl.float32)
+        if TAIL:
+            p = tl.load(pre_ptr + t64 * HC + j, mask=t64 < T, other=0.0)
+        else:
+            p = tl.load(pre_ptr + t64 * HC + j)
+        y += p * load_fresh(x_ptr + (t64 * HC + j) * D + d, ok, TAIL).to(tl.float32)
     y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
         y = round_bf16(y, NATIVE)

@@ -326,18 +326,22 @@ class Attention(nn.Module):
         return self._rope_back_project_out(o, positions)
 
     def _rope_back_project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``_project_out`` of o rotated back (``Rotary.apply(inverse=True)``); at one token on CUDA,
-        with ``DSV4_WO_A_ROPE=1``, the rotation inside ``wo_a``'s W8A16 row GEMV (its bits: the same
-        kernel code as the rotation's launch, ``fp8_gemv.RowRope``), one launch fewer."""
-        G, hd = self.o_groups, o.shape[-1]
-        if (USE_WO_A_ROPE and o.shape[0] == 1 and isinstance(self.wo_a, Fp8WeightOnlyLinear)
+        """``_project_out`` of o rotated back (``Rotary.apply(inverse=True)``), the rotation inside
+        ``wo_a``'s row GEMV where ``_wo_a_rope`` gives one (one launch fewer)."""
+        rope = self._wo_a_rope(o, positions)
+        return self._project_out(o if rope is not None else self.rope.apply(o, positions, inverse=True), rope)
+
+    def _wo_a_rope(self, o: torch.Tensor, positions: torch.Tensor) -> Optional[Any]:
+        """The inverse RoPE as ``wo_a``'s W8A16 row GEMV folds it (``fp8_gemv.RowRope``: the bits of
+        the rotation's launch) at one token on CUDA with ``DSV4_WO_A_ROPE=1``; else None."""
+        if not (USE_WO_A_ROPE and o.shape[0] == 1 and isinstance(self.wo_a, Fp8WeightOnlyLinear)
                 and _norm_rope_kernel_applies(o) and _w8a16_kernel_applies(o, self.cfg.o_lora_rank)):
-            from .kernels import fp8_gemv
-            if fp8_gemv.rope_fold_applies(o, self.wo_a.weight.shape[0], o.shape[1] * hd // G, G, hd):
-                rope = fp8_gemv.RowRope(positions[:1], self.rope.inv_freq_on(o.device), hd)
-                return self.wo_b(fp8_gemv.fp8_w8a16(o.reshape(1, -1), self.wo_a.weight, self.wo_a.scale, groups=G,
-                                                    rope=rope))
-        return self._project_out(self.rope.apply(o, positions, inverse=True))
+            return None
+        from .kernels import fp8_gemv
+        G, hd = self.o_groups, o.shape[-1]
+        if not fp8_gemv.rope_fold_applies(o, self.wo_a.weight.shape[0], o.shape[1] * hd // G, G, hd):
+            return None
+        return fp8_gemv.RowRope(positions[:1], self.rope.inv_freq_on(o.device), hd)
 
     def _compressor_inputs(self, x: torch.Tensor) -> list[CompressorInput]:
         """Raw (C, Z) of the attention compressor and, in CSA layers, the indexer's: the four
@@ -369,14 +373,16 @@ class Attention(nn.Module):
             q = indexer_fake_quant(hadamard(self.rope.apply(iq, positions)))
         return IndexerInput(q, w, comp)
 
-    def _project_out(self, o: torch.Tensor) -> torch.Tensor:
+    def _project_out(self, o: torch.Tensor, rope: Optional[Any] = None) -> torch.Tensor:
         # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
+        # rope: o's inverse RoPE for the W8A16 kernel to apply first (_wo_a_rope), or None
         G, R = self.o_groups, self.cfg.o_lora_rank
         og = o.reshape(o.shape[0], G, -1)                                   # [T, G, H/G * hd]
         if isinstance(self.wo_a, Fp8WeightOnlyLinear):      # the release's FP8 bytes, W8A16
             if _w8a16_kernel_applies(o, R):
                 from .kernels.fp8_gemv import fp8_w8a16
-                return self.wo_b(fp8_w8a16(o.reshape(o.shape[0], -1), self.wo_a.weight, self.wo_a.scale, groups=G))
+                return self.wo_b(fp8_w8a16(o.reshape(o.shape[0], -1), self.wo_a.weight, self.wo_a.scale, groups=G,
+                                           rope=rope))
             wa = self.wo_a.dequantised(o.dtype, o.is_cuda)
         else:
             wa = self.wo_a.weight
@@ -798,7 +804,7 @@ def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, sub: SublayerMix,
         return handoff.mix, handoff.x
     part = handoff.part if handoff is not None else None
     if (USE_MHC_FINALIZE_NORM and _mhc_kernels_apply(X) and _norm_rope_kernel_applies(X)
-            and X.dtype in (torch.float32, torch.bfloat16) and (part is not None or _mix_from_streams(X, sub.fn))):
+            and (part is not None or _mix_from_streams(X, sub.fn))):
         from .kernels import mhc
         if part is None:     # the partials' own launch (the expand that wrote X did not compute them)
             part = mhc.mhc_mix_partials(X.contiguous(), sub.fn)
@@ -826,8 +832,7 @@ def hc_expand_into(cfg: DSV4Config, X: torch.Tensor, f: torch.Tensor, mix: HCMix
             and _mix_from_streams(X, nxt.fn)):
         from .kernels import mhc
         if mhc.expand_partials_apply(X, nxt.fn):
-            if (tickets is not None and X.shape[0] <= MHC_ONE_LAUNCH_MAX_TOKENS
-                    and _norm_rope_kernel_applies(X) and X.dtype in (torch.float32, torch.bfloat16)):
+            if tickets is not None and X.shape[0] <= MHC_ONE_LAUNCH_MAX_TOKENS and _norm_rope_kernel_applies(X):
                 X, nmix, x = mhc.mhc_expand_boundary(X, f, post, C, nxt.fn, nxt.scale, nxt.base, nxt.norm.weight,
                                                      tickets, cfg.hc_sinkhorn_iters, cfg.hc_eps,
                                                      cfg.rms_norm_eps, nxt.norm.eps)
@@ -874,34 +879,28 @@ class Block(nn.Module):
         attn, ffn = self.sublayer_mix("attn"), self.sublayer_mix("ffn")
         mix, x = hc_sublayer_input(cfg, X, attn, carry.handoff if carry is not None else None)
         f = self.attn(x, positions, backend, meta)
-        X, handoff = hc_expand_into(cfg, X, f, mix, ffn, carry.tickets_for(self.layer_id, 0) if carry else None)
+        tickets = carry.tickets[self.layer_id] if carry is not None else (None, None)   # one row a boundary
+        X, handoff = hc_expand_into(cfg, X, f, mix, ffn, tickets[0])
         mix, x = hc_sublayer_input(cfg, X, ffn, handoff)
         f = self.ffn(x, input_ids)
         if carry is None:
             return hc_expand_into(cfg, X, f, mix, None)[0]
-        X, carry.handoff = hc_expand_into(cfg, X, f, mix, carry.next, carry.tickets_for(self.layer_id, 1))
+        X, carry.handoff = hc_expand_into(cfg, X, f, mix, carry.next, tickets[1])
         return X
 
 
 class HCCarry:
     """What one block hands the next across their boundary: ``handoff``, what the block's last
     expand computed of the next block's attention mix (None: nothing), ``next``, that mix's
-    parameters, and ``tickets``: int32 counters, ``TICKETS_PER_BOUNDARY`` for each of the step's
-    boundaries (``mhc.mhc_expand_boundary``; None: none, that boundary takes two launches)."""
+    parameters, and ``tickets``: the step's int32 boundary counters [layers, 2 (after the
+    attention, after the MoE), ``TICKETS_PER_BOUNDARY``] (``mhc.mhc_expand_boundary``)."""
     __slots__ = ("handoff", "next", "tickets")
     TICKETS_PER_BOUNDARY = 4
 
-    def __init__(self, tickets: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, tickets: torch.Tensor) -> None:
         self.handoff: Optional[HCHandoff] = None
         self.next: Optional[SublayerMix] = None
         self.tickets = tickets
-
-    def tickets_for(self, layer: int, sub: int) -> Optional[torch.Tensor]:
-        """Boundary ``sub`` (0: after the attention, 1: after the MoE) of layer ``layer``'s counters."""
-        if self.tickets is None:
-            return None
-        i = (2 * layer + sub) * self.TICKETS_PER_BOUNDARY
-        return self.tickets[i:i + self.TICKETS_PER_BOUNDARY]
 
 
 def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch.Tensor:
@@ -1003,7 +1002,7 @@ class DSV4Model(nn.Module):
                 elif isinstance(mod, MoE):
                     mod.stack_experts(specs[f"{mod_name}.experts.0.w1.weight"].dtype, device)
         # the counters of the one-launch mHC boundaries (HCCarry), zero between launches
-        self.hc_tickets = torch.zeros(2 * len(self.layers) * HCCarry.TICKETS_PER_BOUNDARY, dtype=torch.int32,
+        self.hc_tickets = torch.zeros(len(self.layers), 2, HCCarry.TICKETS_PER_BOUNDARY, dtype=torch.int32,
                                       device=device)
         if device.type == "cuda":      # the gate kernels' counters (Gate.tickets)
             for mod in self.modules():

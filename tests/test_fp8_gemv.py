@@ -225,7 +225,8 @@ def test_attention_folds_the_inverse_rope_into_wo_a(monkeypatch):
     wo_a = wo_a.to(DEV)
     attn = SimpleNamespace(o_groups=G, cfg=SimpleNamespace(o_lora_rank=R), wo_a=wo_a, wo_b=lambda z: z,
                            rope=model_mod.Rotary(cfg.rope_theta, cfg.rope_scaling, cfg.qk_rope_head_dim))
-    attn._project_out = lambda o: model_mod.Attention._project_out(attn, o)
+    attn._project_out = lambda o, rope=None: model_mod.Attention._project_out(attn, o, rope)
+    attn._wo_a_rope = lambda o, pos: model_mod.Attention._wo_a_rope(attn, o, pos)
     monkeypatch.setattr(model_mod, "_w8a16_kernel_applies", lambda o, r: True)
     monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda x: True)
     monkeypatch.setattr(fp8_gemv, "row_gemv_config", lambda N, K, sms: RowGemvConfig(16, 4, 2, 2))

@@ -29,7 +29,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4_backend.kernels._common import (
-    IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, exp2_int, native, page_geometry, pow2_scale_exp,
+    IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, exp2_int, native, page_geometry, physical_rows,
+    pow2_scale_exp,
 )
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
@@ -296,12 +297,8 @@ def _rows_kernel(top_ptr, top_sb, kk, score_ptr, score_sb, map_ptr, map_sb, P, o
     p = tl.load(top_ptr + b * top_sb + j, mask=have, other=0)
     s = tl.load(score_ptr + b * score_sb + p, mask=have, other=float("-inf"))
     vis = have & (s > float("-inf"))
-    if USE_TABLE:
-        page = tl.load(map_ptr + b * map_sb + p // P, mask=vis, other=0).to(tl.int64)
-        row = page * P + p % P
-    else:
-        row = tl.load(map_ptr + b * map_sb + p, mask=vis, other=-1).to(tl.int64)
-    tl.store(out_ptr + b * k + j, tl.where(vis, row, -1).to(tl.int32), mask=j < k)
+    row = physical_rows(map_ptr + b * map_sb, p, vis, P, USE_TABLE)
+    tl.store(out_ptr + b * k + j, row.to(tl.int32), mask=j < k)
 
 
 # DSV4_TOPK_ROWS_ONE_LAUNCH=1: where the top-k ranks every score in one launch (short rows), that

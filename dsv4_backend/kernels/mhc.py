@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, load_fresh, native, round_bf16
+from dsv4_backend.kernels._common import check_device, last_to_arrive, load_fresh, native, round_bf16
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
@@ -471,16 +471,10 @@ def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_
     x = y.to(tl.float32)                                                    # the stream as stored
     _store_partials(x, w, part_ptr, t64, t_ok, s, S, n, n_ok, N, DOT)
     if TAIL:
-        # The boundary's last program of this token block finalizes the next mix and writes the
-        # next sub-layer's input (_mix_collapse_norm_kernel's arithmetic), so that no launch follows.
-        # Every program's stores are ordered before its ticket by the barrier and the ticket's
-        # release; the program that draws the last ticket acquires them all. It also puts the
-        # counter back to 0 for the next launch (the kernel's completion publishes that store).
-        tl.debug_barrier()
+        # the token block's last program to finish finalizes the next mix and writes the next
+        # sub-layer's input (_mix_collapse_norm_kernel's arithmetic), so that no launch follows
         i = tl.program_id(0)
-        ticket = tl.atomic_add(ticket_ptr + i, 1, sem="acq_rel", scope="gpu")
-        if ticket == S - 1:
-            tl.store(ticket_ptr + i, 0)
+        if last_to_arrive(ticket_ptr + i, S):
             for tt in tl.static_range(BLOCK_T):
                 t1 = (i * BLOCK_T + tt + tl.zeros([1], dtype=tl.int32)).to(tl.int64)   # [1]
                 _finalize(part_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, t1, T, S, K, eps, rms_eps,
@@ -516,21 +510,27 @@ def mhc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C:
     columns. Returns (new streams [T, hc, D] in X's dtype, partials fp32 [T, S, N + 1]) for
     ``mhc_mix_finalize``. fn: contiguous float32 [N, hc D]; D a multiple of the launch's
     chunk (``expand_partials_apply``)."""
-    _check_streams(X, "mhc_expand_partials")
+    launch, out, part = _expand_partials_outputs(X, f, post, C, fn, "mhc_expand_partials")
+    if X.shape[0]:
+        _launch_expand_partials(X, f, post, C, fn, out, part, launch, None)
+    return out, part
+
+
+def _expand_partials_outputs(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
+                             fn: torch.Tensor, what: str) -> tuple[MixLaunch, torch.Tensor, torch.Tensor]:
+    """An expand + partials launch's arguments checked (ValueError naming ``what``); -> its launch
+    shape and its outputs: the new streams and the partials fp32 [T, S, N + 1]."""
+    _check_streams(X, what)
     T, hc, D = X.shape
     N = fn.shape[0]
     launch = mix_launch(T, N)
-    _check_stream_logits(X, fn, N, launch.chunk, "mhc_expand_partials")
+    _check_stream_logits(X, fn, N, launch.chunk, what)
     if D % launch.chunk:
-        raise ValueError(f"mhc_expand_partials: D={D} must be a multiple of the chunk {launch.chunk}")
-    _check_expand_args(X, f, post, C, "mhc_expand_partials")
+        raise ValueError(f"{what}: D={D} must be a multiple of the chunk {launch.chunk}")
+    _check_expand_args(X, f, post, C, what)
     check_device(X, f, post, C, fn)
-    S = hc * D // launch.chunk
-    out = torch.empty_like(X)
-    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
-    if T:
-        _launch_expand_partials(X, f, post, C, fn, out, part, launch, None)
-    return out, part
+    part = torch.empty(T, hc * D // launch.chunk, N + 1, dtype=torch.float32, device=X.device)
+    return launch, torch.empty_like(X), part
 
 
 class BoundaryTail(NamedTuple):
@@ -638,6 +638,14 @@ def _mix_collapse_norm_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, 
     _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, norm_eps, HC, BLOCK_D, ROUND_BF16, NATIVE, False)
 
 
+def _check_norm(X: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, what: str) -> None:
+    D = X.shape[2]
+    if weight.shape != (D,):
+        raise ValueError(f"{what}: weight must be [{D}], got {tuple(weight.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{what}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+
+
 def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """A sub-layer's input in one launch: ``RMSNorm(sum_j pre[t, j] X[t, j, :]) * weight``, the
@@ -647,10 +655,7 @@ def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, 
     T, hc, D = X.shape
     if pre.shape != (T, hc) or pre.dtype != torch.float32:
         raise ValueError(f"mhc_collapse_norm: pre must be fp32 [{T}, {hc}], got {pre.dtype} {tuple(pre.shape)}")
-    if weight.shape != (D,):
-        raise ValueError(f"mhc_collapse_norm: weight must be [{D}], got {tuple(weight.shape)}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"mhc_collapse_norm: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _check_norm(X, weight, out_dtype, "mhc_collapse_norm")
     check_device(X, pre, weight)
     out = torch.empty(T, D, dtype=out_dtype, device=X.device)
     if T:
@@ -661,16 +666,7 @@ def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, 
     return out
 
 
-
 # ---- a sub-layer boundary in fewer launches -------------------------------------------------
-
-def _check_norm(X: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, what: str) -> None:
-    D = X.shape[2]
-    if weight.shape != (D,):
-        raise ValueError(f"{what}: weight must be [{D}], got {tuple(weight.shape)}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{what}: out_dtype must be float32 or bfloat16, got {out_dtype}")
-
 
 def mhc_mix_collapse_norm(part: torch.Tensor, X: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                           weight: torch.Tensor, sinkhorn_iters: int, hc_eps: float, rms_eps: float,
@@ -678,7 +674,7 @@ def mhc_mix_collapse_norm(part: torch.Tensor, X: torch.Tensor, scale: torch.Tens
                           num_warps: int = 4) -> tuple[MixWeights, torch.Tensor]:
     """``mhc_mix_finalize`` then ``mhc_collapse_norm`` in one launch, one program per token: the
     mix of streams X [T, hc, D] from their split-K partials ``part`` fp32 [T, S, hc (2 + hc) + 1],
-    and the sub-layer's input ``RMSNorm(sum_j pre_j X_j) * weight`` from the pre in registers.
+    and the sub-layer's input ``RMSNorm(sum_j pre_j X_j) * weight`` from the pre it just stored.
     Under the interpreter the same bits as the two launches. On a GPU the sums (the partials', the
     norm's squares) run on ``num_warps`` warps, in another order than the finalize's one warp and
     the collapse's eight (within their fp32 bounds); the default 4 is the warps of
@@ -725,24 +721,16 @@ def mhc_expand_boundary(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C:
     dtype). That program works through its block's tokens one after another, so this pays at a
     token or two (``model.MHC_ONE_LAUNCH_MAX_TOKENS``). The same values as ``mhc_expand_partials``
     + ``mhc_mix_collapse_norm`` (bit for bit under the interpreter)."""
-    _check_streams(X, "mhc_expand_boundary")
+    launch, out, part = _expand_partials_outputs(X, f, post, C, fn, "mhc_expand_boundary")
     T, hc, D = X.shape
     N = fn.shape[0]
-    launch = mix_launch(T, N)
-    _check_stream_logits(X, fn, N, launch.chunk, "mhc_expand_boundary")
-    if D % launch.chunk:
-        raise ValueError(f"mhc_expand_boundary: D={D} must be a multiple of the chunk {launch.chunk}")
-    _check_expand_args(X, f, post, C, "mhc_expand_boundary")
     _check_mix_params(scale, base, N, sinkhorn_iters, "mhc_expand_boundary")
     _check_norm(X, weight, X.dtype, "mhc_expand_boundary")
     need = boundary_tickets(T, N)
     if tickets.dtype != torch.int32 or tickets.dim() != 1 or tickets.numel() < need:
         raise ValueError(f"mhc_expand_boundary: tickets must be int32 [>= {need}], "
                          f"got {tickets.dtype} {tuple(tickets.shape)}")
-    check_device(X, f, post, C, fn, scale, base, weight, tickets)
-    S = hc * D // launch.chunk
-    out = torch.empty_like(X)
-    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
+    check_device(X, scale, base, weight, tickets)
     mix = _empty_mix(T, hc, X.device)
     y = torch.empty(T, D, dtype=X.dtype, device=X.device)
     if T:

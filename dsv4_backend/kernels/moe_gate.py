@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, load_fresh, native, quant_block_e4m3
+from dsv4_backend.kernels._common import check_device, last_to_arrive, load_fresh, native, quant_block_e4m3
 from dsv4_backend.kernels.fp8_gemm import _num_sms
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
@@ -44,14 +44,10 @@ def _scores_kernel(x_ptr, w_ptr, s_ptr, q_ptr, qs_ptr, E, D, x_sr, w_sr, E_BLOCK
             return
     _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E, BLOCK_D)
     if SELECT:
-        # The token's last scores program to finish runs the select (_select_kernel's code), so that
-        # no launch follows: each program's stores are ordered before its ticket by the barrier and
-        # the ticket's release; the last ticket acquires them all, and puts the counter back to 0.
-        tl.debug_barrier()
+        # the token's last scores program to finish runs the select (_select_kernel's code), so that
+        # no launch follows
         t = tl.program_id(0)
-        ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel", scope="gpu")
-        if ticket == E_BLOCKS - 1:
-            tl.store(ticket_ptr + t, 0)
+        if last_to_arrive(ticket_ptr + t, E_BLOCKS):
             _select_token(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, t.to(tl.int64), E, scale,
                           TOPK, KP, EP, HASH, True)
 

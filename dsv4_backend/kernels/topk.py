@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import interpreting
+from dsv4_backend.kernels._common import interpreting, physical_rows
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
@@ -312,20 +312,16 @@ def _rank_all_rows_kernel(bits_ptr, sb, L, kk, map_ptr, map_sb, P, out_ptr, k, U
                           BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # _rank_all_kernel, then what indexer._rows_kernel does with its output: the kk best positions
-    # stored as physical row ids int32 at out[row, rank] (-1 where the score is -inf), through
-    # the page table or the row ids; the i-block-0 program fills ranks kk .. k - 1 with -1
+    # stored as physical row ids int32 at out[row, rank] (-1 where the score is -inf); the
+    # i-block-0 program fills ranks kk .. k - 1 with -1
     row = tl.program_id(0).to(tl.int64)
     base = bits_ptr + row * sb
     i = tl.program_id(1) * BI + tl.arange(0, BI)
     rank = _ranks(base, i, L, BI, BJ)
     s = tl.load(base + i, mask=i < L, other=0).to(tl.float32, bitcast=True)
     vis = (i < L) & (s > float("-inf"))
-    if USE_TABLE:
-        page = tl.load(map_ptr + row * map_sb + i // P, mask=vis, other=0).to(tl.int64)
-        r = page * P + i % P
-    else:
-        r = tl.load(map_ptr + row * map_sb + i, mask=vis, other=-1).to(tl.int64)
-    tl.store(out_ptr + row * k + rank, tl.where(vis, r, -1).to(tl.int32), mask=(i < L) & (rank < kk))
+    r = physical_rows(map_ptr + row * map_sb, i, vis, P, USE_TABLE)
+    tl.store(out_ptr + row * k + rank, r.to(tl.int32), mask=(i < L) & (rank < kk))
     if tl.program_id(1) == 0:
         for j0 in range(kk, k, BI):
             j = j0 + tl.arange(0, BI)

@@ -91,9 +91,6 @@ def _w8a16_kernel_applies(o: torch.Tensor, rows_per_group: int) -> bool:
     return w8a16_applies(o.reshape(o.shape[0], -1), rows_per_group)
 
 
-# DSV4_WO_A_ROPE=1: at one token the inverse RoPE of the attention output inside wo_a's W8A16 row
-# GEMV (fp8_gemv.RowRope), one launch fewer a layer (session 22; off until a GPU run measures it).
-USE_WO_A_ROPE = os.environ.get("DSV4_WO_A_ROPE", "0") == "1"
 # An attention's q_lora norm and its kv norm + RoPE in one launch on CUDA (kernels/norm_rope.py,
 # norm_pair; the same bits as two). DSV4_NORM_PAIR=0 keeps two launches (A/B timing).
 USE_NORM_PAIR = os.environ.get("DSV4_NORM_PAIR", "1") != "0"
@@ -323,25 +320,8 @@ class Attention(nn.Module):
             comp = raws[0]
             idx_in = self._indexer_inputs(x, iq, head_w, raws[1], positions) if index else None
         o = backend.forward(self.layer_id, self, AttentionInputs(q, kv, comp, idx_in, kv_stored), meta)  # [T, H, hd]
-        return self._rope_back_project_out(o, positions)
-
-    def _rope_back_project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``_project_out`` of o rotated back (``Rotary.apply(inverse=True)``), the rotation inside
-        ``wo_a``'s row GEMV where ``_wo_a_rope`` gives one (one launch fewer)."""
-        rope = self._wo_a_rope(o, positions)
-        return self._project_out(o if rope is not None else self.rope.apply(o, positions, inverse=True), rope)
-
-    def _wo_a_rope(self, o: torch.Tensor, positions: torch.Tensor) -> Optional[Any]:
-        """The inverse RoPE as ``wo_a``'s W8A16 row GEMV folds it (``fp8_gemv.RowRope``: the bits of
-        the rotation's launch) at one token on CUDA with ``DSV4_WO_A_ROPE=1``; else None."""
-        if not (USE_WO_A_ROPE and o.shape[0] == 1 and isinstance(self.wo_a, Fp8WeightOnlyLinear)
-                and _norm_rope_kernel_applies(o) and _w8a16_kernel_applies(o, self.cfg.o_lora_rank)):
-            return None
-        from .kernels import fp8_gemv
-        G, hd = self.o_groups, o.shape[-1]
-        if not fp8_gemv.rope_fold_applies(o, self.wo_a.weight.shape[0], o.shape[1] * hd // G, G, hd):
-            return None
-        return fp8_gemv.RowRope(positions[:1], self.rope.inv_freq_on(o.device), hd)
+        o = self.rope.apply(o, positions, inverse=True)
+        return self._project_out(o)
 
     def _compressor_inputs(self, x: torch.Tensor) -> list[CompressorInput]:
         """Raw (C, Z) of the attention compressor and, in CSA layers, the indexer's: the four
@@ -373,16 +353,14 @@ class Attention(nn.Module):
             q = indexer_fake_quant(hadamard(self.rope.apply(iq, positions)))
         return IndexerInput(q, w, comp)
 
-    def _project_out(self, o: torch.Tensor, rope: Optional[Any] = None) -> torch.Tensor:
+    def _project_out(self, o: torch.Tensor) -> torch.Tensor:
         # o: [T, H, hd]; group g = heads g*H/G .. (g+1)*H/G - 1, concatenated head by head.
-        # rope: o's inverse RoPE for the W8A16 kernel to apply first (_wo_a_rope), or None
         G, R = self.o_groups, self.cfg.o_lora_rank
         og = o.reshape(o.shape[0], G, -1)                                   # [T, G, H/G * hd]
         if isinstance(self.wo_a, Fp8WeightOnlyLinear):      # the release's FP8 bytes, W8A16
             if _w8a16_kernel_applies(o, R):
                 from .kernels.fp8_gemv import fp8_w8a16
-                return self.wo_b(fp8_w8a16(o.reshape(o.shape[0], -1), self.wo_a.weight, self.wo_a.scale, groups=G,
-                                           rope=rope))
+                return self.wo_b(fp8_w8a16(o.reshape(o.shape[0], -1), self.wo_a.weight, self.wo_a.scale, groups=G))
             wa = self.wo_a.dequantised(o.dtype, o.is_cuda)
         else:
             wa = self.wo_a.weight
@@ -428,9 +406,6 @@ class Gate(nn.Module):
             self.bias = None
         else:
             self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts), requires_grad=False)
-        # int32 counters for the select inside the scores launch (moe_gate's tickets); set on CUDA
-        # by DSV4Model._place, zero between launches
-        self.tickets: Optional[torch.Tensor] = None
 
     def kernel_applies(self, x: torch.Tensor) -> bool:
         """Whether ``forward`` runs the gate kernels (``kernels/moe_gate.py``) on ``x``."""
@@ -443,7 +418,7 @@ class Gate(nn.Module):
             from .kernels.moe_gate import moe_gate
             return moe_gate(x.contiguous(), self.weight, self.bias, self.topk, self.scale,
                             getattr(self, "tid2eid", None) if self.bias is None else None, input_ids,
-                            quantize=quantize, tickets=self.tickets if USE_GATE_ONE_LAUNCH else None)
+                            quantize=quantize)
         if quantize:
             raise ValueError("Gate.forward: quantize needs the gate kernels (Gate.kernel_applies)")
         h = x.to(hi_dtype(x.dtype))
@@ -639,9 +614,6 @@ GATE_KERNEL_MAX_TOKENS = 64
 # With the FP4 MMA experts and their fused shared expert, the gate's launch also rounds x to e4m3
 # for them (moe_gate(quantize=True)); DSV4_GATE_QUANT=0 leaves it to fp4_moe_mma's own act-quant.
 USE_GATE_QUANT = os.environ.get("DSV4_GATE_QUANT", "1") != "0"
-# DSV4_GATE_ONE_LAUNCH=1: each token's last scores program runs its top-k (moe_gate's tickets),
-# one launch where there were two (session 22; off until a GPU run measures it).
-USE_GATE_ONE_LAUNCH = os.environ.get("DSV4_GATE_ONE_LAUNCH", "0") == "1"
 MOE_DECODE_MAX_PAIRS = int(os.environ.get("DSV4_MOE_DECODE_MAX_PAIRS", "24"))
 # A quantised MoE's shared expert runs inside the FP4 experts' decode launches (one act-quant of
 # x, its SwiGLU in the routed SwiGLU + act-quant kernel, its down projection summed in the routed
@@ -768,77 +740,31 @@ def hc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, norm: RMSNorm, out_dtyp
 # were four. DSV4_MHC_FUSED=0 keeps the four (A/B timing).
 USE_MHC_FUSED = os.environ.get("DSV4_MHC_FUSED", "1") != "0"
 
-# Session 22, not yet run on a GPU (off there until measured; the interpreter tests force them on):
-# DSV4_MHC_FINALIZE_NORM=1: the finalize with the collapse + norm in one launch
-# (mhc_mix_collapse_norm), a sub-layer's input in two launches at every size the mix comes from
-# the streams (a boundary's expand + partials then the merged launch below 16 tokens; the partials'
-# own launch then the merged one for the step's first input and from 16 tokens);
-# DSV4_MHC_ONE_LAUNCH_MAX_TOKENS=n: up to n tokens
-# the whole boundary in one (mhc_expand_boundary: the expand's last program to finish does the
-# finalize, collapse and norm; 2 is the intended value).
-USE_MHC_FINALIZE_NORM = os.environ.get("DSV4_MHC_FINALIZE_NORM", "0") == "1"
-MHC_ONE_LAUNCH_MAX_TOKENS = int(os.environ.get("DSV4_MHC_ONE_LAUNCH_MAX_TOKENS", "0"))
 
-
-class SublayerMix(NamedTuple):
-    """A sub-layer's mHC parameters: its mix's fn, scale and base, and its input norm."""
-    fn: torch.Tensor
-    scale: torch.Tensor
-    base: torch.Tensor
-    norm: RMSNorm
-
-
-class HCHandoff(NamedTuple):
-    """What a boundary's expand computed of the next sub-layer's mix: nothing, the split-K
-    partials of the streams it wrote (``part``), or the mix and the sub-layer's input itself."""
-    part: Optional[torch.Tensor] = None
-    mix: Optional[HCMix] = None
-    x: Optional[torch.Tensor] = None
-
-
-def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, sub: SublayerMix,
-                      handoff: Optional[HCHandoff] = None) -> tuple[HCMix, torch.Tensor]:
+def hc_sublayer_input(cfg: DSV4Config, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                      base: torch.Tensor, norm: RMSNorm,
+                      part: Optional[torch.Tensor] = None) -> tuple[HCMix, torch.Tensor]:
     """A sub-layer's mix of the streams ``X [T, hc, D]`` and its input ``norm(sum_j pre_j X_j)`` in
-    X's dtype, from what the expand that wrote X computed of them (``hc_expand_into``)."""
-    if handoff is not None and handoff.x is not None:
-        return handoff.mix, handoff.x
-    part = handoff.part if handoff is not None else None
-    if (USE_MHC_FINALIZE_NORM and _mhc_kernels_apply(X) and _norm_rope_kernel_applies(X)
-            and (part is not None or _mix_from_streams(X, sub.fn))):
-        from .kernels import mhc
-        if part is None:     # the partials' own launch (the expand that wrote X did not compute them)
-            part = mhc.mhc_mix_partials(X.contiguous(), sub.fn)
-        mix, x = mhc.mhc_mix_collapse_norm(part, X.contiguous(), sub.scale, sub.base, sub.norm.weight,
-                                           cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, sub.norm.eps, X.dtype)
-        return HCMix(*mix), x
+    X's dtype. ``part``: the mix's split-K partials of X, where the expand that wrote X computed
+    them (``hc_expand_partials``)."""
     if part is not None:
         from .kernels.mhc import mhc_mix_finalize
-        mix = HCMix(*mhc_mix_finalize(part, X.shape[1] * X.shape[2], sub.scale, sub.base, cfg.hc_mult,
+        mix = HCMix(*mhc_mix_finalize(part, X.shape[1] * X.shape[2], scale, base, cfg.hc_mult,
                                       cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps))
     else:
-        mix = hc_mix_weights(cfg, X, sub.fn, sub.scale, sub.base)
-    return mix, hc_collapse_norm(X, mix.pre, sub.norm, X.dtype)
+        mix = hc_mix_weights(cfg, X, fn, scale, base)
+    return mix, hc_collapse_norm(X, mix.pre, norm, X.dtype)
 
 
-def hc_expand_into(cfg: DSV4Config, X: torch.Tensor, f: torch.Tensor, mix: HCMix, nxt: Optional[SublayerMix],
-                   tickets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[HCHandoff]]:
-    """``hc_expand`` of a sub-layer's output f, and what the same launch can compute of the next
-    sub-layer's mix (``nxt``: its parameters; None: no mix follows): on CUDA at decode sizes the
-    mix's split-K partials (``mhc.expand_partials_apply``), and up to
-    ``MHC_ONE_LAUNCH_MAX_TOKENS`` tokens, given ``tickets`` (the boundary's int32 counters), the
-    mix and the sub-layer's input too (``mhc.mhc_expand_boundary``)."""
-    post, C = mix.post, mix.C
-    if (nxt is not None and USE_MHC_FUSED and C.dtype == torch.float32 and _mhc_kernels_apply(X)
-            and _mix_from_streams(X, nxt.fn)):
+def hc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
+                       next_fn: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``hc_expand``, and the split-K partials of the next mix (``next_fn``: its fn; None: no mix
+    follows) from the same launch where ``mhc.expand_partials_apply`` says so; else None for them."""
+    if (next_fn is not None and USE_MHC_FUSED and C.dtype == torch.float32 and _mhc_kernels_apply(X)
+            and _mix_from_streams(X, next_fn)):
         from .kernels import mhc
-        if mhc.expand_partials_apply(X, nxt.fn):
-            if tickets is not None and X.shape[0] <= MHC_ONE_LAUNCH_MAX_TOKENS and _norm_rope_kernel_applies(X):
-                X, nmix, x = mhc.mhc_expand_boundary(X, f, post, C, nxt.fn, nxt.scale, nxt.base, nxt.norm.weight,
-                                                     tickets, cfg.hc_sinkhorn_iters, cfg.hc_eps,
-                                                     cfg.rms_norm_eps, nxt.norm.eps)
-                return X, HCHandoff(mix=HCMix(*nmix), x=x)
-            X, part = mhc.mhc_expand_partials(X, f, post, C, nxt.fn)
-            return X, HCHandoff(part=part)
+        if mhc.expand_partials_apply(X, next_fn):
+            return mhc.mhc_expand_partials(X, f, post, C, next_fn)
     return hc_expand(X, f, post, C), None
 
 
@@ -856,7 +782,7 @@ class Block(nn.Module):
         super().__init__()
         hc, D = cfg.hc_mult, cfg.hidden_size
         n_mix = hc * (2 + hc)
-        self.cfg, self.layer_id = cfg, layer_id
+        self.cfg = cfg
         for sub in ("attn", "ffn"):
             self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.empty(n_mix, hc * D), requires_grad=False))
             self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.empty(n_mix), requires_grad=False))
@@ -866,41 +792,32 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer_id, ratio, quantized)
         self.ffn = MoE(cfg, hash_routed, quantized)
 
-    def sublayer_mix(self, sub: str) -> SublayerMix:
-        """The mHC parameters of sub-layer ``sub`` ("attn" or "ffn")."""
-        return SublayerMix(getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                           getattr(self, f"hc_{sub}_base"), getattr(self, f"{sub}_norm"))
-
     def forward(self, X, input_ids, positions, backend, meta, carry: Optional["HCCarry"] = None):
-        """Streams ``X [T, hc, D]`` -> the block's new streams. ``carry`` (DSV4Model.forward): what
-        the block before computed of this block's attention mix, replaced by what this block's last
-        expand computes of the next block's (``hc_expand_into``)."""
+        """Streams ``X [T, hc, D]`` -> the block's new streams. ``carry`` (DSV4Model.forward): the
+        attention mix's split-K partials of X where the block before computed them, replaced by the
+        next block's (``hc_expand_partials``)."""
         cfg = self.cfg
-        attn, ffn = self.sublayer_mix("attn"), self.sublayer_mix("ffn")
-        mix, x = hc_sublayer_input(cfg, X, attn, carry.handoff if carry is not None else None)
+        part = carry.part if carry is not None else None
+        mix, x = hc_sublayer_input(cfg, X, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm, part)
         f = self.attn(x, positions, backend, meta)
-        tickets = carry.tickets[self.layer_id] if carry is not None else (None, None)   # one row a boundary
-        X, handoff = hc_expand_into(cfg, X, f, mix, ffn, tickets[0])
-        mix, x = hc_sublayer_input(cfg, X, ffn, handoff)
+        X, part = hc_expand_partials(X, f, mix.post, mix.C, self.hc_ffn_fn)
+        mix, x = hc_sublayer_input(cfg, X, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm, part)
         f = self.ffn(x, input_ids)
-        if carry is None:
-            return hc_expand_into(cfg, X, f, mix, None)[0]
-        X, carry.handoff = hc_expand_into(cfg, X, f, mix, carry.next, tickets[1])
+        X, part = hc_expand_partials(X, f, mix.post, mix.C, carry.next_fn if carry is not None else None)
+        if carry is not None:
+            carry.part = part
         return X
 
 
 class HCCarry:
-    """What one block hands the next across their boundary: ``handoff``, what the block's last
-    expand computed of the next block's attention mix (None: nothing), ``next``, that mix's
-    parameters, and ``tickets``: the step's int32 boundary counters [layers, 2 (after the
-    attention, after the MoE), ``TICKETS_PER_BOUNDARY``] (``mhc.mhc_expand_boundary``)."""
-    __slots__ = ("handoff", "next", "tickets")
-    TICKETS_PER_BOUNDARY = 4
+    """What one block hands the next across their boundary: ``part``, the split-K partials of the
+    streams it returns for the next block's attention mix (None: not computed), and ``next_fn``,
+    that mix's fn, which the block's last expand multiplies into ``part``."""
+    __slots__ = ("part", "next_fn")
 
-    def __init__(self, tickets: torch.Tensor) -> None:
-        self.handoff: Optional[HCHandoff] = None
-        self.next: Optional[SublayerMix] = None
-        self.tickets = tickets
+    def __init__(self) -> None:
+        self.part: Optional[torch.Tensor] = None
+        self.next_fn: Optional[torch.Tensor] = None
 
 
 def hc_head_collapse(cfg: DSV4Config, X: torch.Tensor, fn, scale, base) -> torch.Tensor:
@@ -1001,13 +918,6 @@ class DSV4Model(nn.Module):
                     mod.fp4 = Fp4ExpertStack(mod.experts, device)
                 elif isinstance(mod, MoE):
                     mod.stack_experts(specs[f"{mod_name}.experts.0.w1.weight"].dtype, device)
-        # the counters of the one-launch mHC boundaries (HCCarry), zero between launches
-        self.hc_tickets = torch.zeros(len(self.layers), 2, HCCarry.TICKETS_PER_BOUNDARY, dtype=torch.int32,
-                                      device=device)
-        if device.type == "cuda":      # the gate kernels' counters (Gate.tickets)
-            for mod in self.modules():
-                if isinstance(mod, Gate):
-                    mod.tickets = torch.zeros(GATE_KERNEL_MAX_TOKENS, dtype=torch.int32, device=device)
         if rows:
             for mod in self.modules():
                 if isinstance(mod, Attention):
@@ -1049,9 +959,9 @@ class DSV4Model(nn.Module):
         returns the final mHC streams ``[T, hc, D]`` (feed rows of it to :meth:`logits`)."""
         x = self.embed(input_ids).to(self.dtype)
         X = x[:, None, :].expand(-1, self.cfg.hc_mult, -1).contiguous()
-        carry, n = HCCarry(self.hc_tickets), len(self.layers)
+        carry, n = HCCarry(), len(self.layers)
         for i, layer in enumerate(self.layers):
-            carry.next = self.layers[i + 1].sublayer_mix("attn") if i + 1 < n else None
+            carry.next_fn = self.layers[i + 1].hc_attn_fn if i + 1 < n else None
             X = layer(X, input_ids, positions, backend, meta, carry)
         return X
 

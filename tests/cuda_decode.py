@@ -20,11 +20,10 @@ def write_fp8_checkpoint(d: Path) -> Path:
     return d
 
 
-def greedy_decode(model_path: Path | None = None, n_prompts: int = 2) -> tuple[list, list]:
-    """Two prompts (250 and 61 tokens; ``n_prompts`` 1: the first alone, decode steps of one
-    token) decoded greedily for 14 tokens through a CUDA Engine with its decode graphs: (output
-    ids, output logprobs) per prompt. No model_path: the tiny preset's random weights made on the
-    device."""
+def greedy_decode(model_path: Path | None = None) -> tuple[list, list]:
+    """Two prompts (250 and 61 tokens) decoded greedily for 14 tokens through a CUDA Engine with
+    its decode graphs: (output ids, output logprobs) per prompt. No model_path: the tiny preset's
+    random weights made on the device."""
     kw = {"model_path": str(model_path)} if model_path else {"preset": "tiny", "config_overrides": {"vocab_size": 1024},
                                                             "random_weights_on_device": True}
     eng = Engine(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_total_tokens=8192,
@@ -32,7 +31,7 @@ def greedy_decode(model_path: Path | None = None, n_prompts: int = 2) -> tuple[l
     try:
         assert eng.runner.cuda_graphs is not None
         g = torch.Generator().manual_seed(11)
-        prompts = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (250, 61)][:n_prompts]
+        prompts = [torch.randint(2, CFG.vocab_size, (n,), generator=g).tolist() for n in (250, 61)]
         outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 14, "temperature": 0.0,
                                                                 "ignore_eos": True}, return_logprob=True)
     finally:

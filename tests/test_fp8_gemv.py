@@ -143,41 +143,6 @@ def test_w8a16_one_row_is_the_row_gemv():
         fp8_w8a16(torch.zeros(65, 512, dtype=torch.bfloat16, device=DEV), w, ws, groups=2)
 
 
-@pytest.mark.parametrize("position", [7, 1_000_003])
-def test_row_rope_is_the_inverse_rope_then_the_product(position):
-    """A RowRope folded into the W8A16 row GEMV (wo_a's inverse RoPE of o): the bits of
-    norm_rope(norm=False, inverse=True) on o's heads, then the product (the same angle, cos, sin,
-    pair and rounding code; a position of a million exercises the argument reduction)."""
-    from dsv4_backend.config import DSV4Config
-    from dsv4_backend.kernels.norm_rope import norm_rope
-    from dsv4_backend.model import Rotary
-    cfg = DSV4Config.preset("flash")
-    rope = Rotary(cfg.rope_theta, cfg.rope_scaling, cfg.qk_rope_head_dim)
-    g = torch.Generator().manual_seed(position % 97)
-    G, R, H, hd = 2, 32, 4, 512
-    w, ws = random_weight(G * R, H // G * hd, g)
-    o = torch.randn(1, H, hd, generator=g).bfloat16().to(DEV)
-    pos = torch.tensor([position], device=DEV)
-    inv = rope.inv_freq_on(o.device)
-    cfg_row = RowGemvConfig(16, hd // 128, 2, 2)
-    folded_rope = fp8_gemv.RowRope(pos, inv, hd)
-    y = fp8_w8a16(o.reshape(1, -1), w.to(DEV), ws.to(DEV), groups=G, config=cfg_row, rope=folded_rope)
-    rotated = norm_rope(o, None, 0.0, pos, inv, norm=False, inverse=True)
-    assert not torch.equal(rotated, o)
-    assert torch.equal(y, fp8_w8a16(rotated.reshape(1, -1), w.to(DEV), ws.to(DEV), groups=G, config=cfg_row))
-    with pytest.raises(ValueError, match="RowRope needs"):       # a K step that is not one head
-        fp8_w8a16(o.reshape(1, -1), w.to(DEV), ws.to(DEV), groups=G, config=RowGemvConfig(16, 2, 2, 2),
-                  rope=folded_rope)
-    with pytest.raises(ValueError, match="RowRope needs"):       # not the Triton kernel
-        fp8_w8a16(o.reshape(1, -1), w.to(DEV), ws.to(DEV), groups=G, config=fp8_gemv.CudaRowConfig(),
-                  rope=folded_rope)
-    with pytest.raises(ValueError, match="one-row kernel only"):
-        fp8_w8a16(o.reshape(1, -1).expand(2, -1), w.to(DEV), ws.to(DEV), groups=G, rope=folded_rope)
-    flash_o = torch.zeros(1, 64 * 512, dtype=torch.bfloat16, device=DEV)
-    assert fp8_gemv.rope_fold_applies(flash_o, 8192, 4096, 8, 512)          # Flash's wo_a: 8 groups
-    assert not fp8_gemv.rope_fold_applies(flash_o[:, :1024], 64, 1024, 1, 512)   # a K step of 128
-
-
 def test_quantised_wo_a_dispatch(monkeypatch):
     """The quantised model's wo_a keeps its e4m3 bytes: at decode sizes the W8A16 kernel, else
     the fold through the einsum; both within the bound of the float64 fold's product."""
@@ -204,71 +169,6 @@ def test_quantised_wo_a_dispatch(monkeypatch):
     mag = torch.einsum("tgi,gri->tgr", xg.abs(), wg.abs()).reshape(T, -1)
     for z in (z_kernel, z_fold):
         assert_within(z.cpu(), y64, bound(y64, mag, Kg, torch.bfloat16), "wo_a")
-
-
-def test_attention_folds_the_inverse_rope_into_wo_a(monkeypatch):
-    """Attention._rope_back_project_out with DSV4_WO_A_ROPE on (the CUDA conditions forced, a
-    one-head K step forced on the small shape) equals the rotation's launch then wo_a, bit for
-    bit, and took the fold; at two tokens it keeps the rotation's launch."""
-    from types import SimpleNamespace
-
-    from dsv4_backend import model as model_mod
-    from dsv4_backend.config import DSV4Config
-    from dsv4_backend.layers.linear import Fp8WeightOnlyLinear
-    cfg = DSV4Config.preset("flash")
-    g = torch.Generator().manual_seed(12)
-    G, R, H, hd = 2, 64, 4, 512
-    wo_a = Fp8WeightOnlyLinear(H // G * hd, G * R)
-    w, ws = random_weight(G * R, H // G * hd, g)
-    wo_a.weight.copy_(w)
-    wo_a.scale.copy_(ws)
-    wo_a = wo_a.to(DEV)
-    attn = SimpleNamespace(o_groups=G, cfg=SimpleNamespace(o_lora_rank=R), wo_a=wo_a, wo_b=lambda z: z,
-                           rope=model_mod.Rotary(cfg.rope_theta, cfg.rope_scaling, cfg.qk_rope_head_dim))
-    attn._project_out = lambda o, rope=None: model_mod.Attention._project_out(attn, o, rope)
-    attn._wo_a_rope = lambda o, pos: model_mod.Attention._wo_a_rope(attn, o, pos)
-    monkeypatch.setattr(model_mod, "_w8a16_kernel_applies", lambda o, r: True)
-    monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda x: True)
-    monkeypatch.setattr(fp8_gemv, "row_gemv_config", lambda N, K, sms: RowGemvConfig(16, 4, 2, 2))
-    if torch.cuda.is_available():    # one group would go to fp8_row.cu: the fold must then not apply
-        assert not fp8_gemv.rope_fold_applies(torch.zeros(1, 4096, dtype=torch.bfloat16, device=DEV), 1024, 4096,
-                                              1, hd)
-    folds = []
-    real = fp8_gemv.fp8_w8a16
-    monkeypatch.setattr(fp8_gemv, "fp8_w8a16", lambda *a, rope=None, **k: folds.append(rope is not None)
-                        or real(*a, rope=rope, **k))
-    for T in (1, 2):
-        o = torch.randn(T, H, hd, generator=g).bfloat16().to(DEV)
-        pos = torch.arange(4000, 4000 + T, device=DEV)
-        out = {}
-        for on in (True, False):
-            monkeypatch.setattr(model_mod, "USE_WO_A_ROPE", on)
-            folds.clear()
-            out[on] = model_mod.Attention._rope_back_project_out(attn, o, pos)
-            assert folds == [on and T == 1], (T, on, folds)
-        assert torch.equal(out[True], out[False])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="an Engine on CUDA (decode graphs)")
-def test_engine_with_wo_a_rope_equals_without(tmp_path, monkeypatch):
-    """An FP8/FP4 Engine decoding one request (one token a step: decode graphs) gives the same
-    greedy tokens and logprobs with wo_a's inverse RoPE folded into its row GEMV as with the
-    rotation's own launch (the test model's wo_a gets the one-head K step Flash's has)."""
-    from cuda_decode import greedy_decode, write_fp8_checkpoint
-    from dsv4_backend import model as model_mod
-    path = write_fp8_checkpoint(tmp_path)
-    real_config = fp8_gemv.row_gemv_config
-    monkeypatch.setattr(fp8_gemv, "row_gemv_config",
-                        lambda N, K, sms: RowGemvConfig(16, 4, 2, 4) if K % 512 == 0 else real_config(N, K, sms))
-    monkeypatch.setattr(model_mod, "USE_WO_A_ROPE", False)
-    want = greedy_decode(path, n_prompts=1)
-    monkeypatch.setattr(model_mod, "USE_WO_A_ROPE", True)
-    folds = []
-    real = fp8_gemv.fp8_w8a16
-    monkeypatch.setattr(fp8_gemv, "fp8_w8a16", lambda *a, rope=None, **k: folds.append(rope is not None)
-                        or real(*a, rope=rope, **k))
-    assert greedy_decode(path, n_prompts=1) == want
-    assert any(folds), "wo_a never took the inverse RoPE"
 
 
 # ---- fp8_row.cu (CUDA only: NVRTC has no interpreter) ------------------------------------------

@@ -322,45 +322,6 @@ def check_finalize(T, hc, D, dtype, device):
             assert_within(a, b, torch.full(a.shape, 2 * TOL, dtype=torch.float64), name)
 
 
-def check_boundary(T, hc, D, dtype, device):
-    """A boundary in one launch (mhc_expand_boundary) and the finalize with the collapse and norm
-    (mhc_mix_collapse_norm) against the separate launches (mhc_expand_partials, mhc_mix_finalize,
-    mhc_collapse_norm): under the interpreter bit for bit; on a GPU the streams bit for bit (the
-    same programs), the mix within 2 TOL (the finalize's sums on other warps: another order), and
-    the input against mhc_collapse_norm of the kernel's own pre within gamma(D) of it (the norm's
-    sum of squares in another order) plus a bf16 step. The counters are back at zero after."""
-    cfg = CFG.replace(hc_mult=hc)
-    X, f, post, C, fn, scale, base, w = boundary_inputs(T, hc, D, dtype, seed=5 * T + D, device=device)
-    args = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-    out, part = mhc_mod.mhc_expand_partials(X, f, post, C, fn)
-    mix = mhc_mod.mhc_mix_finalize(part, hc * D, scale, base, hc, *args)
-    tickets = torch.zeros(mhc_mod.boundary_tickets(T, fn.shape[0]) + 1, dtype=torch.int32, device=device)
-    one_out, one_mix, one_x = mhc_mod.mhc_expand_boundary(X, f, post, C, fn, scale, base, w, tickets, *args, 1e-6)
-    two_mix, two_x = mhc_mod.mhc_mix_collapse_norm(part, out, scale, base, w, *args, 1e-6, dtype)
-    assert not tickets.any()
-    assert torch.equal(one_out, out)
-    for got_mix, x in ((one_mix, one_x), (two_mix, two_x)):
-        assert x.dtype == dtype and x.shape == (T, D)
-        own = mhc_mod.mhc_collapse_norm(out, got_mix.pre, w, 1e-6, dtype)
-        for name, a, b in zip(("pre", "post", "C"), got_mix, mix):
-            if device == "cpu":
-                assert torch.equal(a, b), name
-            else:
-                assert_within(a, b, torch.full(a.shape, 2 * TOL, dtype=torch.float64), name)
-        if device == "cpu":
-            assert torch.equal(x, mhc_mod.mhc_collapse_norm(out, mix.pre, w, 1e-6, dtype))
-        else:
-            step = BF16_STEP if dtype == torch.bfloat16 else U32
-            assert_within(x, own, (gamma(D) + step) * own.double().abs() + 1e-30, "sub-layer input")
-
-
-@interpreter_only
-@pytest.mark.parametrize("T, hc, dtype", [(1, 4, torch.bfloat16), (2, 3, torch.float32), (5, 4, torch.bfloat16)])
-def test_boundary_in_one_and_two_launches(T, hc, dtype):
-    """One token, two (one token block), and five (two blocks, the second partial)."""
-    check_boundary(T, hc, 256, dtype, "cpu")
-
-
 @interpreter_only
 @pytest.mark.parametrize("T, dtype", [(1, torch.bfloat16), (3, torch.float32), (17, torch.bfloat16)])
 def test_expand_partials(T, dtype):
@@ -387,30 +348,14 @@ def test_fused_boundary_kernels_reject_bad_inputs():
         mhc_mod.mhc_mix_finalize(part[..., :24], 4 * 128, scale, base, 4, 20, 1e-6, 1e-6)
     with pytest.raises(ValueError, match="mhc_mix_finalize: scale"):
         mhc_mod.mhc_mix_finalize(part, 4 * 128, scale[:2], base, 4, 20, 1e-6, 1e-6)
-    with pytest.raises(ValueError, match="mhc_mix_collapse_norm: want"):
-        mhc_mod.mhc_mix_collapse_norm(part[:1], X, scale, base, w, 20, 1e-6, 1e-6, 1e-6, torch.float32)
-    with pytest.raises(ValueError, match=r"mhc_mix_collapse_norm: weight must be \[128\]"):
-        mhc_mod.mhc_mix_collapse_norm(part, X, scale, base, w[:64], 20, 1e-6, 1e-6, 1e-6, torch.float32)
-    tickets = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="mhc_expand_boundary: tickets must be int32"):
-        mhc_mod.mhc_expand_boundary(X, f, post, C, fn, scale, base, w, tickets.long(), 20, 1e-6, 1e-6, 1e-6)
-    with pytest.raises(ValueError, match="mhc_expand_boundary: D=120"):
-        mhc_mod.mhc_expand_boundary(X[..., :120].contiguous(), f[:, :120], post, C, fn[:, :480].contiguous(),
-                                    scale, base, w[:120], tickets, 20, 1e-6, 1e-6, 1e-6)
 
 
 @interpreter_only
 def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
     """The tiny model's forward with the mHC kernels on (the CUDA condition forced): the fused
-    boundaries give the same streams, bit for bit, as the separate launches. With the session-22
-    paths on (off by default on a GPU until measured there), at one token each boundary is one launch (the expand's last program finalizes the next mix and writes the next
-    sub-layer's input; the last expand of one block feeds the next block's attention), at three
-    tokens two (the expand with the next mix's partials, then the finalize with the collapse and
-    norm); from the tl.dot threshold (20 tokens) every boundary keeps the separate launches. The
-    one-launch boundaries leave their counters at zero. Without them a boundary below 16 tokens is
-    three launches (the expand with the partials, the finalize, the collapse + norm). With the
-    merged finalize, an input whose expand left no partials (the step's first, every one from 16
-    tokens) is the partials' launch and the merged one."""
+    boundaries (an expand with the next mix's partials, the last expand of one block feeding the
+    next block's mix) give the same streams, bit for bit, as the separate launches; from the tl.dot
+    threshold (20 tokens) every boundary keeps the separate launches."""
     from dsv4_backend.weights import random_weights
 
     class Sublayer(torch.nn.Module):     # an elementwise stand-in for attention / the MoE
@@ -429,40 +374,23 @@ def test_model_blocks_carry_the_fused_boundaries(monkeypatch):
     monkeypatch.setattr(model_mod, "_mhc_kernels_apply", lambda t: t.dtype != torch.float64)
     monkeypatch.setattr(model_mod, "_norm_rope_kernel_applies", lambda t: t.dtype in (torch.float32, torch.bfloat16))
     launches = []
-    names = ("mhc_expand_boundary", "mhc_expand_partials", "mhc_mix_collapse_norm", "mhc_mix_finalize",
-             "mhc_mix_from_streams", "mhc_expand", "mhc_collapse_norm", "mhc_mix_partials")
-    for name in names:
+    for name in ("mhc_expand_partials", "mhc_mix_finalize", "mhc_mix_from_streams", "mhc_expand"):
         real = getattr(mhc_mod, name)
         monkeypatch.setattr(mhc_mod, name, lambda *a, _r=real, _n=name, **k: launches.append(_n) or _r(*a, **k))
-    n = len(model.layers)
-    for T in (1, 3, 20):
+    for T in (1, 20):
         g = torch.Generator().manual_seed(T)
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
         outs = {}
-        for fused, merged, one in ((True, True, 2), (True, True, 0), (True, False, 2), (True, False, 0),
-                                   (False, True, 2)):
+        for fused in (True, False):
             monkeypatch.setattr(model_mod, "USE_MHC_FUSED", fused)
-            monkeypatch.setattr(model_mod, "USE_MHC_FINALIZE_NORM", merged)
-            monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", one)
             launches.clear()
-            outs[fused, merged, one] = model(ids, torch.arange(T), None, None)
-            # the step's first input, and the inputs whose expand left no partials (inputs = 2n in all)
-            alone = 1 if fused and T < mhc_mod.MIX_DOT_MIN_TOKENS else 2 * n
-            want = ({"mhc_mix_partials": alone, "mhc_mix_collapse_norm": alone} if merged
-                    else {"mhc_mix_from_streams": alone, "mhc_collapse_norm": alone})
-            want["mhc_expand"] = 1 if alone == 1 else 2 * n            # the last expand, or every one
-            if fused and T <= one:
-                want["mhc_expand_boundary"] = 2 * n - 1
-            elif alone == 1:
-                want["mhc_expand_partials"] = 2 * n - 1
-                after = "mhc_mix_collapse_norm" if merged else "mhc_mix_finalize"
-                want[after] = want.get(after, 0) + 2 * n - 1
-                if not merged:
-                    want["mhc_collapse_norm"] += 2 * n - 1
-            assert {k: launches.count(k) for k in set(launches)} == want, (T, fused, merged, one, launches)
-        base = outs[False, True, 2]
-        assert all(torch.equal(out, base) for out in outs.values())
-        assert not model.hc_tickets.any()
+            outs[fused] = model(ids, torch.arange(T), None, None)
+            n = len(model.layers)
+            want = ({"mhc_expand_partials": 2 * n - 1, "mhc_mix_finalize": 2 * n - 1, "mhc_mix_from_streams": 1,
+                     "mhc_expand": 1} if fused and T < mhc_mod.MIX_DOT_MIN_TOKENS
+                    else {"mhc_expand": 2 * n, "mhc_mix_from_streams": 2 * n})
+            assert {k: launches.count(k) for k in set(launches)} == want, (fused, launches)
+        assert torch.equal(outs[True], outs[False])
 
 
 @interpreter_only
@@ -740,37 +668,3 @@ def test_cuda_fused_boundaries_at_flash_shape(T):
     their float64 bounds, the finalized mix against the separate launches'."""
     check_expand_partials(T, CFG.hc_mult, 4096, torch.bfloat16, "cuda")
     check_finalize(T, CFG.hc_mult, 4096, torch.bfloat16, "cuda")
-    check_boundary(T, CFG.hc_mult, 4096, torch.bfloat16, "cuda")
-
-
-@cuda
-def test_cuda_one_launch_boundary_equals_two_launches():
-    """At one and two tokens (Flash's streams) the one-launch boundary's last program and
-    mhc_mix_collapse_norm run the same code on the same warps: the same bits."""
-    for T in (1, 2):
-        hc, D = CFG.hc_mult, 4096
-        X, f, post, C, fn, scale, base, w = boundary_inputs(T, hc, D, torch.bfloat16, seed=T, device="cuda")
-        args = (CFG.hc_sinkhorn_iters, CFG.hc_eps, CFG.rms_norm_eps, 1e-6)
-        assert mhc_mod.mix_launch(T, fn.shape[0]).num_warps == 4
-        out, part = mhc_mod.mhc_expand_partials(X, f, post, C, fn)
-        two_mix, two_x = mhc_mod.mhc_mix_collapse_norm(part, out, scale, base, w, *args, torch.bfloat16)
-        tickets = torch.zeros(1, dtype=torch.int32, device="cuda")
-        _, one_mix, one_x = mhc_mod.mhc_expand_boundary(X, f, post, C, fn, scale, base, w, tickets, *args)
-        assert all(torch.equal(a, b) for a, b in zip(one_mix, two_mix)) and torch.equal(one_x, two_x), T
-
-
-@cuda
-def test_engine_one_launch_boundaries_equal_two(monkeypatch):
-    """A CUDA Engine (decode graphs, two requests: two tokens a step) gives the same greedy tokens
-    and logprobs with each mHC boundary in one launch as in two; the counters survive the graph
-    replays (each launch leaves them at zero)."""
-    from cuda_decode import greedy_decode
-    monkeypatch.setattr(model_mod, "USE_MHC_FINALIZE_NORM", True)
-    monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", 0)
-    want = greedy_decode()
-    monkeypatch.setattr(model_mod, "MHC_ONE_LAUNCH_MAX_TOKENS", 2)
-    calls = []
-    real = mhc_mod.mhc_expand_boundary
-    monkeypatch.setattr(mhc_mod, "mhc_expand_boundary", lambda *a, **k: calls.append(1) or real(*a, **k))
-    assert greedy_decode() == want
-    assert calls, "no boundary took one launch"

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from bounds import U32, assert_within, gamma
-from dsv4_backend.kernels import moe_gate as gate_mod
 from dsv4_backend.kernels.moe_gate import moe_gate, scores_block_e
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,43 +120,6 @@ def test_quantize_is_act_quant_and_changes_no_route(D):
     assert torch.equal(xq.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(xs, s_ref)
 
 
-@pytest.mark.parametrize("T, E, topk, hashed, quantize", [(1, 256, 6, False, True), (5, 20, 3, False, False),
-                                                        (4, 16, 6, True, True)])
-def test_select_in_the_scores_launch(monkeypatch, T, E, topk, hashed, quantize):
-    """With ``tickets`` each token's last scores program runs the select: the same ids, weights
-    (and codes) as the two launches, bit for bit (the same code on the same warps), on the
-    interpreter and on CUDA; the counters are back at zero after; too few counters: two launches."""
-    D = 256
-    g = torch.Generator().manual_seed(T + E)
-    x = torch.randn(T, D, generator=g).to(torch.bfloat16).to(DEV)
-    weight = (torch.randn(E, D, generator=g) * 0.3).to(torch.bfloat16).to(DEV)
-    if hashed:
-        bias, tid2eid = None, torch.stack([torch.randperm(E, generator=g)[:topk] for _ in range(50)]).to(DEV)
-        tokens = torch.randint(0, 50, (T,), generator=g).to(DEV)
-    else:
-        bias, tid2eid, tokens = (torch.randn(E, generator=g) * 0.1).float().to(DEV), None, None
-    two = moe_gate(x, weight, bias, topk, 1.5, tid2eid, tokens, quantize=quantize)
-
-    class Counted:      # counts the select kernel's own launches
-        def __init__(self, kernel):
-            self.kernel, self.launches = kernel, 0
-
-        def __getitem__(self, grid):
-            self.launches += 1
-            return self.kernel[grid]
-    select = Counted(gate_mod._select_kernel)
-    monkeypatch.setattr(gate_mod, "_select_kernel", select)
-    for n in (T, T + 3, T - 1):
-        tickets = torch.zeros(max(n, 0), dtype=torch.int32, device=DEV)
-        before = select.launches
-        one = moe_gate(x, weight, bias, topk, 1.5, tid2eid, tokens, quantize=quantize, tickets=tickets)
-        assert all(torch.equal(a, b) for a, b in zip(one, two)), n
-        assert not tickets.any()
-        assert select.launches - before == (1 if n < T else 0), n     # one launch with enough counters
-    with pytest.raises(ValueError, match="tickets must be a 1-d int32"):
-        moe_gate(x, weight, bias, topk, 1.5, tid2eid, tokens, tickets=tickets.long())
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP4 MMA experts need CUDA")
 def test_engine_with_gate_quant_equals_without(tmp_path, monkeypatch):
     """An FP8/FP4 Engine (FP4 MMA experts, fused shared expert, decode graphs) gives the same
@@ -178,23 +140,3 @@ def test_engine_with_gate_quant_equals_without(tmp_path, monkeypatch):
     monkeypatch.setattr(gate_mod, "moe_gate", counting)
     assert greedy_decode(path) == want
     assert any(quantized), "the gate's act-quant programs never ran"
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="an Engine on CUDA (decode graphs)")
-def test_engine_with_the_select_in_the_scores_launch(monkeypatch):
-    """A CUDA Engine (decode graphs) gives the same greedy tokens and logprobs with each gate in
-    one launch (the select in the scores launch's last program) as in two: the same code on the
-    same warps; the counters survive the graph replays."""
-    from cuda_decode import greedy_decode
-    from dsv4_backend import model
-    monkeypatch.setattr(model, "USE_GATE_ONE_LAUNCH", False)
-    want = greedy_decode()
-    monkeypatch.setattr(model, "USE_GATE_ONE_LAUNCH", True)
-    counted = []
-
-    def counting(x, *args, tickets=None, **kw):
-        counted.append(tickets is not None and tickets.numel() >= x.shape[0])
-        return moe_gate(x, *args, tickets=tickets, **kw)
-    monkeypatch.setattr(gate_mod, "moe_gate", counting)
-    assert greedy_decode() == want
-    assert any(counted), "no gate took one launch"

@@ -166,21 +166,12 @@ def test_rejects_bad_input():
         topk_positions(torch.randn(2, 8), -1)
     with pytest.raises(ValueError, match="unknown top-k method"):
         topk_positions(torch.randn(2, 8).to(DEV), 4, config=TopKConfig(method="bogus"))
-    with pytest.raises(ValueError, match="rank_all_rows: scores must be fp32"):
-        topk_module.rank_all_rows(torch.randn(2, 8).bfloat16().to(DEV), 4, 4, torch.zeros(2, 8).long(), False, 64)
 
 
-@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("use_table,L", [(False, 640), (True, 640), (True, 64), (False, 64)])
-def test_topk_rows_kernel_path(monkeypatch, use_table, L, one_launch):
+def test_topk_rows_kernel_path(monkeypatch, use_table, L):
     """topk_rows through topk_positions == topk_rows through torch.topk, -1 padding included
-    (L = 64 < k: the rows past L are padding too); with DSV4_TOPK_ROWS_ONE_LAUNCH the ranking
-    launch writes the rows itself (these rows are short: rank_all_rows runs, counted)."""
-    from dsv4_backend.kernels import indexer as indexer_mod
-    monkeypatch.setattr(indexer_mod, "TOPK_ROWS_ONE_LAUNCH", one_launch)
-    fused = []
-    real = topk_module.rank_all_rows
-    monkeypatch.setattr(topk_module, "rank_all_rows", lambda *a, **k: fused.append(1) or real(*a, **k))
+    (L = 64 < k: the rows past L are padding too)."""
     seed = _seed()
     g = torch.Generator().manual_seed(seed)
     b, k, P = 3, 96, 64
@@ -197,7 +188,6 @@ def test_topk_rows_kernel_path(monkeypatch, use_table, L, one_launch):
     assert topk_module.kernels_wanted(s.to(DEV))
     got = topk_rows(s.to(DEV), k, **kw_dev).cpu()
     assert torch.equal(got, ref), seed
-    assert len(fused) == int(one_launch)
     assert (got[1, 50:] == -1).all() and (got[1, :50] >= 0).all()
     no_rows = torch.empty(b, 0, dtype=torch.long).to(DEV)
     empty = topk_rows(torch.empty(b, 0).to(DEV), k, row_ids=no_rows)

@@ -164,45 +164,6 @@ def e2m1_times_2m14(code):
 # ---- rows ---------------------------------------------------------------------------------
 
 @triton.jit
-def physical_rows(map_row, p, vis, P, USE_TABLE: tl.constexpr):
-    """Positions ``p`` of a request's list -> physical row ids (int64), -1 where not ``vis``:
-    through its page-table row at ``map_row`` (``USE_TABLE``: row ``page[p // P] P + p % P``) or
-    its row ids (``row_ids[p]``)."""
-    if USE_TABLE:
-        page = tl.load(map_row + p // P, mask=vis, other=0).to(tl.int64)
-        row = page * P + p % P
-    else:
-        row = tl.load(map_row + p, mask=vis, other=-1).to(tl.int64)
-    return tl.where(vis, row, -1)
-
-
-@triton.jit
-def last_to_arrive(counter_ptr, n):
-    """Whether this program is the last of the ``n`` programs sharing the int32 counter at
-    ``counter_ptr`` (zero before the launch) to get here; that program also puts it back to zero.
-    Each program's stores before the call are ordered before its ticket by a CTA barrier and the
-    ticket's release (one ``atom.acq_rel.gpu`` add); the last ticket acquires them all, so its
-    program may read what the others stored (past L1: ``load_fresh``). The reset is published to
-    the next launch by this kernel's completion (CUDA-graph replays find the counter at zero)."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    last = ticket == n - 1
-    if last:
-        tl.store(counter_ptr, 0)
-    return last
-
-
-@triton.jit
-def load_fresh(ptr, mask, FRESH: tl.constexpr):
-    """``tl.load(ptr, mask, other=0)``; ``FRESH``: the values were stored by other programs of this
-    launch (read by the program ``last_to_arrive`` chose), so they are read past L1 (``.cg``)."""
-    if FRESH:
-        return tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        return tl.load(ptr, mask=mask, other=0.0)
-
-
-@triton.jit
 def rope_pairs(even, odd, cos, sin):
     """Interleaved RoPE on pairs (2i, 2i+1), all fp32 [32]: returns the rotated (even, odd)."""
     return even * cos - odd * sin, even * sin + odd * cos

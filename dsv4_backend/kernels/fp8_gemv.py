@@ -52,9 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, e4m3_decode, native, quant_block_e4m3, round_bf16, rope_pairs
+from dsv4_backend.kernels._common import check_device, e4m3_decode, native, quant_block_e4m3, round_bf16
 from dsv4_backend.kernels.kv_store import sm_count
-from dsv4_backend.kernels.norm_rope import _cos_sin
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
@@ -88,19 +87,10 @@ def row_gemv_config(N: int, K: int, sms: int) -> RowGemvConfig:
     return RowGemvConfig(4, 8, 4, 3)
 
 
-class RowRope(NamedTuple):
-    """The inverse RoPE of the activation's heads, folded into a W8A16 row GEMV (``wo_a``): what
-    ``model.Rotary.apply(o, positions, inverse=True)`` does to o ``[1, H, head_dim]`` first."""
-    positions: torch.Tensor   # [1] the token's position (int)
-    inv_freq: torch.Tensor    # fp32 [rope_dim / 2] on x's device
-    head_dim: int             # each head's last rope_dim = 2 len(inv_freq) values rotate
-
-
 @triton.jit
-def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS, pos_ptr, inv_ptr,
+def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP_ROWS,
                      MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr,
-                     ROPE: tl.constexpr, PDL: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, OUT_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation access (pdl.py)
     # program i: rows [i BLOCK_N, (i + 1) BLOCK_N) of W (one 128-row scale row) over all of K
     n0 = tl.program_id(0) * BLOCK_N
@@ -114,17 +104,6 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP
     col = j[:, None] * 128 + c[None, :]                                   # [BLOCKS, 128]
     w_tile = w_ptr + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
     ws_row = ws_ptr + (n0 // 128) * ws_sn
-    if ROPE > 0:
-        # MODE 2 with each step one head of BLOCKS 128 values (RowRope): the last ROPE values, in
-        # its last 128-block, are rotated back before the product by norm_rope's arithmetic (the
-        # angles of one position, the same for every head: computed once), each pair from two
-        # loads of that block
-        is_rope = c >= 128 - ROPE                                           # [128]
-        odd = (c % 2) == 1
-        i = tl.where(is_rope, (c - (128 - ROPE)) // 2, 0)
-        cos, sin = _cos_sin(tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + i), NATIVE)
-        sin = -sin
-        in_last = (j == BLOCKS - 1)[:, None] & is_rope[None, :]              # [BLOCKS, 128]
     acc = tl.zeros([BLOCK_N, BLOCKS, 128], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCKS * 128, num_stages=NUM_STAGES):
         kb = k0 // 128 + j
@@ -140,14 +119,7 @@ def _row_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, N, K, NB, ws_sn, GROUP
             sx = tl.load(xsg + kb, mask=kb < NB, other=0.0)
             a = e4m3_decode(codes, NATIVE) * (sx * sw)[:, None]
         else:
-            x = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32)
-            if ROPE > 0:
-                last = xg + k0 + (BLOCKS - 1) * 128
-                xv = tl.load(last + c).to(tl.float32)
-                xp = tl.load(last + (c ^ 1)).to(tl.float32)                 # the pair's other value
-                re, ro = rope_pairs(tl.where(odd, xp, xv), tl.where(odd, xv, xp), cos, sin)
-                x = tl.where(in_last, round_bf16(tl.where(odd, ro, re), NATIVE)[None, :], x)
-            a = x * sw[:, None]
+            a = tl.load(xg + k0 + col, mask=k_ok, other=0.0).to(tl.float32) * sw[:, None]
         acc += e4m3_decode(w, NATIVE) * a[None, :, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if OUT_BF16:   # rounded here: the interpreter's bf16 store truncates
@@ -173,28 +145,14 @@ def _check_weight(w: torch.Tensor, w_scale: torch.Tensor, what: str) -> tuple[in
 _MODE_DTYPES = {"quant": (torch.bfloat16, torch.float32), "codes": (torch.float8_e4m3fn,), "bf16": (torch.bfloat16,)}
 
 
-def rope_fold_applies(x: torch.Tensor, N: int, Kg: int, groups: int, head_dim: int) -> bool:
-    """Whether ``fp8_row_gemv(x, mode="bf16", groups=groups)`` of ``[N, Kg]`` can take a
-    ``RowRope`` at its default launch without changing kernel: the product stays on the Triton
-    kernel anyway (not ``fp8_row.cu``: one group, as ``wo_a`` has under 8-way tensor parallelism,
-    would go there), whose K step is one head (``blocks`` 128 = head_dim), the group's columns
-    whole heads."""
-    if Kg % head_dim or cuda_row_preferred(x, N, Kg, "bf16", groups):
-        return False
-    sms = sm_count(x.device) if x.device.type == "cuda" else 132
-    return row_gemv_config(N, Kg, sms).blocks * QBLOCK == head_dim
-
-
 def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mode: str = "quant",
                  x_scale: torch.Tensor | None = None, groups: int = 1, out_dtype: torch.dtype | None = None,
-                 config: "RowGemvConfig | CudaRowConfig | None" = None, rope: RowRope | None = None) -> torch.Tensor:
+                 config: "RowGemvConfig | CudaRowConfig | None" = None) -> torch.Tensor:
     """``y [1, N]`` of one row x against e4m3 ``w [N, Kg]`` with fp32 power-of-two block scales
     ``w_scale [ceil(N / 128), ceil(Kg / 128)]``; x ``[1, groups * Kg]``. ``mode`` as in the module
     docstring (``x_scale`` fp32 ``[1, ceil(K / 128)]`` for "codes"). ``out_dtype``: bf16 or fp32
     (default: x's dtype, bf16 for "codes"). ``config``: a ``RowGemvConfig`` runs the Triton
-    kernel, a ``CudaRowConfig`` ``fp8_row.cu``; None picks (``_preferred_config``). ``rope``
-    (mode "bf16", the Triton kernel, ``rope_fold_applies``): x's heads rotated back first, the
-    bits of ``norm_rope(..., norm=False, inverse=True)`` then this product."""
+    kernel, a ``CudaRowConfig`` ``fp8_row.cu``; None picks (``_preferred_config``)."""
     if mode not in MODES:
         raise ValueError(f"fp8_row_gemv: mode must be one of {sorted(MODES)}, got {mode!r}")
     N, Kg, nb = _check_weight(w, w_scale, "fp8_row_gemv")
@@ -212,19 +170,7 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
         raise ValueError(f"fp8_row_gemv: out_dtype must be bf16 or fp32, got {out_dtype}")
     check_device(x, w, w_scale, *(() if x_scale is None else (x_scale,)))
     R = N // groups
-    if rope is not None:
-        half = rope.inv_freq.numel()
-        blocks = (config or row_gemv_config(N, Kg, sm_count(x.device))).blocks \
-            if not isinstance(config, CudaRowConfig) else 0
-        if (mode != "bf16" or blocks * QBLOCK != rope.head_dim or Kg % rope.head_dim
-                or not 0 < 2 * half <= rope.head_dim or rope.positions.numel() != 1
-                or rope.inv_freq.dtype != torch.float32):
-            raise ValueError(f"fp8_row_gemv: a RowRope needs mode 'bf16' on the Triton kernel with one head "
-                             f"({rope.head_dim} values) a K step of whole-head groups, one position and fp32 "
-                             f"inv_freq; got mode {mode!r}, config {config}, Kg {Kg}, {rope.positions.numel()} "
-                             f"position(s), inv_freq {rope.inv_freq.dtype} [{half}]")
-        check_device(x, rope.positions, rope.inv_freq)
-    cuda = _cuda_config(x, N, Kg, R, mode, groups, config) if rope is None else None
+    cuda = _cuda_config(x, N, Kg, R, mode, groups, config)
     if cuda is None:
         cfg = config or row_gemv_config(N, Kg, sm_count(x.device))
         if 128 % cfg.block_n or (groups > 1 and R % cfg.block_n):
@@ -240,13 +186,11 @@ def fp8_row_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, mod
                              R, MODES[mode], int(out_dtype == torch.bfloat16)],
                             x.device, shared_mem=4 * (Kg + cuda.k_warps * cuda.rows))
         return y
-    pos, inv = (rope.positions, rope.inv_freq.contiguous()) if rope is not None else (w_scale, w_scale)   # (unread)
     _row_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x.view(torch.uint8) if mode == "codes" else x, xs, w.view(torch.uint8), w_scale, y,
-        N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1), pos, inv,
+        N, Kg, nb, w_scale.stride(0), R if groups > 1 else max(N, 1),
         MODE=MODES[mode], BLOCK_N=cfg.block_n, BLOCKS=cfg.blocks, NUM_STAGES=cfg.num_stages,
-        OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), ROPE=2 * rope.inv_freq.numel() if rope else 0,
-        num_warps=cfg.num_warps, **pdl.args(x.device))
+        OUT_BF16=out_dtype == torch.bfloat16, NATIVE=native(), num_warps=cfg.num_warps, **pdl.args(x.device))
     return y
 
 
@@ -396,15 +340,13 @@ def _w8a16_dot_kernel(x_ptr, x_sm, w_ptr, ws_ptr, y_ptr, M, N, K, NB, ws_sn, GRO
 
 
 def fp8_w8a16(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int = 1,
-              config: W8A16Config | RowGemvConfig | None = None, rope: RowRope | None = None) -> torch.Tensor:
+              config: W8A16Config | RowGemvConfig | None = None) -> torch.Tensor:
     """``[M, N]`` bf16: x bf16 ``[M, groups * Kg]`` (1 <= M <= W8A16_MAX_M) against e4m3 ``w [N, Kg]``
     with its block scales, the weights multiplied as their bf16 folds (W8A16), group g's rows
-    against x's g-th Kg columns. One row: ``fp8_row_gemv(mode="bf16")`` (``rope``: its
-    ``RowRope``, one row only); more: one tensor-core launch (fp32 accumulation)."""
+    against x's g-th Kg columns. One row: ``fp8_row_gemv(mode="bf16")``; more: one tensor-core
+    launch (fp32 accumulation)."""
     if x.dim() == 2 and x.shape[0] == 1 and not isinstance(config, W8A16Config):
-        return fp8_row_gemv(x, w, w_scale, mode="bf16", groups=groups, config=config, rope=rope)
-    if rope is not None:
-        raise ValueError("fp8_w8a16: a RowRope is folded into the one-row kernel only")
+        return fp8_row_gemv(x, w, w_scale, mode="bf16", groups=groups, config=config)
     if x.dim() != 2 or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= W8A16_MAX_M:
         raise ValueError(f"fp8_w8a16: x must be bf16 [1..{W8A16_MAX_M}, K], got {x.dtype} {tuple(x.shape)}")
     M = x.shape[0]

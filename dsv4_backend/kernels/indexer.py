@@ -19,8 +19,6 @@ the lower position wins.
 
 from __future__ import annotations
 
-import os
-
 from typing import NamedTuple
 
 import torch
@@ -29,8 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv4_backend.kernels._common import (
-    IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, exp2_int, native, page_geometry, physical_rows,
-    pow2_scale_exp,
+    IDX_ROW_BYTES, check_device, dot_dtype, e4m3_decode, exp2_int, native, page_geometry, pow2_scale_exp,
 )
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
@@ -297,14 +294,12 @@ def _rows_kernel(top_ptr, top_sb, kk, score_ptr, score_sb, map_ptr, map_sb, P, o
     p = tl.load(top_ptr + b * top_sb + j, mask=have, other=0)
     s = tl.load(score_ptr + b * score_sb + p, mask=have, other=float("-inf"))
     vis = have & (s > float("-inf"))
-    row = physical_rows(map_ptr + b * map_sb, p, vis, P, USE_TABLE)
-    tl.store(out_ptr + b * k + j, row.to(tl.int32), mask=j < k)
-
-
-# DSV4_TOPK_ROWS_ONE_LAUNCH=1: where the top-k ranks every score in one launch (short rows), that
-# launch also writes the physical rows (topk.rank_all_rows), one launch fewer a CSA layer (session
-# 22; off until a GPU run measures it).
-TOPK_ROWS_ONE_LAUNCH = os.environ.get("DSV4_TOPK_ROWS_ONE_LAUNCH", "0") == "1"
+    if USE_TABLE:
+        page = tl.load(map_ptr + b * map_sb + p // P, mask=vis, other=0).to(tl.int64)
+        row = page * P + p % P
+    else:
+        row = tl.load(map_ptr + b * map_sb + p, mask=vis, other=-1).to(tl.int64)
+    tl.store(out_ptr + b * k + j, tl.where(vis, row, -1).to(tl.int32), mask=j < k)
 
 
 def topk_rows(scores: torch.Tensor, k: int, *, row_ids: torch.Tensor | None = None,
@@ -312,16 +307,14 @@ def topk_rows(scores: torch.Tensor, k: int, *, row_ids: torch.Tensor | None = No
     """The best ``min(k, visible)`` positions of ``scores [b, L]`` as physical row ids int32
     [b, k], best first, -1 padded; equal scores go to the lower position. Where the top-k
     kernels run, positions become rows in one launch (``_rows_kernel``)."""
-    from dsv4_backend.kernels.topk import kernels_wanted, rank_all_applies, rank_all_rows, topk_positions
+    from dsv4_backend.kernels.topk import kernels_wanted, topk_positions
 
     b, L = scores.shape
     kk = min(k, L)
     if kernels_wanted(scores) and b > 0 and kk > 0:
-        mapping = (page_table if row_ids is None else row_ids).contiguous()
-        if TOPK_ROWS_ONE_LAUNCH and rank_all_applies(scores, kk):     # ranking and rows: one launch
-            return rank_all_rows(scores, kk, k, mapping, row_ids is None, page_size)
         top = topk_positions(scores, kk)  # [b, kk] positions, same as the torch.topk below
         rows = torch.empty(b, k, dtype=torch.int32, device=scores.device)
+        mapping = (page_table if row_ids is None else row_ids).contiguous()
         scores = scores.contiguous()
         block = min(1024, triton.next_power_of_2(k))
         _rows_kernel[(b, triton.cdiv(k, block))](

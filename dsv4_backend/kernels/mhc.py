@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, last_to_arrive, load_fresh, native, round_bf16
+from dsv4_backend.kernels._common import check_device, native, round_bf16
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
@@ -189,41 +189,30 @@ def _mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, S, N: tl.constexpr, NP: t
 
 
 @triton.jit
-def _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-              N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr, SP: tl.constexpr,
-              PRE_ONLY: tl.constexpr, FRESH: tl.constexpr):
-    """Token t64's ([1]) mix from its S split-K partials: they are loaded as one [SP, ...] tile
-    and summed by tl.sum, a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what
-    _mix_kernel does. ``FRESH``: other programs of this launch wrote the partials (a boundary's
-    last program, ``_expand_partial_kernel``)."""
-    t_ok = t64 < T
-    s = tl.arange(0, SP)
-    s_ok = s < S
-    srow = part_ptr + t64 * S * (N + 1) + s * (N + 1)                      # [SP]
-    ssq = load_fresh(srow + N, s_ok & t_ok, FRESH)
-    r = tl.rsqrt(tl.sum(ssq, axis=0) / K + rms_eps)
-    j = tl.arange(0, HCP)
-    j_ok = j < HC
-    ok2 = s_ok[:, None] & j_ok[None, :] & t_ok
-    a_pre = tl.sum(load_fresh(srow[:, None] + j[None, :], ok2, FRESH), axis=0, keep_dims=True) * r
-    if PRE_ONLY:
-        _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
-    else:
-        a_post = tl.sum(load_fresh(srow[:, None] + HC + j[None, :], ok2, FRESH), axis=0, keep_dims=True) * r
-        col = 2 * HC + j[:, None] * HC + j[None, :]                        # [HCP, HCP]
-        ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :] & t_ok
-        x = tl.sum(load_fresh(srow[:, None, None] + col[None, :, :], ok3, FRESH), axis=0, keep_dims=True) * r
-        _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
-
-
-@triton.jit
 def _mix_from_partials_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, T, S, K, eps, rms_eps,
                               N: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, ITERS: tl.constexpr,
                               SP: tl.constexpr, PRE_ONLY: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
-    _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-              N, HC, HCP, ITERS, SP, PRE_ONLY, False)
+    # one program per token: its S partials are loaded as one [SP, ...] tile and summed by tl.sum,
+    # a fixed order; then m = dot * rsqrt(ssq / K + rms_eps) and what _mix_kernel does
+    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]
+    t_ok = t64 < T
+    s = tl.arange(0, SP)
+    s_ok = s < S
+    srow = part_ptr + t64 * S * (N + 1) + s * (N + 1)                      # [SP]
+    r = tl.rsqrt(tl.sum(tl.load(srow + N, mask=s_ok, other=0.0), axis=0) / K + rms_eps)
+    j = tl.arange(0, HCP)
+    j_ok = j < HC
+    ok2 = s_ok[:, None] & j_ok[None, :]
+    a_pre = tl.sum(tl.load(srow[:, None] + j[None, :], mask=ok2, other=0.0), axis=0, keep_dims=True) * r
+    if PRE_ONLY:
+        _store_pre(a_pre, t64, t_ok, scale_ptr, base_ptr, pre_ptr, eps, HC, HCP)
+    else:
+        a_post = tl.sum(tl.load(srow[:, None] + HC + j[None, :], mask=ok2, other=0.0), axis=0, keep_dims=True) * r
+        col = 2 * HC + j[:, None] * HC + j[None, :]                        # [HCP, HCP]
+        ok3 = s_ok[:, None, None] & (j_ok[:, None] & j_ok[None, :])[None, :, :]
+        x = tl.sum(tl.load(srow[:, None, None] + col[None, :, :], mask=ok3, other=0.0), axis=0, keep_dims=True) * r
+        _mix_store(a_pre, a_post, x, t64, t_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, eps, HC, HCP, ITERS)
 
 
 def _check_stream_logits(X: torch.Tensor, fn: torch.Tensor, n: int, chunk: int, what: str) -> None:
@@ -348,19 +337,6 @@ def mhc_mix_finalize(part: torch.Tensor, K: int, scale: torch.Tensor, base: torc
     return MixWeights(pre, post, C)
 
 
-def mhc_mix_partials(X: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-    """The first launch of ``mhc_mix_from_streams`` alone, at its default launch: the split-K
-    partials fp32 [T, S, N + 1] of streams X [T, hc, D] against fn [N, hc D], for
-    ``mhc_mix_collapse_norm`` (or ``mhc_mix_finalize``)."""
-    N = fn.shape[0]
-    launch = mix_launch(X.shape[0], N)
-    _check_stream_logits(X, fn, N, launch.chunk, "mhc_mix_partials")
-    check_device(X, fn)
-    if X.shape[0] == 0:
-        return torch.empty(0, triton.cdiv(fn.shape[1], launch.chunk), N + 1, dtype=torch.float32, device=X.device)
-    return _launch_partials(X, fn, launch)
-
-
 def mhc_head_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
                  rms_eps: float, chunk: int = 128) -> torch.Tensor:
     """The hc_head's ``pre = sigmoid(m scale + base) + hc_eps`` with ``m`` the RMS-scaled
@@ -432,13 +408,9 @@ def _expand_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
 
 @triton.jit
 def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, T, D, S,
-                           ticket_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, w_ptr, y_ptr,
-                           eps, rms_eps, norm_eps,
                            HC: tl.constexpr, HCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
                            CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
-                           ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, TAIL: tl.constexpr,
-                           ITERS: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NORM_ROUND_BF16: tl.constexpr, PDL: tl.constexpr):
+                           ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     # program (i, s): the new streams' chunk s of K = hc D (stream k, columns d; D % CHUNK == 0) for
     # tokens [i BLOCK_T, (i + 1) BLOCK_T), as _expand_kernel computes and stores them, then the next
@@ -470,18 +442,6 @@ def _expand_partial_kernel(x_ptr, f_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_
     tl.store(out_ptr + t64[:, None] * K + k * D + d[None, :], y, mask=t_ok[:, None])
     x = y.to(tl.float32)                                                    # the stream as stored
     _store_partials(x, w, part_ptr, t64, t_ok, s, S, n, n_ok, N, DOT)
-    if TAIL:
-        # the token block's last program to finish finalizes the next mix and writes the next
-        # sub-layer's input (_mix_collapse_norm_kernel's arithmetic), so that no launch follows
-        i = tl.program_id(0)
-        if last_to_arrive(ticket_ptr + i, S):
-            for tt in tl.static_range(BLOCK_T):
-                t1 = (i * BLOCK_T + tt + tl.zeros([1], dtype=tl.int32)).to(tl.int64)   # [1]
-                _finalize(part_ptr, scale_ptr, base_ptr, pre2_ptr, post2_ptr, c2_ptr, t1, T, S, K, eps, rms_eps,
-                          N, HC, HCP, ITERS, SP, False, True)
-                tl.debug_barrier()   # the pre just stored, for every thread of the program
-                _collapse_norm_row(out_ptr, pre2_ptr, w_ptr, y_ptr, t1, T, D, norm_eps, HC, BLOCK_D,
-                                   NORM_ROUND_BF16, NATIVE, True)
 
 
 def _check_expand_args(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor, what: str) -> None:
@@ -510,62 +470,25 @@ def mhc_expand_partials(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C:
     columns. Returns (new streams [T, hc, D] in X's dtype, partials fp32 [T, S, N + 1]) for
     ``mhc_mix_finalize``. fn: contiguous float32 [N, hc D]; D a multiple of the launch's
     chunk (``expand_partials_apply``)."""
-    launch, out, part = _expand_partials_outputs(X, f, post, C, fn, "mhc_expand_partials")
-    if X.shape[0]:
-        _launch_expand_partials(X, f, post, C, fn, out, part, launch, None)
-    return out, part
-
-
-def _expand_partials_outputs(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
-                             fn: torch.Tensor, what: str) -> tuple[MixLaunch, torch.Tensor, torch.Tensor]:
-    """An expand + partials launch's arguments checked (ValueError naming ``what``); -> its launch
-    shape and its outputs: the new streams and the partials fp32 [T, S, N + 1]."""
-    _check_streams(X, what)
+    _check_streams(X, "mhc_expand_partials")
     T, hc, D = X.shape
     N = fn.shape[0]
     launch = mix_launch(T, N)
-    _check_stream_logits(X, fn, N, launch.chunk, what)
+    _check_stream_logits(X, fn, N, launch.chunk, "mhc_expand_partials")
     if D % launch.chunk:
-        raise ValueError(f"{what}: D={D} must be a multiple of the chunk {launch.chunk}")
-    _check_expand_args(X, f, post, C, what)
+        raise ValueError(f"mhc_expand_partials: D={D} must be a multiple of the chunk {launch.chunk}")
+    _check_expand_args(X, f, post, C, "mhc_expand_partials")
     check_device(X, f, post, C, fn)
-    part = torch.empty(T, hc * D // launch.chunk, N + 1, dtype=torch.float32, device=X.device)
-    return launch, torch.empty_like(X), part
-
-
-class BoundaryTail(NamedTuple):
-    """What the last program of an ``mhc_expand_boundary`` token block needs: the counters, the
-    next mix's parameters and outputs, the norm and the sub-layer input it writes."""
-    tickets: torch.Tensor
-    scale: torch.Tensor
-    base: torch.Tensor
-    mix: MixWeights      # outputs
-    weight: torch.Tensor
-    y: torch.Tensor      # output
-    iters: int
-    hc_eps: float
-    rms_eps: float
-    norm_eps: float
-
-
-def _launch_expand_partials(X, f, post, C, fn, out, part, launch: MixLaunch, tail: BoundaryTail | None):
-    """``_expand_partial_kernel`` over (token blocks, S chunks); ``tail``: the last program's
-    finalize + collapse + norm (``mhc_expand_boundary``), or None."""
-    T, hc, D = X.shape
-    N, S = fn.shape[0], part.shape[1]
-    if tail is None:
-        targs = (part,) * 8 + (0.0, 0.0, 0.0)                                  # (unread)
-        kw = dict(TAIL=False, ITERS=1, SP=1, BLOCK_D=1, NORM_ROUND_BF16=False)
-    else:
-        targs = (tail.tickets, tail.scale.contiguous(), tail.base.contiguous(), tail.mix.pre, tail.mix.post,
-                 tail.mix.C, tail.weight, tail.y, float(tail.hc_eps), float(tail.rms_eps), float(tail.norm_eps))
-        kw = dict(TAIL=True, ITERS=tail.iters, SP=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D),
-                  NORM_ROUND_BF16=tail.y.dtype == torch.bfloat16 and not native())
-    _expand_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
-        X, f.contiguous(), post.contiguous(), C.contiguous(), out, fn, part, T, D, S, *targs,
-        HC=hc, HCP=triton.next_power_of_2(hc), N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk,
-        BLOCK_T=launch.block_t, DOT=launch.dot, ROUND_BF16=X.dtype == torch.bfloat16 and not native(),
-        NATIVE=native(), num_warps=launch.num_warps, **kw, **pdl.args(X.device))
+    S = hc * D // launch.chunk
+    out = torch.empty_like(X)
+    part = torch.empty(T, S, N + 1, dtype=torch.float32, device=X.device)
+    if T:
+        _expand_partial_kernel[(triton.cdiv(T, launch.block_t), S)](
+            X, f.contiguous(), post.contiguous(), C.contiguous(), out, fn, part, T, D, S,
+            HC=hc, HCP=triton.next_power_of_2(hc), N=N, NP=triton.next_power_of_2(N), CHUNK=launch.chunk,
+            BLOCK_T=launch.block_t, DOT=launch.dot, ROUND_BF16=X.dtype == torch.bfloat16 and not native(),
+            NATIVE=native(), num_warps=launch.num_warps, **pdl.args(X.device))
+    return out, part
 
 
 def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
@@ -595,55 +518,20 @@ def mhc_expand(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Te
 
 
 @triton.jit
-def _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, TAIL: tl.constexpr):
-    """``RMSNorm(sum_j pre[t, j] X[t, j]) * w`` of token t64 (a scalar or [1]), the sum in j's
-    order. ``TAIL``: a boundary's last program, where t64 may be past T (a partial token block)
-    and other programs of the launch wrote the streams."""
+def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                          ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
-    if TAIL:
-        ok = ok & (t64 < T)                                                 # [BLOCK_D]
     y = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(HC):
-        if TAIL:
-            p = tl.load(pre_ptr + t64 * HC + j, mask=t64 < T, other=0.0)
-        else:
-            p = tl.load(pre_ptr + t64 * HC + j)
-        y += p * load_fresh(x_ptr + (t64 * HC + j) * D + d, ok, TAIL).to(tl.float32)
+        p = tl.load(pre_ptr + t * HC + j)
+        y += p * tl.load(x_ptr + (t * HC + j) * D + d, mask=ok, other=0.0).to(tl.float32)
     y = y * tl.rsqrt(tl.sum(y * y, axis=0) / D + eps) * tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BF16:  # the interpreter truncates on the store; round to nearest even first
         y = round_bf16(y, NATIVE)
-    tl.store(out_ptr + t64 * D + d, y.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, T, D, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                          ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64), T, D, eps, HC, BLOCK_D,
-                       ROUND_BF16, NATIVE, False)
-
-
-@triton.jit
-def _mix_collapse_norm_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, x_ptr, w_ptr, out_ptr,
-                              T, S, K, D, eps, rms_eps, norm_eps, N: tl.constexpr, HC: tl.constexpr,
-                              HCP: tl.constexpr, ITERS: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr,
-                              ROUND_BF16: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    t64 = (tl.program_id(0) + tl.zeros([1], dtype=tl.int32)).to(tl.int64)  # [1]: one program per token
-    _finalize(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, c_ptr, t64, T, S, K, eps, rms_eps,
-              N, HC, HCP, ITERS, SP, False, False)
-    tl.debug_barrier()   # the pre just stored, for every thread of the program
-    _collapse_norm_row(x_ptr, pre_ptr, w_ptr, out_ptr, t64, T, D, norm_eps, HC, BLOCK_D, ROUND_BF16, NATIVE, False)
-
-
-def _check_norm(X: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, what: str) -> None:
-    D = X.shape[2]
-    if weight.shape != (D,):
-        raise ValueError(f"{what}: weight must be [{D}], got {tuple(weight.shape)}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{what}: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    tl.store(out_ptr + t * D + d, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -655,86 +543,16 @@ def mhc_collapse_norm(X: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, 
     T, hc, D = X.shape
     if pre.shape != (T, hc) or pre.dtype != torch.float32:
         raise ValueError(f"mhc_collapse_norm: pre must be fp32 [{T}, {hc}], got {pre.dtype} {tuple(pre.shape)}")
-    _check_norm(X, weight, out_dtype, "mhc_collapse_norm")
+    if weight.shape != (D,):
+        raise ValueError(f"mhc_collapse_norm: weight must be [{D}], got {tuple(weight.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"mhc_collapse_norm: out_dtype must be float32 or bfloat16, got {out_dtype}")
     check_device(X, pre, weight)
     out = torch.empty(T, D, dtype=out_dtype, device=X.device)
     if T:
         block = triton.next_power_of_2(D)
-        _collapse_norm_kernel[(T,)](X, pre.contiguous(), weight, out, T, D, float(eps), HC=hc, BLOCK_D=block,
+        _collapse_norm_kernel[(T,)](X, pre.contiguous(), weight, out, D, float(eps), HC=hc, BLOCK_D=block,
                                     ROUND_BF16=out_dtype == torch.bfloat16 and not native(), NATIVE=native(),
                                     num_warps=8 if block >= 2048 else 4, **pdl.args(X.device))
     return out
 
-
-# ---- a sub-layer boundary in fewer launches -------------------------------------------------
-
-def mhc_mix_collapse_norm(part: torch.Tensor, X: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                          weight: torch.Tensor, sinkhorn_iters: int, hc_eps: float, rms_eps: float,
-                          norm_eps: float, out_dtype: torch.dtype,
-                          num_warps: int = 4) -> tuple[MixWeights, torch.Tensor]:
-    """``mhc_mix_finalize`` then ``mhc_collapse_norm`` in one launch, one program per token: the
-    mix of streams X [T, hc, D] from their split-K partials ``part`` fp32 [T, S, hc (2 + hc) + 1],
-    and the sub-layer's input ``RMSNorm(sum_j pre_j X_j) * weight`` from the pre it just stored.
-    Under the interpreter the same bits as the two launches. On a GPU the sums (the partials', the
-    norm's squares) run on ``num_warps`` warps, in another order than the finalize's one warp and
-    the collapse's eight (within their fp32 bounds); the default 4 is the warps of
-    ``mhc_expand_boundary``'s launch at one or two tokens, whose last program runs this same code
-    (``tests/test_mhc_kernel.py`` checks the two paths give the same bits on CUDA)."""
-    _check_streams(X, "mhc_mix_collapse_norm")
-    T, hc, D = X.shape
-    n_mix = hc * (2 + hc)
-    if (part.dim() != 3 or part.shape[0] != T or part.shape[2] != n_mix + 1 or part.dtype != torch.float32
-            or not part.is_contiguous()):
-        raise ValueError(f"mhc_mix_collapse_norm: want contiguous fp32 partials [{T}, S, {n_mix + 1}], "
-                         f"got {part.dtype} {tuple(part.shape)}")
-    _check_mix_params(scale, base, n_mix, sinkhorn_iters, "mhc_mix_collapse_norm")
-    _check_norm(X, weight, out_dtype, "mhc_mix_collapse_norm")
-    check_device(part, X, scale, base, weight)
-    pre, post, C = _empty_mix(T, hc, X.device)
-    y = torch.empty(T, D, dtype=out_dtype, device=X.device)
-    if T:
-        S, block = part.shape[1], triton.next_power_of_2(D)
-        _mix_collapse_norm_kernel[(T,)](
-            part, scale.contiguous(), base.contiguous(), pre, post, C, X, weight, y, T, S, hc * D, D,
-            float(hc_eps), float(rms_eps), float(norm_eps), N=n_mix, HC=hc, HCP=triton.next_power_of_2(hc),
-            ITERS=sinkhorn_iters, SP=triton.next_power_of_2(S), BLOCK_D=block,
-            ROUND_BF16=out_dtype == torch.bfloat16 and not native(), NATIVE=native(),
-            num_warps=num_warps, **pdl.args(X.device))
-    return MixWeights(pre, post, C), y
-
-
-def boundary_tickets(T: int, N: int) -> int:
-    """How many int32 counters ``mhc_expand_boundary`` uses at T tokens of N mix logits (one a
-    token block of its launch)."""
-    return triton.cdiv(T, mix_launch(T, N).block_t)
-
-
-def mhc_expand_boundary(X: torch.Tensor, f: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
-                        fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, weight: torch.Tensor,
-                        tickets: torch.Tensor, sinkhorn_iters: int, hc_eps: float, rms_eps: float,
-                        norm_eps: float) -> tuple[torch.Tensor, MixWeights, torch.Tensor]:
-    """A whole sub-layer boundary in one launch: ``mhc_expand_partials`` (the new streams and the
-    next mix's split-K partials), then, in the last program of each token block to finish (an
-    atomic ticket: ``tickets`` int32, ``boundary_tickets`` of them, zero before the launch and
-    left zero after), ``mhc_mix_collapse_norm``'s finalize, collapse and norm. Returns (new
-    streams [T, hc, D] in X's dtype, the next mix, the next sub-layer's input [T, D] in X's
-    dtype). That program works through its block's tokens one after another, so this pays at a
-    token or two (``model.MHC_ONE_LAUNCH_MAX_TOKENS``). The same values as ``mhc_expand_partials``
-    + ``mhc_mix_collapse_norm`` (bit for bit under the interpreter)."""
-    launch, out, part = _expand_partials_outputs(X, f, post, C, fn, "mhc_expand_boundary")
-    T, hc, D = X.shape
-    N = fn.shape[0]
-    _check_mix_params(scale, base, N, sinkhorn_iters, "mhc_expand_boundary")
-    _check_norm(X, weight, X.dtype, "mhc_expand_boundary")
-    need = boundary_tickets(T, N)
-    if tickets.dtype != torch.int32 or tickets.dim() != 1 or tickets.numel() < need:
-        raise ValueError(f"mhc_expand_boundary: tickets must be int32 [>= {need}], "
-                         f"got {tickets.dtype} {tuple(tickets.shape)}")
-    check_device(X, scale, base, weight, tickets)
-    mix = _empty_mix(T, hc, X.device)
-    y = torch.empty(T, D, dtype=X.dtype, device=X.device)
-    if T:
-        _launch_expand_partials(X, f, post, C, fn, out, part, launch,
-                                BoundaryTail(tickets, scale, base, mix, weight, y, sinkhorn_iters, hc_eps, rms_eps,
-                                             norm_eps))
-    return out, mix, y

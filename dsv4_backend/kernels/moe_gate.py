@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import check_device, last_to_arrive, load_fresh, native, quant_block_e4m3
+from dsv4_backend.kernels._common import native, quant_block_e4m3
 from dsv4_backend.kernels.fp8_gemm import _num_sms
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
@@ -33,23 +33,16 @@ from dsv4_backend.kernels.pdl import wait as pdl_wait
 
 @triton.jit
 def _scores_kernel(x_ptr, w_ptr, s_ptr, q_ptr, qs_ptr, E, D, x_sr, w_sr, E_BLOCKS, NB,
-                   ticket_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, scale,
                    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, NATIVE: tl.constexpr,
-                   SELECT: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                   HASH: tl.constexpr, PDL: tl.constexpr):
+                   PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
     if QUANT:
         if tl.program_id(1) >= E_BLOCKS:    # the programs past the experts' round x to e4m3, one 128-block each
             _act_quant_block(x_ptr, x_sr, q_ptr, qs_ptr, D, NB, tl.program_id(1) - E_BLOCKS, NATIVE)
-            return
-    _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E, BLOCK_D)
-    if SELECT:
-        # the token's last scores program to finish runs the select (_select_kernel's code), so that
-        # no launch follows
-        t = tl.program_id(0)
-        if last_to_arrive(ticket_ptr + t, E_BLOCKS):
-            _select_token(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, t.to(tl.int64), E, scale,
-                          TOPK, KP, EP, HASH, True)
+        else:
+            _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E, BLOCK_D)
+    else:
+        _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E, BLOCK_D)
 
 
 @triton.jit
@@ -88,18 +81,10 @@ def _scores_block(x_ptr, w_ptr, s_ptr, E, D, x_sr, w_sr, BLOCK_E: tl.constexpr, 
 def _select_kernel(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, E, scale, TOPK: tl.constexpr,
                    KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    _select_token(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, tl.program_id(0).to(tl.int64), E, scale,
-                  TOPK, KP, EP, HASH, False)
-
-
-@triton.jit
-def _select_token(s_ptr, bias_ptr, tid_ptr, tok_ptr, ids_ptr, wts_ptr, t, E, scale, TOPK: tl.constexpr,
-                  KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, FRESH: tl.constexpr):
-    """Token t's top-k and routing weights from its score row (``FRESH``: written by other
-    programs of this launch, the scores launch's last program of the token)."""
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     emask = e < E
-    s = load_fresh(s_ptr + t * E + e, emask, FRESH)
+    s = tl.load(s_ptr + t * E + e, mask=emask, other=0.0)
     kk = tl.arange(0, KP)
     kmask = kk < TOPK
     chosen = tl.zeros((KP,), dtype=tl.int32)
@@ -137,16 +122,12 @@ def scores_block_e(T: int, E: int, num_sms: int) -> int:
 
 def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], topk: int, scale: float,
              tid2eid: Optional[torch.Tensor] = None, input_ids: Optional[torch.Tensor] = None,
-             block_e: Optional[int] = None, quantize: bool = False,
-             tickets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+             block_e: Optional[int] = None, quantize: bool = False) -> tuple[torch.Tensor, ...]:
     """Expert ids int64 [T, topk] and routing weights fp32 [T, topk] of ``x [T, D]`` against the
     gate ``weight [E, D]``: top-k of ``sqrt(softplus(x W^T)) + bias``, or, with ``tid2eid [V,
     topk]`` (a hash-routed layer, ``bias`` None), ``tid2eid[input_ids]``. ``block_e``: experts per
     scores program (None: ``scores_block_e``). ``quantize``: also ``act_quant_fp8(x)`` (the experts'
-    input, bit for bit), from extra programs of the scores launch: returns (ids, w, xq, xs).
-    ``tickets``: int32 counters, at least T, zero (and left zero): each token's last scores
-    program to finish then runs its select, one launch in all (the same code on the same warps:
-    the same bits); None, or fewer than T: the select is a second launch."""
+    input, bit for bit), from extra programs of the scores launch: returns (ids, w, xq, xs)."""
     T, D = x.shape
     E = weight.shape[0]
     if weight.shape[1] != D or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -155,8 +136,6 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         raise ValueError("moe_gate: give bias (scored routing) or tid2eid (hash routing), not both / neither")
     if not 1 <= topk <= E:
         raise ValueError(f"moe_gate: topk {topk} must be in 1 .. E = {E}")
-    if tickets is not None and (tickets.dtype != torch.int32 or tickets.dim() != 1):
-        raise ValueError(f"moe_gate: tickets must be a 1-d int32 tensor, got {tickets.dtype} {tuple(tickets.shape)}")
     s = torch.empty(T, E, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, topk, dtype=torch.int64, device=x.device)
     w = torch.empty(T, topk, dtype=torch.float32, device=x.device)
@@ -169,17 +148,14 @@ def moe_gate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         block_e = scores_block_e(T, E, _num_sms(x.device))
     e_blocks = triton.cdiv(E, block_e)
     q_args = (quant[0].view(torch.uint8), quant[1]) if quantize else (s, s)    # (unread without quantize)
-    hashed = tid2eid is not None
-    one = tickets is not None and tickets.numel() >= T
-    check_device(x, weight, *([tickets] if one else []))
-    sel_args = (bias if bias is not None else s, tid2eid.contiguous() if hashed else s,
-                input_ids.contiguous() if hashed else s, ids, w)   # (s: unread in place of what is not used)
-    sel_kw = dict(TOPK=topk, KP=triton.next_power_of_2(topk), EP=triton.next_power_of_2(E), HASH=hashed)
     _scores_kernel[(T, e_blocks + (nb if quantize else 0))](
         x, weight, s, *q_args, E, D, x.stride(0), weight.stride(0), e_blocks, nb,
-        tickets if one else s, *sel_args, float(scale),
-        BLOCK_E=block_e, BLOCK_D=512, QUANT=quantize, NATIVE=native(), SELECT=one, **sel_kw,
-        num_warps=4, **pdl.args(x.device))
-    if not one:
-        _select_kernel[(T,)](s, *sel_args, E, float(scale), **sel_kw, num_warps=4, **pdl.args(s.device))
+        BLOCK_E=block_e, BLOCK_D=512, QUANT=quantize, NATIVE=native(), num_warps=4, **pdl.args(x.device))
+    hashed = tid2eid is not None
+    dummy = s
+    _select_kernel[(T,)](s, bias if bias is not None else dummy,
+                         tid2eid.contiguous() if hashed else dummy,
+                         input_ids.contiguous() if hashed else dummy, ids, w, E, float(scale),
+                         TOPK=topk, KP=triton.next_power_of_2(topk), EP=triton.next_power_of_2(E), HASH=hashed,
+                         num_warps=4, **pdl.args(s.device))
     return (ids, w) + quant

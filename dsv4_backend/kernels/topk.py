@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels._common import interpreting, physical_rows
+from dsv4_backend.kernels._common import interpreting
 from dsv4_backend.kernels import pdl
 from dsv4_backend.kernels.pdl import wait as pdl_wait
 
@@ -285,47 +285,20 @@ def _row_keys(base, offs, L):
     return tl.where(ok, _pack_key(_ordered(tl.load(base + offs, mask=ok, other=0)), offs), _KEY_MIN)
 
 
-@triton.jit
-def _ranks(base, i, L, BI: tl.constexpr, BJ: tl.constexpr):
-    """Each of positions i's rank in its row = how many keys of the row are larger (keys are
-    unique, so ranks are 0 .. L-1 once each)."""
+@triton.jit(do_not_specialize=["sb", "L", "kk", "ob"])
+def _rank_all_kernel(bits_ptr, sb, L, kk, out_ptr, ob, BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
+    # program (row, i-block): each of BI positions' rank = how many keys of the row are larger
+    # (keys are unique, so ranks are 0 .. L-1 once each); the kk best are stored at out[row, rank]
+    row = tl.program_id(0).to(tl.int64)
+    base = bits_ptr + row * sb
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
     ki = _row_keys(base, i, L)
     rank = tl.zeros((BI,), tl.int32)
     for j0 in range(0, L, BJ):
         kj = _row_keys(base, j0 + tl.arange(0, BJ), L)
         rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), axis=1)
-    return rank
-
-
-@triton.jit(do_not_specialize=["sb", "L", "kk", "ob"])
-def _rank_all_kernel(bits_ptr, sb, L, kk, out_ptr, ob, BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    # program (row, i-block): BI positions ranked against the row; the kk best stored at out[row, rank]
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BI + tl.arange(0, BI)
-    rank = _ranks(bits_ptr + row * sb, i, L, BI, BJ)
     tl.store(out_ptr + row * ob + rank, i.to(tl.int64), mask=(i < L) & (rank < kk))
-
-
-@triton.jit(do_not_specialize=["sb", "L", "kk", "map_sb", "P", "k"])
-def _rank_all_rows_kernel(bits_ptr, sb, L, kk, map_ptr, map_sb, P, out_ptr, k, USE_TABLE: tl.constexpr,
-                          BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)    # before any activation, table or cache access (pdl.py)
-    # _rank_all_kernel, then what indexer._rows_kernel does with its output: the kk best positions
-    # stored as physical row ids int32 at out[row, rank] (-1 where the score is -inf); the
-    # i-block-0 program fills ranks kk .. k - 1 with -1
-    row = tl.program_id(0).to(tl.int64)
-    base = bits_ptr + row * sb
-    i = tl.program_id(1) * BI + tl.arange(0, BI)
-    rank = _ranks(base, i, L, BI, BJ)
-    s = tl.load(base + i, mask=i < L, other=0).to(tl.float32, bitcast=True)
-    vis = (i < L) & (s > float("-inf"))
-    r = physical_rows(map_ptr + row * map_sb, i, vis, P, USE_TABLE)
-    tl.store(out_ptr + row * k + rank, r.to(tl.int32), mask=(i < L) & (rank < kk))
-    if tl.program_id(1) == 0:
-        for j0 in range(kk, k, BI):
-            j = j0 + tl.arange(0, BI)
-            tl.store(out_ptr + row * k + j, tl.full((BI,), -1, tl.int32), mask=j < k)
 
 
 def _rank_all(bits: torch.Tensor, kk: int) -> torch.Tensor:
@@ -386,34 +359,6 @@ def _radix(bits: torch.Tensor, kk: int, config: TopKConfig) -> torch.Tensor:
     return out
 
 
-def rank_all_applies(scores: torch.Tensor, kk: int, config: TopKConfig = TopKConfig()) -> bool:
-    """Whether ``topk_positions(scores, kk, config=config)`` ranks every element against its row in
-    one launch (``_rank_all_kernel``): short rows in launches of few compares."""
-    b, L = scores.shape
-    return (config.method == "radix" and kk <= MAX_KERNEL_K and L <= config.rank_all_max
-            and b * L * L <= config.rank_all_compares)
-
-
-def rank_all_rows(scores: torch.Tensor, kk: int, k: int, mapping: torch.Tensor, use_table: bool,
-                  page_size: int) -> torch.Tensor:
-    """``topk_positions`` by the one-launch ranking (``rank_all_applies``) with
-    ``indexer.topk_rows``' position -> row step in the same launch: int32 [b, k] physical rows,
-    best first, -1 where invisible or past kk; ``mapping``: the page table [b, pages]
-    (``use_table``) or the row ids [b, L]. The same ids as the two launches (integers)."""
-    if scores.dim() != 2 or scores.dtype != torch.float32 or k < kk:
-        raise ValueError(f"rank_all_rows: scores must be fp32 [b, L] and k >= kk, got {scores.dtype} "
-                         f"{tuple(scores.shape)}, k {k}, kk {kk}")
-    b, L = scores.shape
-    scores = scores.contiguous()
-    bits = scores.view(torch.int32)
-    rows = torch.empty(b, k, dtype=torch.int32, device=scores.device)
-    bi = 64
-    _rank_all_rows_kernel[(b, triton.cdiv(L, bi))](
-        bits, bits.stride(0), L, kk, mapping, mapping.stride(0), page_size, rows, k, USE_TABLE=use_table,
-        BI=bi, BJ=256, num_warps=4, **pdl.args(scores.device))
-    return rows
-
-
 def topk_positions(scores: torch.Tensor, k: int, *,
                    config: TopKConfig = TopKConfig()) -> torch.Tensor:
     """int64 [b, min(k, L)]: each row's best positions of ``scores`` fp32 [b, L], best first,
@@ -436,6 +381,6 @@ def topk_positions(scores: torch.Tensor, k: int, *,
         raise RuntimeError("the top-k kernels need a CUDA tensor, or TRITON_INTERPRET=1 on the CPU")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
-    if rank_all_applies(scores, kk, config):
+    if L <= config.rank_all_max and b * L * L <= config.rank_all_compares:
         return _rank_all(scores.view(torch.int32), kk)
     return _radix(scores.view(torch.int32), kk, config)

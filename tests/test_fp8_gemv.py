@@ -175,12 +175,13 @@ def test_quantised_wo_a_dispatch(monkeypatch):
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="fp8_row.cu needs CUDA")
 CUDA_CONFIGS = [fp8_gemv.CudaRowConfig(), fp8_gemv.CudaRowConfig(1, 8, 1, 4), fp8_gemv.CudaRowConfig(2, 2, 4, 2),
-                fp8_gemv.CudaRowConfig(4, 2, 4, 4), fp8_gemv.CudaRowConfig(1, 4, 2, 1)]
+                fp8_gemv.CudaRowConfig(4, 2, 4, 4), fp8_gemv.CudaRowConfig(1, 4, 2, 1),
+                fp8_gemv.CudaRowConfig(2, 8, 2, 2)]
 
 
 @cuda_only
 @pytest.mark.parametrize("cfg", CUDA_CONFIGS, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("N, K", [(256, 1536), (128, 512), (384, 4096)])
+@pytest.mark.parametrize("N, K", [(256, 1536), (128, 512), (384, 4096), (256, 8192)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_quant_mode_against_float64(N, K, cfg, out_dtype):
     """fp8_row.cu's W8A8 product within the float64 bound (K = 512 and 1,536: fewer chunks than
@@ -221,7 +222,7 @@ def test_cuda_bf16_mode_grouped(cfg):
 def test_cuda_kernel_dispatch_and_refusals(monkeypatch):
     """With no config, one-row products that fp8_row.cu can take and was measured faster on go
     there (ungrouped, K <= CUDA_MAX_K, N in whole CTAs); the rest (K not a multiple of 512, fp32 x,
-    grouped or long rows, no CUDA) stay on the Triton kernel; an explicit CudaRowConfig that cannot run is refused
+    grouped, rows past CUDA_MAX_K, no CUDA) stay on the Triton kernel; an explicit CudaRowConfig that cannot run is refused
     with the reason."""
     g = torch.Generator().manual_seed(11)
     w, ws = random_weight(64, 384, g)
@@ -232,7 +233,9 @@ def test_cuda_kernel_dispatch_and_refusals(monkeypatch):
     monkeypatch.setattr(fp8_gemv, "USE_CUDA", True)
     on_cuda = DEV.type == "cuda"
     assert fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, 4096, "quant", 1) == on_cuda
-    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, 8192, "quant", 1)      # wo_b's rows
+    assert fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, 8192, "quant", 1) == on_cuda   # wo_b's rows
+    assert fp8_gemv.cuda_row_config(4096, 8192, 132) == fp8_gemv.CudaRowConfig(2, 8, 2, 2)  # two warps along K
+    assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4096, 16384, "quant", 1)     # rows past CUDA_MAX_K
     assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 8192, 4096, "bf16", 8)       # grouped wo_a
     assert not fp8_gemv.cuda_row_preferred(x.to(DEV), 4100, 4096, "quant", 1)      # N not whole CTAs
     y = fp8_row_gemv(x.to(DEV), w.to(DEV), ws.to(DEV))                      # Triton: K = 384

@@ -201,7 +201,8 @@ CUDA_SOURCE = Path(__file__).with_name("fp8_row.cu")
 USE_CUDA = os.environ.get("DSV4_FP8_ROW_CUDA", "1") != "0"
 CUDA_CHUNK = 512          # weight bytes a warp reads from one row per step (32 lanes x 16)
 CUDA_SMEM_MAX = 48 * 1024  # the activations of a group, fp32, in shared memory
-CUDA_MAX_K = 4096         # longer rows (wo_b) measured faster on the Triton kernel
+# the longest rows fp8_row.cu takes by default (DSV4_FP8_ROW_CUDA_MAX_K=4096 keeps wo_b on Triton: A/B timing)
+CUDA_MAX_K = int(os.environ.get("DSV4_FP8_ROW_CUDA_MAX_K", "8192"))
 
 
 class CudaRowConfig(NamedTuple):
@@ -222,9 +223,13 @@ class CudaRowConfig(NamedTuple):
 def cuda_row_config(N: int, K: int, sms: int) -> CudaRowConfig:
     """The H100 probe's best (``bench/probe_fp8_row_gemv.py --cuda``, docs/PERF.md session 20):
     16-row CTAs of 8 warps, each warp two rows over all of K, two chunks a load step; where that
-    gives fewer CTAs than SMs (``wq_a + wkv``), 8-row CTAs, one row a warp, four chunks a step."""
+    gives fewer CTAs than SMs (``wq_a + wkv``), 8-row CTAs, one row a warp, four chunks a step;
+    rows past 4,096 (``wo_b``) two warps along K (session 23: after ``wo_a``, as the model chains
+    them, 30.6 us a pair against 38.5 with ``wo_b`` on Triton)."""
     if triton.cdiv(N, 16) < sms:
         return CudaRowConfig(1, 8, 1, 4)
+    if K > 4096:
+        return CudaRowConfig(2, 8, 2, 2)
     return CudaRowConfig()
 
 
@@ -239,8 +244,8 @@ def _preferred_config(x: torch.Tensor, N: int, K: int, mode: str, groups: int) -
     """The launch shape of a one-row product with no explicit config that goes to ``fp8_row.cu``,
     or None for the Triton kernel: where it can run, on ungrouped weights of rows up to CUDA_MAX_K
     whose N the launch rule's CTAs tile (H100, session 20: ``wq_b (+ indexer)``, ``wq_a + wkv`` and
-    the shared expert faster by 0.8-2.3 us each; grouped ``wo_a`` and ``wo_b`` (K = 8,192) 0.6-1.2
-    us slower, so they stay on Triton)."""
+    the shared expert faster by 0.8-2.3 us each; grouped ``wo_a`` 0.6-1.2 us slower, so it stays
+    on Triton; session 23: ``wo_b`` (K = 8,192) 7 us a layer faster in the model)."""
     if not (USE_CUDA and groups == 1 and K <= CUDA_MAX_K and cuda_row_applies(x, K, mode)):
         return None
     cfg = cuda_row_config(N, K, sm_count(x.device))

@@ -15,7 +15,8 @@
 #                                              (7 rows x 130 s: more than one call's 600 s; AB="..." picks rows)
 #   bash bench/gpu_session_s22.sh $OUT short   the check's tests, then ab with AB="off on"
 #   bash bench/gpu_session_s22.sh $OUT table   gpu_session_s21.sh's table (issue 13's on an H200)
-# (written in session 22, when no GPU was lent: none of it has run yet)
+# (written in session 22, when no GPU was lent; session 23 ran `short`, then removed the five paths and
+# their flags, which measured no faster (docs/PERF.md): its `ab` rows now all run today's defaults)
 set -uo pipefail
 OUT=${1:?output directory}
 WHICH=${2:-check}

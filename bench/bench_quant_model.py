@@ -56,7 +56,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 START = time.time()
 
@@ -586,11 +586,23 @@ def prefill_row(eng: Engine, args: argparse.Namespace, guard: Budget) -> dict[st
     return asdict(pf)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+class Built(NamedTuple):
+    """What ``build_engine`` made: the Engine over a Flash-width quantised model and its ceilings."""
+    eng: Engine
+    cfg: DSV4Config           # the model built (``n_layers`` of the preset's)
+    base: DSV4Config          # the preset
+    n_layers: int
+    bw: float                 # copy GB/s, measured
+    peak: Optional[float]     # FP8 TFLOP/s, measured (CUDA)
+    headroom: int             # decode steps' tokens a request has room for past its context
+
+
+def build_engine(args: argparse.Namespace, rep: dict[str, Any]) -> Built:
+    """The model of ``args`` (layers, preset, seed) written / made in the release format and
+    loaded into an Engine, with the copy bandwidth and FP8 peak measured; ``rep`` gets the
+    meta, ceilings and weights entries. (bench/tune_row_gemv_in_model.py builds the same.)"""
     device = torch.device(args.device)
-    guard = Budget(args.time_budget)
     base = DSV4Config.preset(args.preset)
-    rep: dict[str, Any] = {"meta": {"argv": sys.argv[1:], "device": str(device), "preset": args.preset}}
     if device.type == "cuda":
         rep["meta"]["gpu"] = torch.cuda.get_device_name(device)
         total = torch.cuda.mem_get_info(device)[1]
@@ -630,6 +642,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"on the device in the same format ({weights.synth_s:.1f} s); engine built in {build_s:.1f} s")
     if not args.keep_checkpoint:
         shutil.rmtree(ckpt, ignore_errors=True)
+    return Built(eng, cfg, base, n_layers, bw, peak, headroom)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    guard = Budget(args.time_budget)
+    rep: dict[str, Any] = {"meta": {"argv": sys.argv[1:], "device": str(device), "preset": args.preset}}
+    eng, cfg, base, n_layers, bw, peak, headroom = build_engine(args, rep)
     plan = eng.plan
     rep["plan"] = {"max_full_tokens": plan.max_full_tokens, "budget_bytes": plan.budget_bytes,
                    "max_running_requests": plan.max_running_requests}

@@ -290,6 +290,64 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
     assert pl["per_layer_from"] == "step time"    # eager on the CPU: no replay GPU time
 
 
+def test_row_gemv_tuning_rule_routes_one_product(monkeypatch):
+    """bench/tune_row_gemv_in_model.py's rule: with no override the default launch shape, with a
+    Triton override that shape for that product only (the same bits here: the same sums), a
+    CUDA C shape refused by the real rule's check where fp8_row.cu cannot run; the candidates
+    cover every product of Flash, the largest weights first, each shape fitting the product's
+    rows; and the script runs end to end on the CPU (eager: no product, only the default)."""
+    from bench import tune_row_gemv_in_model as tune
+    from dsv4_backend.config import DSV4Config
+    from dsv4_backend.kernels import fp8_gemv
+    from dsv4_backend.kernels.fp8_gemv import CudaRowConfig, RowGemvConfig
+
+    g = torch.Generator().manual_seed(5)
+    N, K = 256, 1024
+    w = (torch.randn(N, K, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.pow(2.0, torch.randint(-8, -2, (N // 128, K // 128), generator=g).float())
+    x = torch.randn(1, K, generator=g).bfloat16()
+    picked = []
+    real = fp8_gemv.row_gemv_config
+    counting = lambda n, k, sms: picked.append((n, k)) or real(n, k, sms)   # noqa: E731
+    monkeypatch.setattr(fp8_gemv, "row_gemv_config", counting)
+    real_cuda = fp8_gemv._cuda_config
+    rule = tune.Rule()
+    rule.install()
+    try:
+        y0 = fp8_gemv.fp8_row_gemv(x, w, s)
+        assert rule.seen == {(N, K, 1): 1} and picked == [(N, K)]
+        rule.override = {(N, K, 1): RowGemvConfig(16, 2, 2, 2)}
+        y1 = fp8_gemv.fp8_row_gemv(x, w, s)
+        assert picked == [(N, K)]                   # the override's shape, not the default rule's
+        # another order of the same fp32 sums (each within K 2^-24 of the terms' magnitudes; x rounded
+        # to e4m3 grows by at most 2^-4), then each rounded to bf16 (half a step: 2^-8 relative)
+        mag = ((w.double() * s.repeat_interleave(128, 0).repeat_interleave(128, 1).double()).abs()
+               @ x.double().abs().T).T * (1 + 2 ** -4)
+        bound = 2 * K * 2 ** -24 * mag + 2 ** -8 * (y0.double().abs() + y1.double().abs())
+        assert ((y0.double() - y1.double()).abs() <= bound).all()
+        rule.override = {(N, K, 1): CudaRowConfig(2, 8, 1, 2)}
+        with pytest.raises(ValueError, match="CUDA kernel takes"):
+            fp8_gemv.fp8_row_gemv(x, w, s)
+    finally:
+        rule.uninstall()
+    assert fp8_gemv.row_gemv_config is counting and fp8_gemv._cuda_config is real_cuda
+
+    cfg = DSV4Config.preset("flash")
+    names = tune.product_names(cfg)
+    assert sorted(names.values()) == sorted(tune.PRODUCT_ORDER)
+    seen = {shape: 43 for shape in names}
+    cands = tune.candidates(seen, names, None)
+    assert cands[0][0].startswith("wo_b ") and cands[-1][0].startswith("wq_a+wkv ")
+    for _, (n, _, groups), c in cands:
+        rows = c.rows if isinstance(c, CudaRowConfig) else c.block_n
+        assert 128 % rows == 0 and (n // groups) % rows == 0
+    assert {lab.split(" ")[0] for lab, _, _ in tune.candidates(seen, names, {"wo_a"})} == {"wo_a"}
+
+    rep = tune.main(["--preset", "tiny", "--device", "cpu", "--layers", "4", "--context", "256", "--rounds", "2",
+                     "--steps", "1"])
+    assert rep["candidates"] == [] and len(rep["default_ms_all"]) == 2 and rep["default_ms"] > 0
+
+
 def test_per_layer_from_rounds():
     """The per-layer figure is the median of the rounds' differences over the layers, from the
     replays' GPU time when every round has it, else from the step times."""

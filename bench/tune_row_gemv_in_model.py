@@ -1,0 +1,206 @@
+"""Launch shapes of the one-row FP8 products, chosen inside the model rather than alone.
+
+``probe_fp8_row_gemv.py`` times each of Flash's one-row FP8 products alone (``--chain``: ``wo_a``
+then ``wo_b``). In the model each runs between other launches under PDL, and a launch shape that
+is no faster alone can be faster there: in session 23 ``wo_b`` on ``fp8_row.cu`` with two warps
+along K was as fast as the Triton kernel alone, 7.8 us faster after ``wo_a``, and 7 us a layer
+faster in the 11-layer model (docs/PERF.md).
+
+This builds the Flash-width quantised model once (``bench_quant_model.build_engine``), admits one
+request at ``--context``, records which one-row products a decode step runs, and for each
+candidate (today's rule with one product's launch shape replaced: an ``fp8_row.cu`` CTA shape or
+a Triton one) captures batch-1 decode graphs under that rule. Then it replays every candidate's
+graphs in ``--rounds`` alternated rounds (a drift of clocks lands in all of them) and prints each
+candidate's median replay GPU time beside the default's, a step and a layer that runs the product.
+Every shape tried is one ``tests/test_fp8_gemv.py`` checks against float64 (or of the same
+kernel and contract); this script only times.
+
+    python3 bench/tune_row_gemv_in_model.py --layers 11 [--context 4096] [--rounds 5] [--steps 6] \
+        [--only wo_b,wo_a] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import bench_quant_model as bqm  # noqa: E402
+from bench._bench_common import admit_synthetic, finish_all, timed_decode_steps  # noqa: E402
+from dsv4_backend.cuda_graph import DecodeGraphs  # noqa: E402
+from dsv4_backend.kernels import fp8_gemv  # noqa: E402
+from dsv4_backend.kernels.fp8_gemv import CudaRowConfig, RowGemvConfig  # noqa: E402
+
+Shape = tuple[int, int, int]   # (N, K per group, groups) as fp8_row_gemv sees them
+
+# fp8_row.cu CTA shapes (rows a warp, warps along N, warps along K, chunks a load step) and
+# Triton ones (rows a program, 128-blocks a step, warps, stages) tried for every product
+CUDA_SHAPES = [CudaRowConfig(2, 8, 1, 2), CudaRowConfig(1, 8, 1, 4), CudaRowConfig(2, 8, 2, 2),
+               CudaRowConfig(1, 8, 2, 4), CudaRowConfig(4, 8, 1, 2), CudaRowConfig(2, 4, 2, 2)]
+TRITON_SHAPES = [RowGemvConfig(16, 4, 2, 4), RowGemvConfig(32, 1, 2, 3), RowGemvConfig(16, 2, 4, 4)]
+PRODUCT_ORDER = ("wo_b", "wo_a", "wq_b+indexer.wq_b", "wq_b", "shared w1+w3", "shared w2", "wq_a+wkv")
+
+
+def product_names(cfg: Any) -> dict[Shape, str]:
+    """Flash's one-row FP8 products as the engine stacks them, by shape."""
+    H, hd, D = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    G, R, inter = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size * cfg.n_shared_experts
+    return {(cfg.q_lora_rank + hd, D, 1): "wq_a+wkv", (H * hd, cfg.q_lora_rank, 1): "wq_b",
+            (H * hd + cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, 1): "wq_b+indexer.wq_b",
+            (G * R, H * hd // G, G): "wo_a", (D, G * R, 1): "wo_b", (2 * inter, D, 1): "shared w1+w3",
+            (D, inter, 1): "shared w2"}
+
+
+class Rule:
+    """fp8_gemv's launch-shape choice with one product's shape replaced (``set``); the default
+    rule everywhere else. ``seen`` counts the products the captures ran, by shape."""
+
+    def __init__(self) -> None:
+        self.override: dict[Shape, Any] = {}
+        self.seen: dict[Shape, int] = {}
+        self._cuda_config, self._row_config = fp8_gemv._cuda_config, fp8_gemv.row_gemv_config
+
+    def install(self) -> None:
+        def cuda_config(x, N, K, R, mode, groups, config):
+            shape = (N, K, groups)
+            self.seen[shape] = self.seen.get(shape, 0) + 1
+            if config is None and shape in self.override:
+                config = self.override[shape]           # checked by the real rule: ValueError if it cannot run
+            return self._cuda_config(x, N, K, R, mode, groups, config)
+
+        def row_config(N, K, sms):
+            for (n, k, _), c in self.override.items():
+                if (n, k) == (N, K) and isinstance(c, RowGemvConfig):
+                    return c
+            return self._row_config(N, K, sms)
+        fp8_gemv._cuda_config, fp8_gemv.row_gemv_config = cuda_config, row_config
+
+    def uninstall(self) -> None:
+        fp8_gemv._cuda_config, fp8_gemv.row_gemv_config = self._cuda_config, self._row_config
+
+
+def candidates(seen: dict[Shape, int], names: dict[Shape, str], only: Optional[set[str]]) -> list[tuple[str, Shape, Any]]:
+    """(label, shape, launch shape) for every product seen and every shape it can take, the
+    largest weights first (``PRODUCT_ORDER``); the default's own shape is among them (a control:
+    its difference from the default is the noise)."""
+    order = {n: i for i, n in enumerate(PRODUCT_ORDER)}
+    out = []
+    for shape in sorted(seen, key=lambda sh: (order.get(names.get(sh, ""), len(order)), sh)):
+        name = names.get(shape, f"{shape[0]}x{shape[1]} ({shape[2]} groups)")
+        if only and name not in only:
+            continue
+        R = shape[0] // shape[2]
+        for c in CUDA_SHAPES:
+            if 128 % c.rows == 0 and R % c.rows == 0:
+                out.append((f"{name} cuda {tuple(c)}", shape, c))
+        for c in TRITON_SHAPES:
+            if 128 % c.block_n == 0 and R % c.block_n == 0:
+                out.append((f"{name} triton {tuple(c)}", shape, c))
+    return out
+
+
+def step_ms(eng: Any, graphs: Optional[DecodeGraphs], steps: int) -> float:
+    """One untimed step, then ``steps`` timed: the replays' mean GPU time (eager: the step time)."""
+    runner = eng.runner
+    runner.cuda_graphs = graphs
+    timed_decode_steps(eng, 1, 1)
+    if graphs is not None:
+        graphs.reset_stats()
+    t = timed_decode_steps(eng, steps, 1)
+    st = graphs.stats() if graphs is not None else {}
+    return st["replay_gpu_ms"] if st.get("replays") else t.ms_per_step
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=11)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--only", default="", help="comma-separated product names (default: every product seen)")
+    p.add_argument("--preset", default="flash", choices=("flash", "tiny"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--attention-kernel", default="auto", choices=("auto", "flashmla", "triton"))
+    p.add_argument("--capture-seconds", type=float, default=300.0,
+                   help="stop capturing candidates after this many seconds from the start")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    rule = Rule()
+    # the engine sized for one request of the context plus every capture and every timed and untimed step
+    rows = 64
+    need = (rows + 1) * (a.rounds * (a.steps + 1) + 2) + 64
+    args = bqm.parse_args(["--preset", a.preset, "--device", a.device, "--layers", str(a.layers), "--contexts",
+                           str(a.context), "--batches", "1", "--prefill-context", str(a.context + need),
+                           "--max-batch", "1", "--skip-kernels", "--attention-kernel", a.attention_kernel])
+    rep: dict[str, Any] = {"meta": {"argv": sys.argv[1:], "device": a.device, "preset": a.preset}}
+    eng, cfg, *_ = bqm.build_engine(args, rep)
+    names = product_names(cfg)
+    rids = admit_synthetic(eng, a.context, 1, need)
+    runner = eng.runner
+    default_graphs = runner.cuda_graphs
+    rule.install()
+    try:
+        # the default rule's graphs, captured here so that the products a step runs are counted
+        base = DecodeGraphs(runner, max_bs=1) if default_graphs is not None else None
+        step_ms(eng, base, 1)
+        seen = dict(rule.seen)
+        only = {s.strip() for s in a.only.split(",") if s.strip()} or None
+        cands = candidates(seen, names, only)[:rows]
+        graphs: list[tuple[str, Optional[DecodeGraphs]]] = [("default", base)]
+        for label, shape, c in cands:
+            if time.time() - bqm.START > a.capture_seconds:
+                bqm.log(f"capture time spent: {len(graphs) - 1} of {len(cands)} candidates")
+                break
+            rule.override = {shape: c}
+            try:
+                g = DecodeGraphs(runner, max_bs=1) if base is not None else None
+                step_ms(eng, g, 1)                       # capture (and compile) under this rule
+            except (ValueError, RuntimeError) as e:       # a shape that cannot run here is reported
+                bqm.log(f"{label}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            graphs.append((label, g))
+        rule.override = {}
+        times: dict[str, list[float]] = {label: [] for label, _ in graphs}
+        for _ in range(a.rounds):
+            for label, g in graphs:
+                times[label].append(step_ms(eng, g, a.steps))
+    finally:
+        rule.uninstall()
+        runner.cuda_graphs = default_graphs
+        finish_all(eng, rids)
+    top = max(seen.values()) if seen else 1
+    base_ms = statistics.median(times["default"])
+    print(f"\none-row FP8 products a step runs: "
+          + ", ".join(f"{names.get(s, s)} in {round(cfg.num_hidden_layers * n / top)} layers" for s, n in seen.items()))
+    print(f"default rule: {base_ms * 1e3:8.1f} us a step (median of {a.rounds} rounds, "
+          f"{min(times['default']) * 1e3:.1f}-{max(times['default']) * 1e3:.1f})")
+    result = []
+    for (label, shape, c), in_layers in ((x, round(cfg.num_hidden_layers * seen[x[1]] / top)) for x in cands):
+        if label not in times:
+            continue
+        v = times[label]
+        med = statistics.median(v)
+        d = (med - base_ms) * 1e3
+        result.append(dict(candidate=label, shape=list(shape), config=list(c), kernel=type(c).__name__,
+                           ms=med, ms_range=[min(v), max(v)], delta_us_step=d, layers=in_layers))
+        print(f"  {label:<46} {med * 1e3:8.1f} us ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}), {d:+6.1f} a step, "
+              f"{d / max(in_layers, 1):+5.2f} a layer that runs it")
+    rep.update(default_ms=base_ms, default_ms_all=times["default"], candidates=result,
+               seen={str(names.get(s, s)): n for s, n in seen.items()})
+    if a.out:
+        Path(a.out).write_text(json.dumps(rep, indent=1, default=str) + "\n")
+    return rep
+
+
+if __name__ == "__main__":
+    main()

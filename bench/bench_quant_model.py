@@ -600,7 +600,7 @@ class Built(NamedTuple):
 def build_engine(args: argparse.Namespace, rep: dict[str, Any]) -> Built:
     """The model of ``args`` (layers, preset, seed) written / made in the release format and
     loaded into an Engine, with the copy bandwidth and FP8 peak measured; ``rep`` gets the
-    meta, ceilings and weights entries. (bench/tune_row_gemv_in_model.py builds the same.)"""
+    meta, ceilings and weights entries. (bench/tune_in_model.py builds the same.)"""
     device = torch.device(args.device)
     base = DSV4Config.preset(args.preset)
     if device.type == "cuda":

@@ -5,8 +5,9 @@
 #                                              order; then the kv store inside norm_pair (DSV4_NORM_PAIR_STORE, off
 #                                              since session 21 and never run on a GPU): its CUDA tests, then 0 / 1 / 0 / 1
 #                                              alternated at 4K x 1 in fresh processes
-#   bash bench/gpu_session_s23.sh $OUT tune    (~450 s) bench/tune_row_gemv_in_model.py: the 11-layer model's one-row
-#                                              FP8 products each under several launch shapes (fp8_row.cu and Triton),
+#   bash bench/gpu_session_s23.sh $OUT tune    (~450 s) bench/tune_in_model.py: the 11-layer model's one-row
+#                                              FP8 products each under several launch shapes (fp8_row.cu and Triton)
+#                                              and the FP4 MoE under several K splits,
 #                                              captured in the model and replayed in alternated rounds at 4K x 1
 #   bash bench/gpu_session_s23.sh $OUT table   issue 13's table (gpu_session_s21.sh table: on an H200 the whole table,
 #                                              elsewhere the 11-layer model with FlashMLA and with the Triton attention)
@@ -32,7 +33,7 @@ if [ "$WHICH" = next ]; then
   done
 fi
 if [ "$WHICH" = tune ]; then
-  part 540 tune python3 bench/tune_row_gemv_in_model.py --layers 11 --context 4096 --rounds 5 --steps 6 \
+  part 540 tune python3 bench/tune_in_model.py --layers 11 --context 4096 --rounds 5 --steps 6 \
     --capture-seconds 330 --out "$OUT/tune.json"
   grep -v "^\[" "$OUT/tune.log" | cut -c1-160 | tail -n 70
 fi

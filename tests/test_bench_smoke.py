@@ -291,12 +291,13 @@ def test_bench_quant_model_tiny_cpu(tmp_path):
 
 
 def test_row_gemv_tuning_rule_routes_one_product(monkeypatch):
-    """bench/tune_row_gemv_in_model.py's rule: with no override the default launch shape, with a
-    Triton override that shape for that product only (the same bits here: the same sums), a
+    """bench/tune_in_model.py's rule: with no override the default launch shape, with a
+    Triton override that shape for that product only (the same sums in another order), a
     CUDA C shape refused by the real rule's check where fp8_row.cu cannot run; the candidates
-    cover every product of Flash, the largest weights first, each shape fitting the product's
-    rows; and the script runs end to end on the CPU (eager: no product, only the default)."""
-    from bench import tune_row_gemv_in_model as tune
+    cover every product of Flash (the MoE's first), the largest weights first, each shape fitting
+    the product's rows; the MoE's shapes replace the decode-size choice only; and the script runs
+    end to end on the CPU (eager: no product, only the default)."""
+    from bench import tune_in_model as tune
     from dsv4_backend.config import DSV4Config
     from dsv4_backend.kernels import fp8_gemv
     from dsv4_backend.kernels.fp8_gemv import CudaRowConfig, RowGemvConfig
@@ -342,6 +343,24 @@ def test_row_gemv_tuning_rule_routes_one_product(monkeypatch):
         rows = c.rows if isinstance(c, CudaRowConfig) else c.block_n
         assert 128 % rows == 0 and (n // groups) % rows == 0
     assert {lab.split(" ")[0] for lab, _, _ in tune.candidates(seen, names, {"wo_a"})} == {"wo_a"}
+    moe = tune.candidates({**seen, tune.MOE: 43}, names, None)
+    assert [k for _, k, _ in moe[:len(tune.MOE_SHAPES)]] == [tune.MOE] * len(tune.MOE_SHAPES)
+    assert moe[len(tune.MOE_SHAPES)][0].startswith("wo_b ") and len(moe) == len(cands) + len(tune.MOE_SHAPES)
+
+    # the MoE's rule: an override at decode sizes only, counted; the routed (prefill) shapes untouched
+    from dsv4_backend.kernels import fp4_mma
+    rule = tune.Rule()
+    rule.install()
+    try:
+        default = fp4_mma.pick_mma_configs(6)
+        rule.set(tune.MOE, tune.MOE_SHAPES[4])
+        assert fp4_mma.pick_mma_configs(6) == tune.MOE_SHAPES[4] != default
+        assert fp4_mma.pick_mma_configs(4096)[0].routed and rule.seen == {tune.MOE: 2}
+        rule.set(None, None)
+        assert fp4_mma.pick_mma_configs(6) == default and rule.override == {}
+    finally:
+        rule.uninstall()
+    assert fp4_mma.pick_mma_configs is rule._moe_configs
 
     rep = tune.main(["--preset", "tiny", "--device", "cpu", "--layers", "4", "--context", "256", "--rounds", "2",
                      "--steps", "1"])

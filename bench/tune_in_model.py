@@ -1,4 +1,4 @@
-"""Launch shapes of the one-row FP8 products, chosen inside the model rather than alone.
+"""Launch shapes of the one-row FP8 products and the FP4 MoE, chosen inside the model rather than alone.
 
 ``probe_fp8_row_gemv.py`` times each of Flash's one-row FP8 products alone (``--chain``: ``wo_a``
 then ``wo_b``). In the model each runs between other launches under PDL, and a launch shape that
@@ -9,13 +9,15 @@ faster in the 11-layer model (docs/PERF.md).
 This builds the Flash-width quantised model once (``bench_quant_model.build_engine``), admits one
 request at ``--context``, records which one-row products a decode step runs, and for each
 candidate (today's rule with one product's launch shape replaced: an ``fp8_row.cu`` CTA shape or
-a Triton one) captures batch-1 decode graphs under that rule. Then it replays every candidate's
+a Triton one), or with the FP4 experts' (gate-up, down) launch shapes at one token replaced (K
+splits, chunks in flight: ``fp4_mma.MmaConfig``), captures batch-1 decode graphs under that
+rule. Then it replays every candidate's
 graphs in ``--rounds`` alternated rounds (a drift of clocks lands in all of them) and prints each
 candidate's median replay GPU time beside the default's, a step and a layer that runs the product.
 Every shape tried is one ``tests/test_fp8_gemv.py`` checks against float64 (or of the same
 kernel and contract); this script only times.
 
-    python3 bench/tune_row_gemv_in_model.py --layers 11 [--context 4096] [--rounds 5] [--steps 6] \
+    python3 bench/tune_in_model.py --layers 11 [--context 4096] [--rounds 5] [--steps 6] \
         [--only wo_b,wo_a] [--out FILE.json]
 """
 
@@ -38,7 +40,8 @@ if str(ROOT) not in sys.path:
 from bench import bench_quant_model as bqm  # noqa: E402
 from bench._bench_common import admit_synthetic, finish_all, timed_decode_steps  # noqa: E402
 from dsv4_backend.cuda_graph import DecodeGraphs  # noqa: E402
-from dsv4_backend.kernels import fp8_gemv  # noqa: E402
+from dsv4_backend.kernels import fp4_mma, fp8_gemv  # noqa: E402
+from dsv4_backend.kernels.fp4_mma import MmaConfig  # noqa: E402
 from dsv4_backend.kernels.fp8_gemv import CudaRowConfig, RowGemvConfig  # noqa: E402
 
 Shape = tuple[int, int, int]   # (N, K per group, groups) as fp8_row_gemv sees them
@@ -49,6 +52,10 @@ CUDA_SHAPES = [CudaRowConfig(2, 8, 1, 2), CudaRowConfig(1, 8, 1, 4), CudaRowConf
                CudaRowConfig(1, 8, 2, 4), CudaRowConfig(4, 8, 1, 2), CudaRowConfig(2, 4, 2, 2)]
 TRITON_SHAPES = [RowGemvConfig(16, 4, 2, 4), RowGemvConfig(32, 1, 2, 3), RowGemvConfig(16, 2, 4, 4)]
 PRODUCT_ORDER = ("wo_b", "wo_a", "wq_b+indexer.wq_b", "wq_b", "shared w1+w3", "shared w2", "wq_a+wkv")
+# the FP4 experts' (gate-up, down) at one token: K splits x chunks in flight (today: split 2, prefetch 1)
+MOE_SHAPES = [(MmaConfig(u), MmaConfig(d)) for u, d in ((2, 2), (1, 1), (1, 2), (2, 1), (4, 2), (2, 4), (4, 4))] \
+    + [(MmaConfig(2, 2), MmaConfig(2, 2))]
+MOE = "moe"   # the candidates' key for the MoE's shapes
 
 
 def product_names(cfg: Any) -> dict[Shape, str]:
@@ -62,13 +69,21 @@ def product_names(cfg: Any) -> dict[Shape, str]:
 
 
 class Rule:
-    """fp8_gemv's launch-shape choice with one product's shape replaced (``set``); the default
-    rule everywhere else. ``seen`` counts the products the captures ran, by shape."""
+    """fp8_gemv's launch-shape choice with one product's shape replaced (``override``), or the FP4
+    MoE's at one token (``moe``); the default rules everywhere else. ``seen`` counts the products
+    the captures ran, by shape (the MoE under ``MOE``)."""
 
     def __init__(self) -> None:
         self.override: dict[Shape, Any] = {}
-        self.seen: dict[Shape, int] = {}
+        self.moe: Optional[tuple[MmaConfig, MmaConfig]] = None
+        self.seen: dict[Any, int] = {}
         self._cuda_config, self._row_config = fp8_gemv._cuda_config, fp8_gemv.row_gemv_config
+        self._moe_configs = fp4_mma.pick_mma_configs
+
+    def set(self, key: Any, value: Any) -> None:
+        """One candidate's rule: ``key`` a product's shape or ``MOE``; None, None: the defaults."""
+        self.override = {key: value} if key is not None and key != MOE else {}
+        self.moe = value if key == MOE else None
 
     def install(self) -> None:
         def cuda_config(x, N, K, R, mode, groups, config):
@@ -83,19 +98,31 @@ class Rule:
                 if (n, k) == (N, K) and isinstance(c, RowGemvConfig):
                     return c
             return self._row_config(N, K, sms)
+
+        def moe_configs(num_pairs):
+            picked = self._moe_configs(num_pairs)
+            if not picked[0].routed:     # decode sizes (the CTAs find their pairs), as at one token
+                self.seen[MOE] = self.seen.get(MOE, 0) + 1
+                return self.moe or picked
+            return picked
         fp8_gemv._cuda_config, fp8_gemv.row_gemv_config = cuda_config, row_config
+        fp4_mma.pick_mma_configs = moe_configs
 
     def uninstall(self) -> None:
         fp8_gemv._cuda_config, fp8_gemv.row_gemv_config = self._cuda_config, self._row_config
+        fp4_mma.pick_mma_configs = self._moe_configs
 
 
-def candidates(seen: dict[Shape, int], names: dict[Shape, str], only: Optional[set[str]]) -> list[tuple[str, Shape, Any]]:
+def candidates(seen: dict[Any, int], names: dict[Shape, str], only: Optional[set[str]]) -> list[tuple[str, Any, Any]]:
     """(label, shape, launch shape) for every product seen and every shape it can take, the
     largest weights first (``PRODUCT_ORDER``); the default's own shape is among them (a control:
     its difference from the default is the noise)."""
     order = {n: i for i, n in enumerate(PRODUCT_ORDER)}
     out = []
-    for shape in sorted(seen, key=lambda sh: (order.get(names.get(sh, ""), len(order)), sh)):
+    if MOE in seen and (not only or MOE in only):
+        out += [(f"moe gate-up / down split {u.split_k} / {d.split_k}, prefetch {u.prefetch}", MOE, (u, d))
+                for u, d in MOE_SHAPES]
+    for shape in sorted((s for s in seen if s != MOE), key=lambda sh: (order.get(names.get(sh, ""), len(order)), sh)):
         name = names.get(shape, f"{shape[0]}x{shape[1]} ({shape[2]} groups)")
         if only and name not in only:
             continue
@@ -137,7 +164,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     a = p.parse_args(argv)
     rule = Rule()
     # the engine sized for one request of the context plus every capture and every timed and untimed step
-    rows = 64
+    rows = 80
     need = (rows + 1) * (a.rounds * (a.steps + 1) + 2) + 64
     args = bqm.parse_args(["--preset", a.preset, "--device", a.device, "--layers", str(a.layers), "--contexts",
                            str(a.context), "--batches", "1", "--prefill-context", str(a.context + need),
@@ -161,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             if time.time() - bqm.START > a.capture_seconds:
                 bqm.log(f"capture time spent: {len(graphs) - 1} of {len(cands)} candidates")
                 break
-            rule.override = {shape: c}
+            rule.set(shape, c)
             try:
                 g = DecodeGraphs(runner, max_bs=1) if base is not None else None
                 step_ms(eng, g, 1)                       # capture (and compile) under this rule
@@ -169,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 bqm.log(f"{label}: {type(e).__name__}: {str(e)[:160]}")
                 continue
             graphs.append((label, g))
-        rule.override = {}
+        rule.set(None, None)
         times: dict[str, list[float]] = {label: [] for label, _ in graphs}
         for _ in range(a.rounds):
             for label, g in graphs:
@@ -180,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         finish_all(eng, rids)
     top = max(seen.values()) if seen else 1
     base_ms = statistics.median(times["default"])
-    print(f"\none-row FP8 products a step runs: "
+    print(f"\nproducts a step runs (one-row FP8, the FP4 MoE): "
           + ", ".join(f"{names.get(s, s)} in {round(cfg.num_hidden_layers * n / top)} layers" for s, n in seen.items()))
     print(f"default rule: {base_ms * 1e3:8.1f} us a step (median of {a.rounds} rounds, "
           f"{min(times['default']) * 1e3:.1f}-{max(times['default']) * 1e3:.1f})")
@@ -191,7 +218,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         v = times[label]
         med = statistics.median(v)
         d = (med - base_ms) * 1e3
-        result.append(dict(candidate=label, shape=list(shape), config=list(c), kernel=type(c).__name__,
+        moe = shape == MOE
+        result.append(dict(candidate=label, shape=shape if moe else list(shape),
+                           config=[list(m) for m in c] if moe else list(c),
+                           kernel="fp4_mma" if moe else type(c).__name__,
                            ms=med, ms_range=[min(v), max(v)], delta_us_step=d, layers=in_layers))
         print(f"  {label:<46} {med * 1e3:8.1f} us ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}), {d:+6.1f} a step, "
               f"{d / max(in_layers, 1):+5.2f} a layer that runs it")

@@ -7,15 +7,14 @@ along K was as fast as the Triton kernel alone, 7.8 us faster after ``wo_a``, an
 faster in the 11-layer model (docs/PERF.md).
 
 This builds the Flash-width quantised model once (``bench_quant_model.build_engine``), admits one
-request at ``--context``, records which one-row products a decode step runs, and for each
-candidate (today's rule with one product's launch shape replaced: an ``fp8_row.cu`` CTA shape or
-a Triton one), or with the FP4 experts' (gate-up, down) launch shapes at one token replaced (K
-splits, chunks in flight: ``fp4_mma.MmaConfig``), captures batch-1 decode graphs under that
-rule. Then it replays every candidate's
-graphs in ``--rounds`` alternated rounds (a drift of clocks lands in all of them) and prints each
-candidate's median replay GPU time beside the default's, a step and a layer that runs the product.
-Every shape tried is one ``tests/test_fp8_gemv.py`` checks against float64 (or of the same
-kernel and contract); this script only times.
+request at ``--context`` and records which one-row FP8 products a decode step runs. A candidate
+is today's rule with one thing replaced: one product's launch shape (an ``fp8_row.cu`` CTA shape
+or a Triton one), or the FP4 experts' (gate-up, down) K splits at one token
+(``fp4_mma.MmaConfig``). For each candidate it captures batch-1 decode graphs under that rule;
+then it replays every candidate's graphs in ``--rounds`` alternated rounds (a drift of the
+clocks lands in all of them) and prints each one's median replay GPU time beside the default's,
+per step and per layer that runs the product. It only times: the kernels' launch shapes are
+checked against float64 by ``tests/test_fp8_gemv.py`` and ``tests/test_fp4_mma.py``.
 
     python3 bench/tune_in_model.py --layers 11 [--context 4096] [--rounds 5] [--steps 6] \
         [--only wo_b,wo_a] [--out FILE.json]
@@ -30,8 +29,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -154,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--only", default="", help="comma-separated product names (default: every product seen)")
+    p.add_argument("--only", default="", help="comma-separated product names, or moe (default: every product seen)")
     p.add_argument("--preset", default="flash", choices=("flash", "tiny"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--attention-kernel", default="auto", choices=("auto", "flashmla", "triton"))

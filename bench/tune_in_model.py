@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -133,16 +135,24 @@ def candidates(seen: dict[Any, int], names: dict[Shape, str], only: Optional[set
     return out
 
 
-def step_ms(eng: Any, graphs: Optional[DecodeGraphs], steps: int) -> float:
-    """One untimed step, then ``steps`` timed: the replays' mean GPU time (eager: the step time)."""
+def step_ms(eng: Any, graphs: Optional[DecodeGraphs], steps: int) -> Optional[float]:
+    """One untimed step, then ``steps`` timed: the replays' mean GPU time; eager (no graphs, the
+    CPU): the step time; None where graphs were given but did not replay (a capture that failed
+    turns them off and the engine steps eagerly: not a time of the candidate)."""
     runner = eng.runner
     runner.cuda_graphs = graphs
     timed_decode_steps(eng, 1, 1)
     if graphs is not None:
         graphs.reset_stats()
     t = timed_decode_steps(eng, steps, 1)
-    st = graphs.stats() if graphs is not None else {}
-    return st["replay_gpu_ms"] if st.get("replays") else t.ms_per_step
+    if graphs is None:
+        return t.ms_per_step
+    st = graphs.stats()
+    return st["replay_gpu_ms"] if st["replays"] == steps and graphs.enabled else None
+
+
+# free GPU memory below which no more candidates are captured (each holds its own graph pool)
+MIN_FREE_BYTES = 3 << 30
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -163,69 +173,100 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     # the engine sized for one request of the context plus every capture and every timed and untimed step
     rows = 80
     need = (rows + 1) * (a.rounds * (a.steps + 1) + 2) + 64
+    # every graph of the run in one context bucket, so that no graph is captured again as the
+    # request grows (a recapture would also run under whatever rule is set then)
+    min_context = a.context + need + 1
     args = bqm.parse_args(["--preset", a.preset, "--device", a.device, "--layers", str(a.layers), "--contexts",
                            str(a.context), "--batches", "1", "--prefill-context", str(a.context + need),
                            "--max-batch", "1", "--skip-kernels", "--attention-kernel", a.attention_kernel])
-    rep: dict[str, Any] = {"meta": {"argv": sys.argv[1:], "device": a.device, "preset": a.preset}}
+    rep: dict[str, Any] = {"meta": {"argv": sys.argv[1:], "device": a.device, "preset": a.preset,
+                                    "graph_context_bucket_from": min_context}}
     eng, cfg, *_ = bqm.build_engine(args, rep)
     names = product_names(cfg)
     rids = admit_synthetic(eng, a.context, 1, need)
     runner = eng.runner
     default_graphs = runner.cuda_graphs
+    cuda = default_graphs is not None
+    new_graphs = (lambda: DecodeGraphs(runner, max_bs=1, min_context=min_context)) if cuda else (lambda: None)
+    seen: dict[Any, int] = {}
+    cands: list[tuple[str, Any, Any]] = []
+    # (label, key, value, graphs): the default first; the rule is set again before each of its steps
+    runs: list[tuple[str, Any, Any, Optional[DecodeGraphs]]] = []
+    times: dict[str, list[float]] = {}
+
+    def report() -> None:
+        """What is measured so far, printed and (with --out) written: called after each round."""
+        top = max(seen.values()) if seen else 1
+        layers_of = lambda key: round(cfg.num_hidden_layers * seen.get(key, 0) / top)  # noqa: E731
+        base = times.get("default") or [float("nan")]
+        base_ms = statistics.median(base)
+        print(f"\nproducts a step runs (one-row FP8, the FP4 MoE): "
+              + ", ".join(f"{names.get(s, s)} in {layers_of(s)} layers" for s in seen)
+              + f"\ndefault rule: {base_ms * 1e3:8.1f} us a step (median of {len(base)} rounds, "
+              f"{min(base) * 1e3:.1f}-{max(base) * 1e3:.1f}; graphs of the context bucket from {min_context})")
+        result = []
+        for label, key, c, _ in runs[1:]:
+            v = times.get(label)
+            if not v:
+                continue
+            med, moe, n = statistics.median(v), key == MOE, layers_of(key)
+            d = (med - base_ms) * 1e3
+            result.append(dict(candidate=label, shape=key if moe else list(key),
+                               config=[list(m) for m in c] if moe else list(c),
+                               kernel="fp4_mma" if moe else type(c).__name__,
+                               ms=med, ms_range=[min(v), max(v)], rounds=len(v), delta_us_step=d, layers=n))
+            print(f"  {label:<46} {med * 1e3:8.1f} us ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}), {d:+6.1f} a step, "
+                  f"{d / max(n, 1):+5.2f} a layer that runs it")
+        rep.update(default_ms=base_ms, default_ms_all=base, candidates=result,
+                   seen={str(names.get(s, s)): n for s, n in seen.items()})
+        if a.out:
+            Path(a.out).write_text(json.dumps(rep, indent=1, default=str) + "\n")
+
     rule.install()
     try:
-        # the default rule's graphs, captured here so that the products a step runs are counted
-        base = DecodeGraphs(runner, max_bs=1) if default_graphs is not None else None
-        step_ms(eng, base, 1)
-        seen = dict(rule.seen)
+        # the default rule's graphs, captured first so that the products a step runs are counted
+        runs.append(("default", None, None, new_graphs()))
+        if step_ms(eng, runs[0][3], 1) is None:
+            raise RuntimeError("the default rule's decode graphs did not capture (see the warning above)")
+        seen.update(rule.seen)
         only = {s.strip() for s in a.only.split(",") if s.strip()} or None
         cands = candidates(seen, names, only)[:rows]
-        graphs: list[tuple[str, Optional[DecodeGraphs]]] = [("default", base)]
-        for label, shape, c in cands:
+        for label, key, c in cands:
             if time.time() - bqm.START > a.capture_seconds:
-                bqm.log(f"capture time spent: {len(graphs) - 1} of {len(cands)} candidates")
+                bqm.log(f"capture time spent: {len(runs) - 1} of {len(cands)} candidates captured")
                 break
-            rule.set(shape, c)
+            if cuda and torch.cuda.mem_get_info()[0] < MIN_FREE_BYTES:
+                bqm.log(f"GPU memory below {MIN_FREE_BYTES >> 30} GiB: {len(runs) - 1} of {len(cands)} captured")
+                break
+            rule.set(key, c)
+            g = new_graphs()
             try:
-                g = DecodeGraphs(runner, max_bs=1) if base is not None else None
-                step_ms(eng, g, 1)                       # capture (and compile) under this rule
-            except (ValueError, RuntimeError) as e:       # a shape that cannot run here is reported
+                ok = step_ms(eng, g, 1) is not None              # capture (and compile) under this rule
+            except (ValueError, RuntimeError) as e:             # a shape that cannot run here is reported
                 bqm.log(f"{label}: {type(e).__name__}: {str(e)[:160]}")
                 continue
-            graphs.append((label, g))
-        rule.set(None, None)
-        times: dict[str, list[float]] = {label: [] for label, _ in graphs}
-        for _ in range(a.rounds):
-            for label, g in graphs:
-                times[label].append(step_ms(eng, g, a.steps))
+            if not ok:
+                bqm.log(f"{label}: its graphs did not capture; skipped")
+                continue
+            runs.append((label, key, c, g))
+        for r in range(a.rounds):
+            for label, key, c, g in runs:
+                rule.set(key, c)
+                ms = step_ms(eng, g, a.steps)
+                if ms is not None:
+                    times.setdefault(label, []).append(ms)
+            rule.set(None, None)
+            bqm.log(f"round {r + 1} of {a.rounds}")
+            if r + 1 < a.rounds:
+                report()       # what the rounds so far give, in case a later one fails
+        rep["recaptured"] = [label for label, _, _, g in runs if g is not None and g.captures != 1]
+        if rep["recaptured"]:
+            bqm.log(f"captured more than once (another context bucket?): {rep['recaptured']}")
+        report()
     finally:
         rule.uninstall()
         runner.cuda_graphs = default_graphs
         finish_all(eng, rids)
-    top = max(seen.values()) if seen else 1
-    base_ms = statistics.median(times["default"])
-    print(f"\nproducts a step runs (one-row FP8, the FP4 MoE): "
-          + ", ".join(f"{names.get(s, s)} in {round(cfg.num_hidden_layers * n / top)} layers" for s, n in seen.items()))
-    print(f"default rule: {base_ms * 1e3:8.1f} us a step (median of {a.rounds} rounds, "
-          f"{min(times['default']) * 1e3:.1f}-{max(times['default']) * 1e3:.1f})")
-    result = []
-    for (label, shape, c), in_layers in ((x, round(cfg.num_hidden_layers * seen[x[1]] / top)) for x in cands):
-        if label not in times:
-            continue
-        v = times[label]
-        med = statistics.median(v)
-        d = (med - base_ms) * 1e3
-        moe = shape == MOE
-        result.append(dict(candidate=label, shape=shape if moe else list(shape),
-                           config=[list(m) for m in c] if moe else list(c),
-                           kernel="fp4_mma" if moe else type(c).__name__,
-                           ms=med, ms_range=[min(v), max(v)], delta_us_step=d, layers=in_layers))
-        print(f"  {label:<46} {med * 1e3:8.1f} us ({min(v) * 1e3:.1f}-{max(v) * 1e3:.1f}), {d:+6.1f} a step, "
-              f"{d / max(in_layers, 1):+5.2f} a layer that runs it")
-    rep.update(default_ms=base_ms, default_ms_all=times["default"], candidates=result,
-               seen={str(names.get(s, s)): n for s, n in seen.items()})
-    if a.out:
-        Path(a.out).write_text(json.dumps(rep, indent=1, default=str) + "\n")
     return rep
 
 

@@ -457,6 +457,20 @@ def check_kernels(model: nn.Module, cfg: DSV4Config, device: torch.device) -> li
 PER_LAYER_ROUNDS = 5
 
 
+def timed_graph_steps(eng: Engine, graphs: Optional[DecodeGraphs], steps: int) -> tuple[float, Optional[float]]:
+    """Batch-1 decode with ``graphs`` as the runner's decode graphs (None: eager): one untimed step
+    (the overlap schedule prepared it under whatever ran before), then ``steps`` timed: (the mean
+    step ms, the mean replay GPU ms, or None where no timed step replayed: eager, or graphs whose
+    capture failed and turned them off)."""
+    eng.runner.cuda_graphs = graphs
+    timed_decode_steps(eng, 1, 1)
+    if graphs is not None:
+        graphs.reset_stats()
+    ms = timed_decode_steps(eng, steps, 1).ms_per_step
+    st = graphs.stats() if graphs is not None else {}
+    return ms, (st["replay_gpu_ms"] if st.get("replays") and graphs.enabled else None)
+
+
 def layer_prefix_rounds(eng: Engine, half: int, steps: int, rounds: int) -> list[dict[str, Optional[float]]]:
     """Batch-1 decode of all layers and of the first ``half`` layers, alternated ``rounds`` times
     (``steps`` steps each), so that a drift of the card's clocks or of the host lands in both: per
@@ -477,13 +491,8 @@ def layer_prefix_rounds(eng: Engine, half: int, steps: int, rounds: int) -> list
         for _ in range(rounds):
             row: dict[str, Optional[float]] = {}
             for name, (layers, g) in zip(("all", "half"), prefixes):
-                model.layers, runner.cuda_graphs = layers, g
-                timed_decode_steps(eng, 1, 1)   # untimed: the overlap schedule prepared this step for the other prefix
-                if g is not None:
-                    g.reset_stats()
-                row[f"{name}_ms"] = timed_decode_steps(eng, steps, 1).ms_per_step
-                st = g.stats() if g is not None else {}
-                row[f"{name}_gpu_ms"] = st["replay_gpu_ms"] if st.get("replays") else None
+                model.layers = layers
+                row[f"{name}_ms"], row[f"{name}_gpu_ms"] = timed_graph_steps(eng, g, steps)
             out.append(row)
         return out
     finally:

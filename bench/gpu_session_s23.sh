@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU calls for the session after 23 (carry .whl: the pytest and sgl-flash-mla wheels):
-#   bash bench/gpu_session_s23.sh $OUT next    (~420 s) the 11-layer model at 4K x 1 with today's defaults (wo_b on
-#                                              fp8_row.cu) and a timeline of three steps, the last replay's kernels in
-#                                              order; then the kv store inside norm_pair (DSV4_NORM_PAIR_STORE, off
+#   bash bench/gpu_session_s23.sh $OUT next    (~500 s) gpu_session_s21.sh's timeline (the 11-layer model at 4K x 1
+#                                              with today's defaults, wo_b on fp8_row.cu, the last replay's kernels
+#                                              in order); then the kv store inside norm_pair (DSV4_NORM_PAIR_STORE, off
 #                                              since session 21 and never run on a GPU): its CUDA tests, then 0 / 1 / 0 / 1
 #                                              alternated at 4K x 1 in fresh processes
 #   bash bench/gpu_session_s23.sh $OUT tune    (~450 s) bench/tune_in_model.py: the 11-layer model's one-row
@@ -17,10 +17,7 @@ WHICH=${2:-next}
 mkdir -p "$OUT"
 source bench/_gpu_session.sh
 if [ "$WHICH" = next ]; then
-  part 130 q python3 bench/bench_quant_model.py --layers 11 --contexts 4096 --batches 1 --skip-kernels --steps 8 \
-    --prefill-max-seconds 1 --time-budget 100 --timeline 3 --out "$OUT/q.json"
-  grep "graph replay\|^per layer" "$OUT/q.log" | head -n 3 | cut -c1-200
-  grep -A 45 "span each adds" "$OUT/q.log" | cut -c1-150
+  bash bench/gpu_session_s21.sh "$OUT" timeline
   part 120 tests python3 -m pytest -q -p no:cacheprovider tests/test_norm_rope.py tests/test_triton_backend.py \
     -k "store or pair"
   tail -n 3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 10

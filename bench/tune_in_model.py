@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import bench_quant_model as bqm  # noqa: E402
-from bench._bench_common import admit_synthetic, finish_all, timed_decode_steps  # noqa: E402
+from bench._bench_common import admit_synthetic, finish_all  # noqa: E402
 from dsv4_backend.cuda_graph import DecodeGraphs  # noqa: E402
 from dsv4_backend.kernels import fp4_mma, fp8_gemv  # noqa: E402
 from dsv4_backend.kernels.fp4_mma import MmaConfig  # noqa: E402
@@ -136,19 +136,12 @@ def candidates(seen: dict[Any, int], names: dict[Shape, str], only: Optional[set
 
 
 def step_ms(eng: Any, graphs: Optional[DecodeGraphs], steps: int) -> Optional[float]:
-    """One untimed step, then ``steps`` timed: the replays' mean GPU time; eager (no graphs, the
-    CPU): the step time; None where graphs were given but did not replay (a capture that failed
-    turns them off and the engine steps eagerly: not a time of the candidate)."""
-    runner = eng.runner
-    runner.cuda_graphs = graphs
-    timed_decode_steps(eng, 1, 1)
-    if graphs is not None:
-        graphs.reset_stats()
-    t = timed_decode_steps(eng, steps, 1)
-    if graphs is None:
-        return t.ms_per_step
-    st = graphs.stats()
-    return st["replay_gpu_ms"] if st["replays"] == steps and graphs.enabled else None
+    """``steps`` timed steps under ``graphs`` (``bench_quant_model.timed_graph_steps``): the replays'
+    mean GPU time; eager (no graphs, the CPU): the step time; None where graphs were given but did
+    not replay (a capture that failed turns them off and the engine steps eagerly: not a time of
+    the candidate)."""
+    ms, gpu = bqm.timed_graph_steps(eng, graphs, steps)
+    return ms if graphs is None else gpu
 
 
 # free GPU memory below which no more candidates are captured (each holds its own graph pool)

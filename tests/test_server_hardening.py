@@ -203,20 +203,37 @@ def test_queue_full_is_a_503_before_the_stream_starts(server):
                     if r.status_code == 503:
                         await asyncio.sleep(0.05)
 
+            async def probe(body):
+                """The answer's status line and, unless admitted, its body; ``None`` once admitted.
+
+                A refusal comes at once; an admitted probe is not waited for (a non-streamed one
+                would answer only after every request queued ahead of it): leaving closes it."""
+                try:
+                    async with c.stream("POST", "/v1/completions", json=body, timeout=10) as r:
+                        if r.status_code == 200:
+                            return None
+                        await r.aread()
+                        return r
+                except httpx.TimeoutException:
+                    return None
+
             fillers = [asyncio.create_task(filler()) for _ in range(12)]
-            deadline = time.time() + 60
-            while time.time() < deadline:
+            found = None
+            deadline = time.time() + 120
+            while found is None and time.time() < deadline:
                 if metrics(server.url)["dsv4_num_waiting_reqs"] >= 6:
-                    streamed = await c.post("/v1/completions", json={**long, "max_tokens": 2})
-                    plain = await c.post("/v1/completions", json={**long, "max_tokens": 2, "stream": False})
-                    if streamed.status_code == plain.status_code == 503:
-                        break           # (else a slot freed in between: a filler takes it again)
+                    both = await asyncio.gather(probe({**long, "max_tokens": 2}),
+                                                probe({**long, "max_tokens": 2, "stream": False}))
+                    if all(r is not None and r.status_code == 503 for r in both):
+                        found = both
+                    # (else a place freed in between and a probe took it: try again)
                 await asyncio.sleep(0.1)
             stop.set()
             for t in fillers:
                 t.cancel()
             await asyncio.gather(*fillers, return_exceptions=True)
-            return streamed, plain
+            assert found is not None, "the queue was never seen full with both probes refused"
+            return found
 
     streamed, plain = asyncio.run(go())
     for r in (streamed, plain):

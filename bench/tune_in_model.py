@@ -51,9 +51,10 @@ CUDA_SHAPES = [CudaRowConfig(2, 8, 1, 2), CudaRowConfig(1, 8, 1, 4), CudaRowConf
                CudaRowConfig(1, 8, 2, 4), CudaRowConfig(4, 8, 1, 2), CudaRowConfig(2, 4, 2, 2)]
 TRITON_SHAPES = [RowGemvConfig(16, 4, 2, 4), RowGemvConfig(32, 1, 2, 3), RowGemvConfig(16, 2, 4, 4)]
 PRODUCT_ORDER = ("wo_b", "wo_a", "wq_b+indexer.wq_b", "wq_b", "shared w1+w3", "shared w2", "wq_a+wkv")
-# the FP4 experts' (gate-up, down) at one token: K splits x chunks in flight (today: split 2, prefetch 1)
-MOE_SHAPES = [(MmaConfig(u), MmaConfig(d)) for u, d in ((2, 2), (1, 1), (1, 2), (2, 1), (4, 2), (2, 4), (4, 4))] \
-    + [(MmaConfig(2, 2), MmaConfig(2, 2))]
+# the FP4 experts' (gate-up, down) at one token: (gate-up K splits, down K splits, chunks in flight);
+# the first is the default's own (fp4_mma.pick_mma_configs at one token), the control
+MOE_SHAPES = [(MmaConfig(u, p), MmaConfig(d, p)) for u, d, p in
+              ((2, 2, 1), (1, 1, 1), (1, 2, 1), (2, 1, 1), (4, 2, 1), (2, 4, 1), (4, 4, 1), (2, 2, 2))]
 MOE = "moe"   # the candidates' key for the MoE's shapes
 
 
@@ -164,8 +165,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     a = p.parse_args(argv)
     rule = Rule()
     # the engine sized for one request of the context plus every capture and every timed and untimed step
-    rows = 80
-    need = (rows + 1) * (a.rounds * (a.steps + 1) + 2) + 64
+    max_candidates = 80
+    need = (max_candidates + 1) * (a.rounds * (a.steps + 1) + 2) + 64
     # every graph of the run in one context bucket, so that no graph is captured again as the
     # request grows (a recapture would also run under whatever rule is set then)
     min_context = a.context + need + 1
@@ -223,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             raise RuntimeError("the default rule's decode graphs did not capture (see the warning above)")
         seen.update(rule.seen)
         only = {s.strip() for s in a.only.split(",") if s.strip()} or None
-        cands = candidates(seen, names, only)[:rows]
+        cands = candidates(seen, names, only)[:max_candidates]
         for label, key, c in cands:
             if time.time() - bqm.START > a.capture_seconds:
                 bqm.log(f"capture time spent: {len(runs) - 1} of {len(cands)} candidates captured")

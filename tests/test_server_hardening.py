@@ -220,12 +220,13 @@ def test_queue_full_is_a_503_before_the_stream_starts(server):
             fillers = [asyncio.create_task(filler()) for _ in range(12)]
             found = None
             deadline = time.time() + 120
-            while found is None and time.time() < deadline:
+            while time.time() < deadline:
                 if metrics(server.url)["dsv4_num_waiting_reqs"] >= 6:
                     both = await asyncio.gather(probe({**long, "max_tokens": 2}),
                                                 probe({**long, "max_tokens": 2, "stream": False}))
                     if all(r is not None and r.status_code == 503 for r in both):
                         found = both
+                        break
                     # (else a place freed in between and a probe took it: try again)
                 await asyncio.sleep(0.1)
             stop.set()
